@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what kvq needs to build, test and benchmark on Debian 12 (bookworm), and does
+# nothing when everything is already present. Needs root (or sudo) only when something is missing.
+set -euo pipefail
+
+packages=(g++ cmake make libeigen3-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+echo "install-deps: installing ${missing[*]}"
+sudo=""
+[ "$(id -u)" -ne 0 ] && sudo="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,132 @@
+#pragma once
+// Reference KV backend: fp32 keys and values, attention computed as llama2.c does it (float,
+// sequential sums), so greedy decoding reproduces the reference tokens. It is the baseline that
+// quantized caches are measured against.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvq/error.hpp"
+#include "kvq/rope/rope.hpp"
+#include "llama/model.hpp"
+
+namespace kvq::llama {
+
+class FullPrecisionBackend {
+ public:
+  /// `max_positions` bounds the sequence (0 = the model's context length).
+  explicit FullPrecisionBackend(const Model& model, std::size_t max_positions = 0)
+      : FullPrecisionBackend(model.config().layers, model.config().heads, model.config().kv_heads,
+                             model.rope_config(), max_positions ? max_positions : model.config().context_length) {}
+
+  FullPrecisionBackend(std::size_t layers, std::size_t heads, std::size_t kv_heads, const RopeConfig& rope,
+                       std::size_t max_positions)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(rope.head_dim), rope_(rope, max_positions),
+        layers_(layers) {
+    if (layers == 0 || heads == 0 || kv_heads == 0 || heads % kv_heads != 0)
+      throw Error(ErrorCode::invalid_argument, "backend needs layers > 0 and heads a positive multiple of kv_heads (got " +
+                                                   std::to_string(heads) + " and " + std::to_string(kv_heads) + ")");
+  }
+
+  void append(std::size_t layer, std::size_t position, std::span<const float> k, std::span<const float> v) {
+    Layer& L = layer_at(layer);
+    const std::size_t kv_dim = kv_heads_ * head_dim_;
+    if (k.size() != kv_dim || v.size() != kv_dim)
+      throw Error(ErrorCode::shape_mismatch, "layer " + std::to_string(layer) + ": k/v have " + std::to_string(k.size()) +
+                                                 "/" + std::to_string(v.size()) + " values, expected " +
+                                                 std::to_string(kv_dim));
+    if (position != L.length)
+      throw Error(ErrorCode::out_of_order, "layer " + std::to_string(layer) + ": append at position " +
+                                               std::to_string(position) + ", expected " + std::to_string(L.length));
+    if (position >= rope_.max_positions())
+      throw Error(ErrorCode::capacity_exceeded, "layer " + std::to_string(layer) + ": position " +
+                                                    std::to_string(position) + " is beyond the capacity of " +
+                                                    std::to_string(rope_.max_positions()));
+    L.keys.insert(L.keys.end(), k.begin(), k.end());
+    L.rotated_keys.insert(L.rotated_keys.end(), k.begin(), k.end());
+    rope_.rotate_heads(std::span<float>(L.rotated_keys.data() + position * kv_dim, kv_dim), position);
+    L.values.insert(L.values.end(), v.begin(), v.end());
+    ++L.length;
+  }
+
+  void attend(std::size_t layer, std::size_t position, std::span<const float> q, std::span<float> out) {
+    const Layer& L = layer_at(layer);
+    const std::size_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
+    if (q.size() != q_dim || out.size() != q_dim)
+      throw Error(ErrorCode::shape_mismatch, "layer " + std::to_string(layer) + ": q/out have " +
+                                                 std::to_string(q.size()) + "/" + std::to_string(out.size()) +
+                                                 " values, expected " + std::to_string(q_dim));
+    if (position >= L.length)
+      throw Error(ErrorCode::out_of_order, "layer " + std::to_string(layer) + ": attend at position " +
+                                               std::to_string(position) + " but only " + std::to_string(L.length) +
+                                               " positions are stored");
+    query_.assign(q.begin(), q.end());
+    rope_.rotate_heads(query_, position);
+    scores_.resize(position + 1);
+    const std::size_t group = heads_ / kv_heads_;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
+    for (std::size_t h = 0; h < heads_; ++h) {
+      const float* qh = query_.data() + h * head_dim_;
+      const std::size_t kv_offset = (h / group) * head_dim_;
+      float max_score = -std::numeric_limits<float>::infinity();
+      for (std::size_t t = 0; t <= position; ++t) {
+        const float* kt = L.rotated_keys.data() + t * kv_dim + kv_offset;
+        float dot = 0.0f;
+        for (std::size_t i = 0; i < head_dim_; ++i) dot += qh[i] * kt[i];
+        scores_[t] = dot * scale;
+        max_score = std::max(max_score, scores_[t]);
+      }
+      float sum = 0.0f;
+      for (std::size_t t = 0; t <= position; ++t) sum += (scores_[t] = std::exp(scores_[t] - max_score));
+      float* oh = out.data() + h * head_dim_;
+      std::fill(oh, oh + head_dim_, 0.0f);
+      for (std::size_t t = 0; t <= position; ++t) {
+        const float a = scores_[t] / sum;
+        const float* vt = L.values.data() + t * kv_dim + kv_offset;
+        for (std::size_t i = 0; i < head_dim_; ++i) oh[i] += a * vt[i];
+      }
+    }
+  }
+
+  /// Forget every position (start a new sequence).
+  void clear() {
+    for (Layer& L : layers_) L = Layer{};
+  }
+
+  std::size_t length(std::size_t layer) const { return layer_at(layer).length; }
+
+  /// Stored pre-RoPE keys / values of a layer: (length, kv_heads * head_dim) row-major.
+  std::span<const float> keys(std::size_t layer) const { return layer_at(layer).keys; }
+  std::span<const float> values(std::size_t layer) const { return layer_at(layer).values; }
+
+  const RopeTable& rope() const noexcept { return rope_; }
+
+ private:
+  struct Layer {
+    std::vector<float> keys, rotated_keys, values;  // rotated copy so attention never re-rotates
+    std::size_t length = 0;
+  };
+
+  Layer& layer_at(std::size_t layer) { return const_cast<Layer&>(std::as_const(*this).layer_at(layer)); }
+  const Layer& layer_at(std::size_t layer) const {
+    if (layer >= layers_.size())
+      throw Error(ErrorCode::invalid_argument,
+                  "layer " + std::to_string(layer) + " is beyond the " + std::to_string(layers_.size()) + " layers");
+    return layers_[layer];
+  }
+
+  std::size_t heads_, kv_heads_, head_dim_;
+  RopeTable rope_;
+  std::vector<Layer> layers_;
+  std::vector<float> query_, scores_;
+};
+
+static_assert(KVBackend<FullPrecisionBackend>);
+
+}  // namespace kvq::llama

@@ -1,0 +1,74 @@
+// llama-generate: greedy text from a GGUF Llama model with the full-precision KV cache.
+//   llama-generate [--model PATH] [--steps N] [--prompt TEXT]
+
+#include <fmt/core.h>
+
+#include <cstdio>
+#include <exception>
+#include <string>
+#include <string_view>
+
+#include "llama/data_dir.hpp"
+#include "llama/full_precision_backend.hpp"
+#include "llama/gguf.hpp"
+#include "llama/inference.hpp"
+#include "llama/model.hpp"
+#include "llama/tokenizer.hpp"
+
+namespace {
+
+int run(int argc, char** argv) {
+  std::string model_path = kvq::llama::default_model_path().string();
+  std::size_t steps = 256;
+  std::string prompt;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    const auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw kvq::Error(kvq::ErrorCode::invalid_argument, std::string(arg) + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--model") {
+      model_path = value();
+    } else if (arg == "--steps" || arg == "-n") {
+      const std::string v = value();
+      std::size_t used = 0;
+      try {
+        steps = std::stoul(v, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != v.size() || v.empty() || v[0] == '-')
+        throw kvq::Error(kvq::ErrorCode::invalid_argument, "--steps needs a non-negative integer, got '" + v + "'");
+    } else if (arg == "--prompt") {
+      prompt = value();
+    } else if (arg == "--help" || arg == "-h") {
+      fmt::print("usage: llama-generate [--model PATH] [--steps N] [--prompt TEXT]\n"
+                 "  default model: {}\n", model_path);
+      return 0;
+    } else {
+      throw kvq::Error(kvq::ErrorCode::invalid_argument, "unknown argument '" + std::string(arg) + "' (try --help)");
+    }
+  }
+
+  const auto file = kvq::llama::GgufFile::load(model_path);
+  const kvq::llama::Model model(file);
+  const kvq::llama::Tokenizer tokenizer(file);
+  const std::size_t context = model.config().context_length;
+  if (steps > context) steps = context;
+  kvq::llama::FullPrecisionBackend kv(model, context);
+  const auto prompt_tokens = tokenizer.encode(prompt, true);
+  const auto tokens = kvq::llama::greedy_generate(model, kv, steps, prompt_tokens, tokenizer.bos());
+  fmt::print("{}\n", tokenizer.decode(tokens));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "llama-generate: %s\n", e.what());
+    return 1;
+  }
+}

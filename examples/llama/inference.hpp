@@ -1,0 +1,96 @@
+#pragma once
+// Drivers over Model::forward: greedy decoding, and teacher forcing that keeps every position's
+// log-probabilities so an evaluator can compute perplexity, KL divergence and top-1 agreement.
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <cstddef>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include "kvq/error.hpp"
+#include "llama/model.hpp"
+
+namespace kvq::llama {
+
+/// Index of the largest logit (the first one on ties, as llama2.c's argmax).
+inline int argmax(std::span<const float> logits) {
+  std::size_t best = 0;
+  for (std::size_t i = 1; i < logits.size(); ++i)
+    if (logits[i] > logits[best]) best = i;
+  return static_cast<int>(best);
+}
+
+/// log-softmax computed in double, so that differences between nearby distributions are not
+/// rounding noise; returns log(sum(exp(logits))).
+inline double log_softmax(std::span<const float> logits, std::span<float> out) {
+  double max = logits.empty() ? 0.0 : logits[0];
+  for (const float l : logits) max = std::max(max, double{l});
+  double sum = 0.0;
+  for (const float l : logits) sum += std::exp(double{l} - max);
+  const double log_sum = max + std::log(sum);
+  for (std::size_t i = 0; i < logits.size(); ++i) out[i] = static_cast<float>(double{logits[i]} - log_sum);
+  return log_sum;
+}
+
+/// Feed `prompt` (BOS alone when empty), then append greedy tokens until `n_steps` positions have
+/// run or `stop_token` is produced. Returns prompt followed by the generated tokens; with the
+/// default prompt that is n_steps + 1 tokens, as llama2.c's `-n n_steps` prints them.
+template <KVBackend Backend>
+std::vector<int> greedy_generate(const Model& model, Backend& kv, std::size_t n_steps, std::span<const int> prompt = {},
+                                 int stop_token = -1) {
+  std::vector<int> tokens(prompt.begin(), prompt.end());
+  if (tokens.empty()) tokens.push_back(model.config().bos);
+  std::vector<float> logits(model.config().vocab);
+  for (std::size_t pos = 0; pos < n_steps && pos < tokens.size(); ++pos) {
+    model.forward(tokens[pos], pos, kv, logits);
+    if (pos + 1 < tokens.size()) continue;  // still inside the prompt
+    tokens.push_back(argmax(logits));
+    if (tokens.back() == stop_token) break;
+  }
+  return tokens;
+}
+
+/// Per-position output of teacher forcing over one sequence.
+struct TeacherForced {
+  std::size_t vocab = 0;
+  std::vector<float> log_probs;  // (tokens, vocab): log-softmax after feeding tokens[0..i]
+  std::vector<double> nll;       // nll[i] = -log p(tokens[i+1] | tokens[0..i]), tokens - 1 entries
+
+  std::span<const float> row(std::size_t position) const {
+    return std::span<const float>(log_probs).subspan(position * vocab, vocab);
+  }
+  double total_nll() const {
+    double s = 0.0;
+    for (const double x : nll) s += x;
+    return s;
+  }
+  double mean_nll() const { return nll.empty() ? 0.0 : total_nll() / static_cast<double>(nll.size()); }
+  double perplexity() const { return std::exp(mean_nll()); }
+};
+
+/// Run `tokens` through the model with a fresh backend from `make_backend()` (called once).
+template <class MakeBackend>
+  requires KVBackend<std::invoke_result_t<MakeBackend&>>
+TeacherForced teacher_forced(const Model& model, MakeBackend&& make_backend, std::span<const int> tokens) {
+  for (const int t : tokens)
+    if (t < 0 || static_cast<std::size_t>(t) >= model.config().vocab)
+      throw Error(ErrorCode::invalid_argument, "token " + std::to_string(t) + " is outside the vocabulary");
+  auto kv = make_backend();
+  TeacherForced r;
+  r.vocab = model.config().vocab;
+  r.log_probs.resize(tokens.size() * r.vocab);
+  r.nll.reserve(tokens.empty() ? 0 : tokens.size() - 1);
+  std::vector<float> logits(r.vocab);
+  for (std::size_t pos = 0; pos < tokens.size(); ++pos) {
+    model.forward(tokens[pos], pos, kv, logits);
+    const std::span<float> row(r.log_probs.data() + pos * r.vocab, r.vocab);
+    const double log_sum = log_softmax(logits, row);
+    if (pos + 1 < tokens.size()) r.nll.push_back(log_sum - double{logits[static_cast<std::size_t>(tokens[pos + 1])]});
+  }
+  return r;
+}
+
+}  // namespace kvq::llama

@@ -1,0 +1,215 @@
+#pragma once
+// Llama forward pass for one token at one position, with the KV cache behind a backend. The model
+// never applies RoPE itself: it hands the backend pre-RoPE keys and queries, so a cache may store
+// keys before rotation (where their outlier channels are stable) and rotate when it attends.
+
+#include <Eigen/Dense>
+
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvq/error.hpp"
+#include "kvq/rope/rope.hpp"
+#include "llama/gguf.hpp"
+
+namespace kvq::llama {
+
+/// What the model needs from a KV cache. k, v: (kv_heads * head_dim), q, out: (heads * head_dim),
+/// all pre-RoPE. `attend` computes softmax(q_rot K_rot^T / sqrt(head_dim)) V over positions
+/// 0..position, query head h reading kv head h / (heads / kv_heads). A backend sees every layer's
+/// q, k and v, so an evaluator that wants to inspect them wraps a backend.
+template <class B>
+concept KVBackend = requires(B& kv, std::size_t index, std::span<const float> in, std::span<float> out) {
+  kv.append(index, index, in, in);  // (layer, position, k, v)
+  kv.attend(index, index, in, out);  // (layer, position, q, out)
+};
+
+struct LlamaConfig {
+  std::size_t dim = 0;             // llama.embedding_length
+  std::size_t layers = 0;          // llama.block_count
+  std::size_t heads = 0;           // llama.attention.head_count
+  std::size_t kv_heads = 0;        // llama.attention.head_count_kv
+  std::size_t head_dim = 0;        // dim / heads
+  std::size_t ffn_dim = 0;         // llama.feed_forward_length
+  std::size_t vocab = 0;           // rows of token_embd.weight
+  std::size_t context_length = 0;  // llama.context_length
+  float norm_eps = 1e-5f;          // llama.attention.layer_norm_rms_epsilon
+  float rope_theta = 10000.0f;     // llama.rope.freq_base
+  std::size_t rope_dims = 0;       // llama.rope.dimension_count; 0 = head_dim
+  int bos = 1, eos = 2;            // tokenizer.ggml.{bos,eos}_token_id
+
+  std::size_t q_dim() const noexcept { return heads * head_dim; }
+  std::size_t kv_dim() const noexcept { return kv_heads * head_dim; }
+};
+
+class Model {
+ public:
+  using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using Vector = Eigen::VectorXf;
+
+  static Model load(const std::filesystem::path& path) { return Model(GgufFile::load(path)); }
+
+  explicit Model(const GgufFile& file) {
+    const std::string arch = file.find("general.architecture") ? file.get_string("general.architecture") : "";
+    if (arch != "llama")
+      throw Error(ErrorCode::unsupported, file.source() + ": general.architecture is '" + arch +
+                                              "', this engine runs only 'llama' models");
+    LlamaConfig& c = config_;
+    c.dim = hyper(file, "llama.embedding_length");
+    c.layers = hyper(file, "llama.block_count");
+    c.heads = hyper(file, "llama.attention.head_count");
+    c.kv_heads = file.find("llama.attention.head_count_kv") ? hyper(file, "llama.attention.head_count_kv") : c.heads;
+    c.ffn_dim = hyper(file, "llama.feed_forward_length");
+    c.context_length = hyper(file, "llama.context_length");
+    c.norm_eps = static_cast<float>(file.get_float("llama.attention.layer_norm_rms_epsilon"));
+    if (file.find("llama.rope.freq_base")) c.rope_theta = static_cast<float>(file.get_float("llama.rope.freq_base"));
+    if (c.dim % c.heads != 0 || c.heads % c.kv_heads != 0)
+      file.fail("head counts (" + std::to_string(c.heads) + " query, " + std::to_string(c.kv_heads) +
+                " kv) do not divide embedding length " + std::to_string(c.dim) + " and each other");
+    if (!(c.norm_eps > 0.0f) || !std::isfinite(c.norm_eps)) file.fail("RMSNorm epsilon must be positive");
+    c.head_dim = c.dim / c.heads;
+    if (file.find("llama.rope.dimension_count")) {
+      c.rope_dims = hyper(file, "llama.rope.dimension_count");
+      if (c.rope_dims == c.head_dim) c.rope_dims = 0;
+    }
+    if (file.find("tokenizer.ggml.bos_token_id")) c.bos = static_cast<int>(hyper(file, "tokenizer.ggml.bos_token_id", 0));
+    if (file.find("tokenizer.ggml.eos_token_id")) c.eos = static_cast<int>(hyper(file, "tokenizer.ggml.eos_token_id", 0));
+    try {
+      validate(rope_config());
+    } catch (const Error& e) {
+      file.fail(std::string("RoPE parameters: ") + e.what());
+    }
+
+    const GgufTensor& embd = file.tensor("token_embd.weight");
+    if (embd.dims.size() != 2) file.fail("token_embd.weight must have 2 dimensions");
+    c.vocab = static_cast<std::size_t>(embd.dims[1]);
+    embedding_ = matrix(file, "token_embd.weight", c.dim, c.vocab);
+    output_ = file.find_tensor("output.weight") ? matrix(file, "output.weight", c.dim, c.vocab) : embedding_;  // tied
+    output_norm_ = vector(file, "output_norm.weight", c.dim);
+    layers_.resize(c.layers);
+    for (std::size_t l = 0; l < c.layers; ++l) {
+      const std::string p = "blk." + std::to_string(l) + ".";
+      Layer& L = layers_[l];
+      L.attn_norm = vector(file, p + "attn_norm.weight", c.dim);
+      L.wq = matrix(file, p + "attn_q.weight", c.dim, c.q_dim());
+      L.wk = matrix(file, p + "attn_k.weight", c.dim, c.kv_dim());
+      L.wv = matrix(file, p + "attn_v.weight", c.dim, c.kv_dim());
+      L.wo = matrix(file, p + "attn_output.weight", c.q_dim(), c.dim);
+      L.ffn_norm = vector(file, p + "ffn_norm.weight", c.dim);
+      L.w_gate = matrix(file, p + "ffn_gate.weight", c.dim, c.ffn_dim);
+      L.w_up = matrix(file, p + "ffn_up.weight", c.dim, c.ffn_dim);
+      L.w_down = matrix(file, p + "ffn_down.weight", c.ffn_dim, c.dim);
+    }
+    if (file.find("tokenizer.ggml.tokens")) {
+      const std::size_t n = file.get_array("tokenizer.ggml.tokens", GgufType::string).size();
+      if (n != c.vocab)
+        file.fail("tokenizer has " + std::to_string(n) + " tokens but token_embd.weight has " +
+                  std::to_string(c.vocab) + " rows");
+    }
+  }
+
+  const LlamaConfig& config() const noexcept { return config_; }
+
+  /// RoPE as this model's weights expect it: llama.cpp "normal" mode rotates adjacent pairs.
+  RopeConfig rope_config() const noexcept {
+    RopeConfig r;
+    r.head_dim = config_.head_dim;
+    r.style = RopeStyle::adjacent_pairs;
+    r.theta = config_.rope_theta;
+    r.rotary_dims = config_.rope_dims;
+    return r;
+  }
+
+  /// One decode step: feed `token` at `position` (the backend must hold positions 0..position-1)
+  /// and write the next-token logits (vocab). Thread-safe: all scratch is local.
+  template <KVBackend Backend>
+  void forward(int token, std::size_t position, Backend& kv, std::span<float> logits) const {
+    const LlamaConfig& c = config_;
+    if (token < 0 || static_cast<std::size_t>(token) >= c.vocab)
+      throw Error(ErrorCode::invalid_argument,
+                  "token " + std::to_string(token) + " is outside the vocabulary of " + std::to_string(c.vocab));
+    if (logits.size() != c.vocab)
+      throw Error(ErrorCode::shape_mismatch, "logits buffer has " + std::to_string(logits.size()) +
+                                                 " entries, the vocabulary " + std::to_string(c.vocab));
+    Vector x = embedding_.row(token).transpose();
+    Vector xb(c.dim), q(c.q_dim()), k(c.kv_dim()), v(c.kv_dim()), att(c.q_dim());
+    Vector gate(c.ffn_dim), up(c.ffn_dim);
+    for (std::size_t l = 0; l < c.layers; ++l) {
+      const Layer& L = layers_[l];
+      rms_norm(x, L.attn_norm, xb);
+      q.noalias() = L.wq * xb;
+      k.noalias() = L.wk * xb;
+      v.noalias() = L.wv * xb;
+      kv.append(l, position, std::span<const float>(k.data(), c.kv_dim()), std::span<const float>(v.data(), c.kv_dim()));
+      kv.attend(l, position, std::span<const float>(q.data(), c.q_dim()), std::span<float>(att.data(), c.q_dim()));
+      x.noalias() += L.wo * att;
+
+      rms_norm(x, L.ffn_norm, xb);
+      gate.noalias() = L.w_gate * xb;
+      up.noalias() = L.w_up * xb;
+      for (Eigen::Index i = 0; i < gate.size(); ++i) gate[i] = gate[i] * (1.0f / (1.0f + std::exp(-gate[i]))) * up[i];
+      x.noalias() += L.w_down * gate;
+    }
+    rms_norm(x, output_norm_, xb);
+    Eigen::Map<Vector>(logits.data(), static_cast<Eigen::Index>(c.vocab)).noalias() = output_ * xb;
+  }
+
+ private:
+  struct Layer {
+    Vector attn_norm, ffn_norm;
+    Matrix wq, wk, wv, wo, w_gate, w_up, w_down;
+  };
+
+  // Bounded so that no buffer sized from metadata can be absurd.
+  static std::size_t hyper(const GgufFile& file, const char* key, std::uint64_t min = 1) {
+    const std::uint64_t v = file.get_uint(key);
+    if (v < min || v > (std::uint64_t{1} << 24))
+      file.fail(std::string(key) + " = " + std::to_string(v) + " is outside " + std::to_string(min) + "..2^24");
+    return static_cast<std::size_t>(v);
+  }
+
+  static const GgufTensor& shaped(const GgufFile& file, const std::string& name, std::vector<std::uint64_t> dims) {
+    const GgufTensor& t = file.tensor(name);
+    if (t.dims != dims) {
+      const auto show = [](const std::vector<std::uint64_t>& d) {
+        std::string s = "[";
+        for (std::size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+        return s + "]";
+      };
+      throw Error(ErrorCode::shape_mismatch, file.source() + ": tensor '" + name + "' has dims " + show(t.dims) +
+                                                 ", the hyper-parameters require " + show(dims));
+    }
+    return t;
+  }
+
+  // GGUF [ne0, ne1] is ne1 rows of ne0 floats: a row-major (ne1 x ne0) matrix, y = W x.
+  static Matrix matrix(const GgufFile& file, const std::string& name, std::size_t ne0, std::size_t ne1) {
+    const GgufTensor& t = shaped(file, name, {ne0, ne1});
+    return Eigen::Map<const Matrix>(t.data.data(), static_cast<Eigen::Index>(ne1), static_cast<Eigen::Index>(ne0));
+  }
+
+  static Vector vector(const GgufFile& file, const std::string& name, std::size_t n) {
+    const GgufTensor& t = shaped(file, name, {n});
+    return Eigen::Map<const Vector>(t.data.data(), static_cast<Eigen::Index>(n));
+  }
+
+  // As llama2.c computes it (float, eps inside the root), so greedy decoding matches its tokens.
+  void rms_norm(const Vector& x, const Vector& weight, Vector& out) const {
+    float ss = 0.0f;
+    for (Eigen::Index i = 0; i < x.size(); ++i) ss += x[i] * x[i];
+    ss = 1.0f / std::sqrt(ss / static_cast<float>(x.size()) + config_.norm_eps);
+    for (Eigen::Index i = 0; i < x.size(); ++i) out[i] = weight[i] * (ss * x[i]);
+  }
+
+  LlamaConfig config_;
+  Matrix embedding_, output_;
+  Vector output_norm_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace kvq::llama

@@ -1,0 +1,123 @@
+#pragma once
+// Reference attention: the oracle every faster path is measured against. Plain Eigen in double:
+// dequantize, rotate keys (pre-RoPE storage), softmax(q k^T / sqrt(d)), weighted sum of values.
+//
+// Queries follow the cache's key_rope: with KeyRope::pre they arrive pre-RoPE and are rotated
+// here at their position; with KeyRope::post the engine has rotated them already.
+
+#include <Eigen/Dense>
+
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvq/cache/kv_cache.hpp"
+
+namespace kvq::inline v0 {
+
+using MatrixD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// Keys and values of one (layer, KV head) as attention sees them: (length, head_dim) each,
+/// keys rotated to their positions.
+struct HeadTensors {
+  MatrixD keys;
+  MatrixD values;
+};
+
+inline HeadTensors read_head(const BasicKVCache& cache, std::size_t layer, std::size_t head) {
+  const StreamView k = cache.keys(layer, head), v = cache.values(layer, head);
+  const std::size_t n = k.length, dim = k.head_dim;
+  HeadTensors out{MatrixD(n, dim), MatrixD(n, dim)};
+  std::vector<float> row(dim);
+  for (std::size_t p = 0; p < n; ++p) {
+    k.read_row(p, row.data());
+    if (cache.config().key_rope == KeyRope::pre) cache.rope().rotate(row.data(), p);
+    for (std::size_t c = 0; c < dim; ++c) out.keys(p, c) = row[c];
+    v.read_row(p, row.data());
+    for (std::size_t c = 0; c < dim; ++c) out.values(p, c) = row[c];
+  }
+  return out;
+}
+
+/// Causal attention of one head's queries over given keys and values.
+/// queries (T, d) at positions first_position + t; keys, values (n, d) with n > last position.
+/// Returns the output (T, d); `weights`, when given, receives the attention rows (T, n), zero
+/// beyond each query's position.
+inline MatrixD attend(const MatrixD& queries, const MatrixD& keys, const MatrixD& values, std::size_t first_position,
+                      MatrixD* weights = nullptr) {
+  const auto T = queries.rows();
+  const auto n = keys.rows();
+  const double scale = 1.0 / std::sqrt(double(queries.cols()));
+  MatrixD out = MatrixD::Zero(T, values.cols());
+  if (weights != nullptr) *weights = MatrixD::Zero(T, n);
+  Eigen::VectorXd row(n);
+  for (Eigen::Index t = 0; t < T; ++t) {
+    const Eigen::Index visible = Eigen::Index(first_position) + t + 1;
+    row.head(visible) = keys.topRows(visible) * queries.row(t).transpose() * scale;
+    const double top = row.head(visible).maxCoeff();
+    row.head(visible) = (row.head(visible).array() - top).exp();
+    row.head(visible) /= row.head(visible).sum();
+    out.row(t) = row.head(visible).transpose() * values.topRows(visible);
+    if (weights != nullptr) weights->row(t).head(visible) = row.head(visible).transpose();
+  }
+  return out;
+}
+
+namespace detail {
+inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, std::size_t first_position,
+                                 std::size_t tokens, std::size_t q_size, std::size_t out_size) {
+  const CacheShape& s = cache.shape();
+  if (layer >= s.layers)
+    throw Error(ErrorCode::invalid_argument, "attention: layer " + std::to_string(layer) + " is outside the cache");
+  const std::size_t per_token = tokens == 0 ? 0 : q_size / tokens;
+  if (tokens == 0 || q_size % tokens != 0 || per_token % s.head_dim != 0 || out_size != q_size)
+    throw Error(ErrorCode::shape_mismatch, "attention: queries of " + std::to_string(q_size) + " floats and output of " +
+                                               std::to_string(out_size) + " floats do not form (tokens, heads, " +
+                                               std::to_string(s.head_dim) + ")");
+  const std::size_t heads = per_token / s.head_dim;
+  if (heads == 0 || heads % s.kv_heads != 0)
+    throw Error(ErrorCode::shape_mismatch, "attention: " + std::to_string(heads) +
+                                               " query heads are not a multiple of " + std::to_string(s.kv_heads) +
+                                               " KV heads");
+  if (first_position + tokens > cache.length(layer))
+    throw Error(ErrorCode::invalid_argument, "attention: layer " + std::to_string(layer) + " holds " +
+                                                 std::to_string(cache.length(layer)) + " tokens; query positions up to " +
+                                                 std::to_string(first_position + tokens - 1) + " need them appended first");
+}
+}  // namespace detail
+
+/// Causal attention for a block of query positions over the cache as it stands:
+/// q (tokens, heads, head_dim) at positions first_position + t, out of the same shape.
+/// Query head h reads KV head h / (heads / kv_heads) (GQA; MQA when kv_heads is 1).
+inline void reference_attention_block(const BasicKVCache& cache, std::size_t layer, std::size_t first_position,
+                                      std::size_t tokens, std::span<const float> q, std::span<float> out) {
+  detail::check_attention_args(cache, layer, first_position, tokens, q.size(), out.size());
+  const std::size_t dim = cache.shape().head_dim, heads = q.size() / tokens / dim;
+  const std::size_t group = heads / cache.shape().kv_heads;
+  std::vector<float> rotated(dim);
+  for (std::size_t kvh = 0; kvh < cache.shape().kv_heads; ++kvh) {
+    const HeadTensors kv = read_head(cache, layer, kvh);
+    for (std::size_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+      MatrixD queries(tokens, dim);
+      for (std::size_t t = 0; t < tokens; ++t) {
+        const float* src = q.data() + (t * heads + h) * dim;
+        rotated.assign(src, src + dim);
+        if (cache.config().key_rope == KeyRope::pre) cache.rope().rotate(rotated.data(), first_position + t);
+        for (std::size_t c = 0; c < dim; ++c) queries(t, c) = rotated[c];
+      }
+      const MatrixD o = attend(queries, kv.keys, kv.values, first_position);
+      for (std::size_t t = 0; t < tokens; ++t)
+        for (std::size_t c = 0; c < dim; ++c) out[(t * heads + h) * dim + c] = float(o(t, c));
+    }
+  }
+}
+
+/// Decode: all query heads of one position. q, out: (heads, head_dim).
+inline void reference_attention(const BasicKVCache& cache, std::size_t layer, std::size_t position,
+                                std::span<const float> q, std::span<float> out) {
+  reference_attention_block(cache, layer, position, 1, q, out);
+}
+
+}  // namespace kvq::inline v0

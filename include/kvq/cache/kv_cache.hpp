@@ -1,0 +1,357 @@
+#pragma once
+// KVCache: the key/value cache of one sequence, for every layer and KV head.
+//
+//   new k, v (pre-RoPE) -> append -> sink rows | full-precision ring -> (group due) quantized
+//   once, packed, never touched again -> attention reads sinks + packed groups + ring.
+//
+// Every append is all-or-nothing: it validates shapes, order, capacity, finiteness and the
+// representability of every parameter it will write before it changes a byte.
+
+#include <algorithm>
+#include <concepts>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvq/cache/cache_config.hpp"
+#include "kvq/cache/memory.hpp"
+#include "kvq/cache/stream_layout.hpp"
+#include "kvq/cache/stream_view.hpp"
+#include "kvq/core/aligned_buffer.hpp"
+#include "kvq/error.hpp"
+#include "kvq/kernels/quantize/quantize.hpp"
+#include "kvq/quant/kv_policy.hpp"
+#include "kvq/rope/rope.hpp"
+
+namespace kvq::inline v0 {
+
+enum class Tensor : unsigned char { keys, values };
+
+constexpr const char* to_string(Tensor t) noexcept { return t == Tensor::keys ? "key" : "value"; }
+
+/// The model-side geometry a cache is built for.
+struct CacheShape {
+  std::size_t layers = 1;
+  std::size_t kv_heads = 1;
+  std::size_t head_dim = 128;
+  std::size_t capacity = 4096;  // tokens
+  RopeStyle rope_style = RopeStyle::adjacent_pairs;
+  float rope_theta = 10000.0f;
+
+  RopeConfig rope() const { return RopeConfig{head_dim, rope_style, rope_theta, 0, 0}; }
+};
+
+class BasicKVCache {
+ public:
+  BasicKVCache(const CacheShape& shape, const CacheConfig& config) : shape_(shape), config_(config) {
+    if (shape.layers == 0 || shape.kv_heads == 0 || shape.capacity == 0)
+      throw Error(ErrorCode::invalid_argument, "cache shape needs at least one layer, KV head and token of capacity");
+    if (config.quantize_keys) validate(config.key, shape.head_dim, "key quantizer");
+    if (config.quantize_values) validate(config.value, shape.head_dim, "value quantizer");
+    if (!config.quantize_keys && !config.quantize_values && shape.head_dim > max_head_dim)
+      throw Error(ErrorCode::invalid_argument, "head_dim exceeds " + std::to_string(max_head_dim));
+    layouts_[0] = StreamLayout(config.key, config.quantize_keys, shape.head_dim, config, shape.capacity);
+    layouts_[1] = StreamLayout(config.value, config.quantize_values, shape.head_dim, config, shape.capacity);
+    rope_ = RopeTable(shape.rope(), shape.capacity);
+    head_bytes_ = layouts_[0].bytes + layouts_[1].bytes;
+    storage_ = AlignedBuffer(head_bytes_ * shape.layers * shape.kv_heads);
+    lengths_.assign(shape.layers, 0);
+    quantized_ends_.resize(shape.layers * 2);
+    clear();
+    const std::size_t largest_group = std::max(config.quantize_keys && config.key.axis == Axis::per_channel ? config.key.group : 1,
+                                               config.quantize_values && config.value.axis == Axis::per_channel ? config.value.group : 1);
+    scratch_.resize(largest_group * shape.head_dim);
+  }
+
+  const CacheShape& shape() const noexcept { return shape_; }
+  const CacheConfig& config() const noexcept { return config_; }
+  const StreamLayout& layout(Tensor t) const noexcept { return layouts_[index(t)]; }
+  const RopeTable& rope() const noexcept { return rope_; }
+  std::size_t length(std::size_t layer) const { return lengths_.at(layer); }
+  std::size_t capacity() const noexcept { return shape_.capacity; }
+
+  /// Appends T tokens to one layer. keys, values: (T, kv_heads, head_dim), keys pre-RoPE when
+  /// config().key_rope is pre and already rotated when it is post; `position` must equal
+  /// length(layer). Throws kvq::Error and leaves the cache unchanged on any bad input.
+  void append(std::size_t layer, std::size_t position, std::span<const float> keys, std::span<const float> values) {
+    const std::size_t tokens = check_append(layer, position, keys, values);
+    for (std::size_t t = 0; t < tokens; ++t) {
+      const std::size_t p = position + t;
+      for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
+        const std::size_t offset = (t * shape_.kv_heads + h) * shape_.head_dim;
+        store_row(Tensor::keys, layer, h, p, keys.data() + offset);
+        store_row(Tensor::values, layer, h, p, values.data() + offset);
+      }
+      quantize_due(Tensor::keys, layer, p + 1);
+      quantize_due(Tensor::values, layer, p + 1);
+      lengths_[layer] = p + 1;
+    }
+  }
+
+  /// The same checks as append, without changing anything: an engine can ask first and fall back.
+  bool can_append(std::size_t layer, std::size_t position, std::span<const float> keys, std::span<const float> values,
+                  std::string* why = nullptr) const {
+    try {
+      (void)check_append(layer, position, keys, values);
+      return true;
+    } catch (const Error& e) {
+      if (why != nullptr) *why = e.what();
+      return false;
+    }
+  }
+
+  /// Drops tokens from `length` on in every layer, e.g. to roll back rejected speculative
+  /// tokens. Quantized groups are never re-opened, so the cut must not fall before a layer's
+  /// first unquantized position; tokens appended again are quantized by the usual rule.
+  void truncate(std::size_t length) {
+    for (std::size_t l = 0; l < shape_.layers; ++l)
+      for (const Tensor t : {Tensor::keys, Tensor::values})
+        if (length < lengths_[l] && length < quantized_end(t, l))
+          throw Error(ErrorCode::unsupported, "layer " + std::to_string(l) + ": cannot truncate to " +
+                                                  std::to_string(length) + " tokens; " + to_string(t) +
+                                                  " positions before " + std::to_string(quantized_end(t, l)) +
+                                                  " are already quantized");
+    for (auto& n : lengths_) n = std::min(n, length);
+  }
+
+  void clear() noexcept {
+    std::fill(lengths_.begin(), lengths_.end(), 0);
+    for (std::size_t i = 0; i < quantized_ends_.size(); ++i) quantized_ends_[i] = layouts_[i % 2].sinks;
+  }
+
+  /// First position of `layer` that `t` holds unquantized (= sinks while nothing is quantized).
+  std::size_t quantized_end(Tensor t, std::size_t layer) const { return quantized_ends_.at(layer * 2 + index(t)); }
+
+  StreamView view(Tensor t, std::size_t layer, std::size_t head) const {
+    if (layer >= shape_.layers || head >= shape_.kv_heads)
+      throw Error(ErrorCode::invalid_argument, "layer " + std::to_string(layer) + ", kv head " + std::to_string(head) +
+                                                   " is outside the cache's " + std::to_string(shape_.layers) +
+                                                   " layers and " + std::to_string(shape_.kv_heads) + " KV heads");
+    const StreamLayout& lay = layouts_[index(t)];
+    const std::uint8_t* base = stream_base(t, layer, head);
+    StreamView v;
+    v.spec = lay.spec;
+    v.quantized = lay.quantized;
+    v.head_dim = lay.head_dim;
+    v.residual = lay.residual;
+    v.length = lengths_[layer];
+    v.sinks_stored = std::min(lay.sinks, v.length);
+    v.sinks = base + lay.sink_offset;
+    v.first_quantized = lay.sinks;
+    v.end_quantized = quantized_end(t, layer);
+    v.codes = base + lay.code_offset;
+    v.row_bytes = lay.row_bytes;
+    v.scales = base + lay.scale_offset;
+    v.zeros = lay.spec.has_zero_point() ? base + lay.zero_offset : nullptr;
+    v.ring = base + lay.ring_offset;
+    v.ring_rows = lay.ring_rows;
+    return v;
+  }
+  StreamView keys(std::size_t layer, std::size_t head) const { return view(Tensor::keys, layer, head); }
+  StreamView values(std::size_t layer, std::size_t head) const { return view(Tensor::values, layer, head); }
+
+  /// What the cache holds now (all layers).
+  MemoryUsage memory() const noexcept {
+    MemoryUsage total;
+    for (std::size_t l = 0; l < shape_.layers; ++l)
+      total += layer_usage(lengths_[l], quantized_end(Tensor::keys, l), quantized_end(Tensor::values, l));
+    return total;
+  }
+  /// What the cache would hold with `length` tokens in every layer.
+  MemoryUsage planned_memory(std::size_t length) const noexcept {
+    MemoryUsage total;
+    const std::size_t k_end = layouts_[0].quantized_end(length), v_end = layouts_[1].quantized_end(length);
+    for (std::size_t l = 0; l < shape_.layers; ++l) total += layer_usage(length, k_end, v_end);
+    return total;
+  }
+  /// Every stored byte, in a layout fixed by shape and config: two caches that received the
+  /// same tokens compare equal here, however the tokens arrived.
+  std::span<const std::uint8_t> raw_storage() const noexcept { return {storage_.data(), storage_.size()}; }
+
+  /// Bytes reserved up front for the whole capacity.
+  std::size_t allocated_bytes() const noexcept { return storage_.size() + scratch_.size() * sizeof(float); }
+
+ private:
+  static constexpr std::size_t index(Tensor t) noexcept { return t == Tensor::keys ? 0 : 1; }
+
+  MemoryUsage layer_usage(std::size_t length, std::size_t key_end, std::size_t value_end) const noexcept {
+    MemoryUsage u = stream_usage(layouts_[0], length, key_end);
+    u += stream_usage(layouts_[1], length, value_end);
+    u.code_bytes *= shape_.kv_heads;
+    u.param_bytes *= shape_.kv_heads;
+    u.residual_bytes *= shape_.kv_heads;
+    u.values *= shape_.kv_heads;
+    return u;
+  }
+
+  const std::uint8_t* stream_base(Tensor t, std::size_t layer, std::size_t head) const noexcept {
+    return storage_.data() + (layer * shape_.kv_heads + head) * head_bytes_ + (t == Tensor::keys ? 0 : layouts_[0].bytes);
+  }
+  std::uint8_t* stream_base(Tensor t, std::size_t layer, std::size_t head) noexcept {
+    return const_cast<std::uint8_t*>(std::as_const(*this).stream_base(t, layer, head));
+  }
+
+  std::string where(Tensor t, std::size_t layer, std::size_t head, std::size_t position) const {
+    return "layer " + std::to_string(layer) + ", kv head " + std::to_string(head) + ", position " +
+           std::to_string(position) + " (" + to_string(t) + ")";
+  }
+
+  /// Validates an append completely; returns the number of tokens.
+  std::size_t check_append(std::size_t layer, std::size_t position, std::span<const float> keys,
+                           std::span<const float> values) const {
+    if (layer >= shape_.layers)
+      throw Error(ErrorCode::invalid_argument, "layer " + std::to_string(layer) + " is outside the cache's " +
+                                                   std::to_string(shape_.layers) + " layers");
+    const std::size_t row = shape_.kv_heads * shape_.head_dim;
+    if (keys.size() % row != 0 || keys.size() != values.size())
+      throw Error(ErrorCode::shape_mismatch,
+                  "layer " + std::to_string(layer) + ": keys hold " + std::to_string(keys.size()) + " and values " +
+                      std::to_string(values.size()) + " floats; both must be tokens x " +
+                      std::to_string(shape_.kv_heads) + " kv heads x " + std::to_string(shape_.head_dim));
+    const std::size_t tokens = keys.size() / row;
+    if (position != lengths_[layer])
+      throw Error(ErrorCode::out_of_order, "layer " + std::to_string(layer) + ": appending at position " +
+                                               std::to_string(position) + " but the layer holds " +
+                                               std::to_string(lengths_[layer]) + " tokens");
+    if (tokens > shape_.capacity - lengths_[layer])
+      throw Error(ErrorCode::capacity_exceeded, "layer " + std::to_string(layer) + ": appending " +
+                                                    std::to_string(tokens) + " tokens to " +
+                                                    std::to_string(lengths_[layer]) + " exceeds the capacity of " +
+                                                    std::to_string(shape_.capacity));
+    const float limit = max_finite(config_.residual);
+    for (const Tensor t : {Tensor::keys, Tensor::values}) {
+      const std::span<const float> data = t == Tensor::keys ? keys : values;
+      for (std::size_t i = 0; i < data.size(); ++i) {
+        const float x = data[i];
+        if (std::isfinite(x) && std::isfinite(round_to(config_.residual, x))) continue;
+        const std::size_t token = i / row, head = i % row / shape_.head_dim, channel = i % shape_.head_dim;
+        throw Error(std::isfinite(x) ? ErrorCode::unrepresentable : ErrorCode::non_finite_input,
+                    where(t, layer, head, position + token) + ", channel " + std::to_string(channel) + ": value " +
+                        std::to_string(x) + (std::isfinite(x) ? " exceeds the residual type's range of " + std::to_string(limit)
+                                                              : " is not finite"));
+      }
+      check_groups(t, layer, position, tokens, data);
+    }
+    return tokens;
+  }
+
+  /// Every group the append will quantize must have representable parameters.
+  void check_groups(Tensor t, std::size_t layer, std::size_t position, std::size_t tokens, std::span<const float> input) const {
+    const StreamLayout& lay = layouts_[index(t)];
+    const std::size_t begin = quantized_end(t, layer), end = std::max(begin, lay.quantized_end(position + tokens));
+    if (begin == end) return;
+    const std::size_t dim = shape_.head_dim;
+    const QuantizerSpec& spec = lay.spec;
+    float row[max_head_dim];
+    for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
+      const StreamView stored = view(t, layer, h);
+      auto load = [&](std::size_t p) {  // the row as it will sit in the ring
+        if (p < position) return stored.read_row(p, row);
+        const float* x = input.data() + ((p - position) * shape_.kv_heads + h) * dim;
+        for (std::size_t c = 0; c < dim; ++c) row[c] = round_to(lay.residual, x[c]);
+      };
+      auto check = [&](float lo, float hi, std::size_t p, std::size_t channel) {
+        if (kernels::reference::representable(kernels::reference::make_params(spec, lo, hi))) return;
+        throw Error(ErrorCode::unrepresentable,
+                    where(t, layer, h, p) + ", channel " + std::to_string(channel) + ": the group spanning [" +
+                        std::to_string(lo) + ", " + std::to_string(hi) + "] needs a scale or zero point beyond " +
+                        to_string(spec.param) + "'s range of " + std::to_string(max_finite(spec.param)));
+      };
+      if (spec.axis == Axis::per_token) {
+        for (std::size_t p = begin; p < end; ++p) {
+          load(p);
+          for (std::size_t c0 = 0; c0 < dim; c0 += spec.group) {
+            const auto [lo, hi] = std::minmax_element(row + c0, row + std::min(dim, c0 + spec.group));
+            check(*lo, *hi, p, c0);
+          }
+        }
+        continue;
+      }
+      float lo[max_head_dim], hi[max_head_dim];
+      for (std::size_t g = begin; g < end; g += spec.group) {
+        for (std::size_t p = g; p < g + spec.group; ++p) {
+          load(p);
+          for (std::size_t c = 0; c < dim; ++c) {
+            lo[c] = p == g ? row[c] : std::min(lo[c], row[c]);
+            hi[c] = p == g ? row[c] : std::max(hi[c], row[c]);
+          }
+        }
+        for (std::size_t c = 0; c < dim; ++c) check(lo[c], hi[c], g, c);
+      }
+    }
+  }
+
+  // The commit half of append: noexcept, since check_append has validated everything.
+
+  void store_row(Tensor t, std::size_t layer, std::size_t head, std::size_t p, const float* x) noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    std::uint8_t* base = stream_base(t, layer, head);
+    const std::size_t row_bytes = shape_.head_dim * size_of(lay.residual);
+    std::uint8_t* dest = p < lay.sinks ? base + lay.sink_offset + p * row_bytes
+                                       : base + lay.ring_offset + (p - lay.sinks) % lay.ring_rows * row_bytes;
+    for (std::size_t c = 0; c < shape_.head_dim; ++c) store_scalar(lay.residual, dest, c, x[c]);
+  }
+
+  /// Quantizes, in every head, whatever the rule makes due once the layer holds `length` tokens.
+  void quantize_due(Tensor t, std::size_t layer, std::size_t length) noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    std::size_t& q_end = quantized_ends_[layer * 2 + index(t)];
+    const std::size_t begin = q_end, end = std::max(begin, lay.quantized_end(length));
+    if (begin == end) return;
+    q_end = end;
+    const std::size_t dim = shape_.head_dim, row_bytes = dim * size_of(lay.residual);
+    const std::size_t row0 = begin - lay.sinks, param_size = size_of(lay.spec.param);
+    const std::size_t param0 = (lay.spec.axis == Axis::per_channel ? row0 / lay.spec.group * dim
+                                                                   : row0 * groups_per_row(lay.spec, dim)) * param_size;
+    for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
+      std::uint8_t* base = stream_base(t, layer, h);
+      float* rows = scratch_.data();  // the due rows as floats; they may wrap around the ring's end
+      for (std::size_t q = begin; q < end; ++q) {
+        const std::uint8_t* src = base + lay.ring_offset + (q - lay.sinks) % lay.ring_rows * row_bytes;
+        for (std::size_t c = 0; c < dim; ++c) rows[(q - begin) * dim + c] = load_scalar(lay.residual, src, c);
+      }
+      std::uint8_t* codes = base + lay.code_offset + row0 * lay.row_bytes;
+      void* scales = base + lay.scale_offset + param0;
+      void* zeros = base + lay.zero_offset + param0;
+      if (lay.spec.axis == Axis::per_channel)
+        kernels::quantize_block_per_channel(lay.spec, rows, end - begin, dim, dim, scales, zeros, codes, lay.row_bytes);
+      else
+        kernels::quantize_row_per_token(lay.spec, rows, dim, scales, zeros, codes);
+    }
+  }
+
+  CacheShape shape_;
+  CacheConfig config_;
+  StreamLayout layouts_[2];
+  RopeTable rope_;
+  std::size_t head_bytes_ = 0;
+  AlignedBuffer storage_;
+  std::vector<std::size_t> lengths_;
+  std::vector<std::size_t> quantized_ends_;  // (layers, 2): first unquantized key / value position
+  std::vector<float> scratch_;  // one group of due rows, as floats
+};
+
+/// Marks a cache whose configuration is chosen at run time.
+struct Dynamic {};
+
+/// KVCache<Policy> takes its configuration from a compiled policy (kv_policy.hpp);
+/// KVCache<Dynamic> takes a CacheConfig, for tools that choose from the command line.
+template <class Policy>
+  requires KVCachePolicy<Policy> || std::same_as<Policy, Dynamic>
+class KVCache : public BasicKVCache {
+ public:
+  using policy = Policy;
+  explicit KVCache(const CacheShape& shape) : BasicKVCache(shape, Policy::config()) {}
+};
+
+template <>
+class KVCache<Dynamic> : public BasicKVCache {
+ public:
+  using BasicKVCache::BasicKVCache;
+};
+
+}  // namespace kvq::inline v0

@@ -1,0 +1,77 @@
+#pragma once
+// StreamLayout: byte layout of one tensor's storage for one (layer, KV head), and the rule that
+// decides which positions are quantized. The rule depends on the length alone, so the stored
+// bytes are the same however the tokens arrived (one prefill, chunks, or one at a time).
+//
+// Quantization rule (S sinks, window R, group G):
+//   * positions < S are never quantized;
+//   * per-channel: the group [S + kG, S + (k+1)G) is quantized once it is complete and all its
+//     tokens are older than the newest R, i.e. when S + (k+1)G <= length - R;
+//   * per-token: a token is quantized once it is older than the newest R (position < length - R).
+// KIVI flushes its whole key buffer of R tokens once it reaches R, so its window swings between
+// 0 and R full-precision keys; here every key group leaves as soon as it is due, so the newest
+// R tokens are always full precision and at most R + G - 1 keys are. Values match KIVI exactly:
+// a FIFO of R where the oldest token is quantized on its own. R = 0 quantizes every complete
+// group at once.
+
+#include <algorithm>
+#include <cstddef>
+
+#include "kvq/cache/cache_config.hpp"
+#include "kvq/pack/bitpack.hpp"
+#include "kvq/quant/spec.hpp"
+
+namespace kvq::inline v0 {
+
+struct StreamLayout {
+  QuantizerSpec spec{};
+  bool quantized = false;
+  std::size_t head_dim = 0, sinks = 0, window = 0, capacity = 0;
+  Scalar residual = Scalar::f16;
+
+  std::size_t ring_rows = 0;           // full-precision rows pending quantization
+  std::size_t max_quantized_rows = 0;  // rows of codes the capacity can need
+  std::size_t row_bytes = 0;           // packed bytes per token row
+  std::size_t param_count = 0;         // parameter pairs for max_quantized_rows
+  std::size_t sink_offset = 0, ring_offset = 0, scale_offset = 0, zero_offset = 0, code_offset = 0;
+  std::size_t bytes = 0;               // whole stream, 64-byte multiple
+
+  static constexpr std::size_t align(std::size_t n) noexcept { return (n + 63) / 64 * 64; }
+
+  StreamLayout() = default;
+
+  StreamLayout(const QuantizerSpec& s, bool quantize, std::size_t dim, const CacheConfig& config, std::size_t cap)
+      : spec(s), quantized(quantize), head_dim(dim), sinks(config.sinks), window(config.window), capacity(cap),
+        residual(config.residual) {
+    const std::size_t after_sinks = capacity > sinks ? capacity - sinks : 0;
+    if (quantized) {
+      const std::size_t step = spec.axis == Axis::per_channel ? spec.group : 1;
+      ring_rows = std::min(window + step, after_sinks);
+      max_quantized_rows = after_sinks / step * step;
+      row_bytes = packed_bytes(head_dim, spec.bits);
+      param_count = spec.axis == Axis::per_channel ? max_quantized_rows / spec.group * head_dim
+                                                   : max_quantized_rows * groups_per_row(spec, head_dim);
+    } else {
+      ring_rows = after_sinks;
+    }
+    ring_rows = std::max<std::size_t>(ring_rows, 1);  // keeps the ring's modulo defined
+    const std::size_t residual_row = head_dim * size_of(residual);
+    const std::size_t param_bytes = param_count * size_of(spec.param);
+    sink_offset = 0;
+    ring_offset = align(std::min(sinks, capacity) * residual_row);
+    scale_offset = ring_offset + align(ring_rows * residual_row);
+    zero_offset = scale_offset + align(param_bytes);
+    code_offset = zero_offset + (spec.has_zero_point() ? align(param_bytes) : 0);
+    bytes = code_offset + align(max_quantized_rows * row_bytes);
+  }
+
+  /// First position that is not quantized when the stream holds `length` tokens.
+  std::size_t quantized_end(std::size_t length) const noexcept {
+    if (!quantized || length <= sinks + window) return sinks;
+    const std::size_t eligible = length - window - sinks;  // tokens past the sinks and out of the window
+    const std::size_t step = spec.axis == Axis::per_channel ? spec.group : 1;
+    return sinks + std::min(eligible / step * step, max_quantized_rows);
+  }
+};
+
+}  // namespace kvq::inline v0

@@ -1,0 +1,72 @@
+#pragma once
+// StreamView: read-only access to how one (layer, KV head) stores one tensor (keys or values).
+// Positions [0, sinks_stored) are sink rows in the residual type; [first_quantized, end_quantized)
+// are packed codes with their parameters; [end_quantized, length) are pending rows in a ring of
+// the residual type. Kernels read this directly; read_row() is the plain (slow) way for oracles.
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvq/kernels/quantize/reference.hpp"
+#include "kvq/quant/spec.hpp"
+
+namespace kvq::inline v0 {
+
+struct StreamView {
+  QuantizerSpec spec{};
+  bool quantized = false;
+  std::size_t head_dim = 0;
+  Scalar residual = Scalar::f16;
+  std::size_t length = 0;
+
+  std::size_t sinks_stored = 0;          // min(sinks, length)
+  const std::uint8_t* sinks = nullptr;   // (sinks_stored, head_dim) residual type
+
+  std::size_t first_quantized = 0;       // = configured sinks
+  std::size_t end_quantized = 0;         // first position not (yet) quantized
+  const std::uint8_t* codes = nullptr;   // (end_quantized - first_quantized, row_bytes)
+  std::size_t row_bytes = 0;
+  const std::uint8_t* scales = nullptr;  // per-channel: (blocks, head_dim); per-token: (rows, groups_per_row)
+  const std::uint8_t* zeros = nullptr;   // same shape as scales; unused when symmetric
+
+  const std::uint8_t* ring = nullptr;    // (ring_rows, head_dim) residual type
+  std::size_t ring_rows = 0;
+
+  std::size_t residual_row_bytes() const noexcept { return head_dim * size_of(residual); }
+
+  const std::uint8_t* sink_row(std::size_t position) const noexcept {
+    return sinks + position * residual_row_bytes();
+  }
+  const std::uint8_t* pending_row(std::size_t position) const noexcept {
+    return ring + ((position - first_quantized) % ring_rows) * residual_row_bytes();
+  }
+  const std::uint8_t* code_row(std::size_t position) const noexcept {
+    return codes + (position - first_quantized) * row_bytes;
+  }
+  /// Index of the first parameter pair that applies to `position` (a quantized position).
+  std::size_t param_index(std::size_t position) const noexcept {
+    const std::size_t row = position - first_quantized;
+    return spec.axis == Axis::per_channel ? row / spec.group * head_dim : row * groups_per_row(spec, head_dim);
+  }
+
+  /// The stored row at `position` as floats (dequantized when packed): out (head_dim).
+  void read_row(std::size_t position, float* out) const noexcept {
+    const std::uint8_t* residual_row = nullptr;
+    if (position < sinks_stored) residual_row = sink_row(position);
+    else if (position >= end_quantized) residual_row = pending_row(position);
+    if (residual_row != nullptr) {
+      for (std::size_t c = 0; c < head_dim; ++c) out[c] = load_scalar(residual, residual_row, c);
+      return;
+    }
+    const std::size_t p = param_index(position);
+    const std::size_t param_bytes = size_of(spec.param);
+    const std::uint8_t* s = scales + p * param_bytes;
+    const std::uint8_t* z = zeros == nullptr ? nullptr : zeros + p * param_bytes;
+    if (spec.axis == Axis::per_channel)
+      kernels::reference::dequantize_row_per_channel(spec, code_row(position), head_dim, s, z, out);
+    else
+      kernels::reference::dequantize_row_per_token(spec, code_row(position), head_dim, s, z, out);
+  }
+};
+
+}  // namespace kvq::inline v0

@@ -1,0 +1,43 @@
+#pragma once
+// Instruction sets the kernels are compiled for, and the one runtime check that picks among them.
+// Kernels carry per-function target attributes, so a user who builds for generic x86-64 still
+// gets the AVX2 and AVX-512 paths on a CPU that has them. KVQ_FORCE_REFERENCE pins the scalar path.
+
+#include "kvq/config.hpp"
+
+namespace kvq::inline v0::isa {
+
+struct Scalar {};
+struct Avx2 {};    // AVX2 + FMA + F16C
+struct Avx512 {};  // AVX-512 F/BW/VL/DQ + VNNI, BMI2, F16C, FMA
+
+enum class Level : unsigned char { scalar, avx2, avx512 };
+
+constexpr const char* to_string(Level l) noexcept {
+  return l == Level::scalar ? "scalar" : l == Level::avx2 ? "avx2" : "avx512";
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(KVQ_FORCE_REFERENCE)
+#define KVQ_HAVE_X86_KERNELS 1
+#endif
+
+/// The best level this CPU supports (computed once).
+inline Level detected() noexcept {
+#if defined(KVQ_HAVE_X86_KERNELS)
+  static const Level level = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("f16c") &&
+        __builtin_cpu_supports("fma"))
+      return Level::avx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Level::avx2;
+    return Level::scalar;
+  }();
+  return level;
+#else
+  return Level::scalar;
+#endif
+}
+
+}  // namespace kvq::inline v0::isa

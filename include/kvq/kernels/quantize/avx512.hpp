@@ -1,0 +1,152 @@
+#pragma once
+// AVX-512 group quantization: same arithmetic as reference.hpp, 16 channels at a time, and
+// packing by BMI2 pext (8 one-byte codes -> b bytes of the little-endian bit stream).
+
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "kvq/kernels/quantize/reference.hpp"
+
+#define KVQ_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,bmi2,f16c,fma")))
+
+// GCC 12 warns on its own intrinsic headers (_mm512_undefined_* placeholders) when inlined
+// through target attributes; the warning is about GCC's code, not ours.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace kvq::inline v0::kernels::avx512 {
+
+/// Per-token groups must be whole vectors; everything else is handled here.
+inline bool supports(const QuantizerSpec& spec) noexcept { return spec.axis == Axis::per_channel || spec.group % 16 == 0; }
+
+KVQ_TARGET_AVX512 inline __m512 round_to(Scalar s, __m512 v) noexcept {
+  if (s == Scalar::f16) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  if (s == Scalar::bf16) {  // round half to even on the upper 16 bits (inputs are finite)
+    const __m512i x = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(int(0xffff0000u))));
+  }
+  return v;
+}
+
+KVQ_TARGET_AVX512 inline void store_params(Scalar s, void* base, std::size_t index, __m512 v, __mmask16 m) noexcept {
+  if (s == Scalar::f32) {
+    _mm512_mask_storeu_ps(static_cast<float*>(base) + index, m, v);
+  } else if (s == Scalar::f16) {
+    _mm256_mask_storeu_epi16(static_cast<std::uint16_t*>(base) + index, m,
+                             _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {  // v is already bf16-exact: the upper halves are the bits
+    _mm256_mask_storeu_epi16(static_cast<std::uint16_t*>(base) + index, m,
+                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+  }
+}
+
+struct Params16 {
+  __m512 zero, inv, scale;
+};
+
+/// Parameters of 16 groups from their ranges, rounded as stored, and stored.
+KVQ_TARGET_AVX512 inline Params16 make_params(const QuantizerSpec& spec, __m512 lo, __m512 hi, void* scales,
+                                              void* zeros, std::size_t index, __mmask16 m) noexcept {
+  const __m512 top = _mm512_set1_ps(float(spec.levels() - 1));
+  Params16 p;
+  if (spec.mode == Mode::asymmetric) {
+    p.scale = round_to(spec.param, _mm512_div_ps(_mm512_sub_ps(hi, lo), top));
+    p.zero = round_to(spec.param, lo);
+    store_params(spec.param, zeros, index, p.zero, m);
+  } else {
+    const __m512 absmax = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+    p.scale = round_to(spec.param, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(2.0f), absmax), top));
+    p.zero = _mm512_mul_ps(_mm512_set1_ps(-reference::mid_code(spec)), p.scale);
+  }
+  store_params(spec.param, scales, index, p.scale, m);
+  const __mmask16 normal = _mm512_cmp_ps_mask(p.scale, _mm512_set1_ps(std::numeric_limits<float>::min()), _CMP_GE_OQ);
+  p.inv = _mm512_maskz_div_ps(normal, _mm512_set1_ps(1.0f), p.scale);
+  return p;
+}
+
+/// 16 codes as bytes: clamp(rne((x - zero) * inv), 0, top).
+KVQ_TARGET_AVX512 inline __m128i encode(const Params16& p, __m512 x, __m512 top) noexcept {
+  const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(x, p.zero), p.inv),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(q, _mm512_setzero_ps()), top);
+  return _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(clamped));
+}
+
+/// codes (dim bytes) -> packed row; identical to pack_codes.
+KVQ_TARGET_AVX512 inline void pack_row(const std::uint8_t* codes, std::size_t dim, int bits, std::uint8_t* out) noexcept {
+  if (bits == 8) {
+    std::memcpy(out, codes, dim);
+    return;
+  }
+  const std::uint64_t mask = 0x0101010101010101ull * ((1u << bits) - 1u);
+  const std::size_t whole = dim / 8;
+  for (std::size_t i = 0; i < whole; ++i) {
+    std::uint64_t word;
+    std::memcpy(&word, codes + 8 * i, 8);
+    const std::uint64_t packed = _pext_u64(word, mask);
+    std::memcpy(out + std::size_t(bits) * i, &packed, std::size_t(bits));
+  }
+  if (dim % 8 != 0) pack_codes(codes + 8 * whole, dim % 8, bits, out + std::size_t(bits) * whole);
+}
+
+KVQ_TARGET_AVX512 inline __mmask16 tail_mask(std::size_t remaining) noexcept {
+  return remaining >= 16 ? __mmask16(0xffff) : __mmask16((1u << remaining) - 1u);
+}
+
+KVQ_TARGET_AVX512 inline void quantize_row_per_token(const QuantizerSpec& spec, const float* x, std::size_t dim,
+                                                     void* scales, void* zeros, std::uint8_t* out) noexcept {
+  alignas(64) std::uint8_t codes[max_head_dim + 16];
+  const __m512 top = _mm512_set1_ps(float(spec.levels() - 1));
+  for (std::size_t g = 0, begin = 0; begin < dim; ++g, begin += spec.group) {
+    const std::size_t end = begin + spec.group < dim ? begin + spec.group : dim;
+    __m512 lo = _mm512_set1_ps(x[begin]), hi = lo;
+    for (std::size_t c = begin; c < end; c += 16) {
+      const __mmask16 m = tail_mask(end - c);
+      const __m512 v = _mm512_mask_loadu_ps(lo, m, x + c);  // masked lanes repeat a group member
+      lo = _mm512_min_ps(lo, v);
+      hi = _mm512_max_ps(hi, _mm512_mask_loadu_ps(hi, m, x + c));
+    }
+    const float lo1 = _mm512_reduce_min_ps(lo), hi1 = _mm512_reduce_max_ps(hi);
+    const Params16 p = make_params(spec, _mm512_set1_ps(lo1), _mm512_set1_ps(hi1), scales, zeros, g, 1);
+    for (std::size_t c = begin; c < end; c += 16) {
+      const __mmask16 m = tail_mask(end - c);
+      _mm_mask_storeu_epi8(codes + c, m, encode(p, _mm512_maskz_loadu_ps(m, x + c), top));
+    }
+  }
+  pack_row(codes, dim, spec.bits, out);
+}
+
+KVQ_TARGET_AVX512 inline void quantize_block_per_channel(const QuantizerSpec& spec, const float* x, std::size_t rows,
+                                                         std::size_t dim, std::size_t stride, void* scales, void* zeros,
+                                                         std::uint8_t* out, std::size_t row_bytes) noexcept {
+  Params16 params[max_head_dim / 16];
+  const __m512 top = _mm512_set1_ps(float(spec.levels() - 1));
+  for (std::size_t c = 0, v = 0; c < dim; c += 16, ++v) {
+    const __mmask16 m = tail_mask(dim - c);
+    __m512 lo = _mm512_maskz_loadu_ps(m, x + c), hi = lo;
+    for (std::size_t r = 1; r < rows; ++r) {
+      const __m512 value = _mm512_maskz_loadu_ps(m, x + r * stride + c);
+      lo = _mm512_min_ps(lo, value);
+      hi = _mm512_max_ps(hi, value);
+    }
+    params[v] = make_params(spec, lo, hi, scales, zeros, c, m);
+  }
+  alignas(64) std::uint8_t codes[max_head_dim + 16];
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t c = 0, v = 0; c < dim; c += 16, ++v) {
+      const __mmask16 m = tail_mask(dim - c);
+      _mm_mask_storeu_epi8(codes + c, m, encode(params[v], _mm512_maskz_loadu_ps(m, x + r * stride + c), top));
+    }
+    pack_row(codes, dim, spec.bits, out + r * row_bytes);
+  }
+}
+
+}  // namespace kvq::inline v0::kernels::avx512
+
+#pragma GCC diagnostic pop

@@ -1,0 +1,126 @@
+#pragma once
+// Scalar reference of group quantization; every fast path must produce the same bytes.
+//
+// Exact definition (stored parameters are rounded to the parameter type first, and the codes are
+// computed from the rounded values, so decoding needs nothing but what is stored):
+//   asymmetric: scale = P((max - min) / (2^b - 1)), zero = P(min)
+//               code  = clamp(rne((x - zero) * inv), 0, 2^b - 1),   x^ = zero + code * scale
+//   symmetric:  scale = P(2 * absmax / (2^b - 1)), zero = -(2^b - 1) / 2 * scale (not stored)
+//               code and x^ as above
+// with inv = 1 / scale in float (0 when scale is 0 or subnormal, so a constant group decodes to its value
+// rounded to the parameter type, never NaN), P() rounding to the parameter type, and rne
+// rounding half to even.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "kvq/pack/bitpack.hpp"
+#include "kvq/quant/spec.hpp"
+
+namespace kvq::inline v0::kernels::reference {
+
+/// Stored parameters of one group, as floats. `zero` is the value of code 0.
+struct GroupParams {
+  float scale = 0.0f;
+  float zero = 0.0f;
+};
+
+inline float round_half_even(float x) noexcept { return std::nearbyint(x); }  // default FE_TONEAREST
+
+inline float mid_code(const QuantizerSpec& spec) noexcept { return float(spec.levels() - 1) * 0.5f; }
+
+/// Parameters for a group whose values span [min, max]; non-finite when unrepresentable.
+inline GroupParams make_params(const QuantizerSpec& spec, float min, float max) noexcept {
+  const float top = float(spec.levels() - 1);
+  if (spec.mode == Mode::asymmetric) return {round_to(spec.param, (max - min) / top), round_to(spec.param, min)};
+  const float absmax = std::max(std::fabs(min), std::fabs(max));
+  const float scale = round_to(spec.param, 2.0f * absmax / top);
+  return {scale, -mid_code(spec) * scale};
+}
+
+inline bool representable(const GroupParams& p) noexcept { return std::isfinite(p.scale) && std::isfinite(p.zero); }
+
+// One form for both modes, a subtraction then a product: no compiler can fuse it into an FMA,
+// so every build and ISA rounds identically.
+inline std::uint8_t encode(const QuantizerSpec& spec, const GroupParams& p, float inv, float x) noexcept {
+  const float top = float(spec.levels() - 1);
+  return std::uint8_t(std::clamp(round_half_even((x - p.zero) * inv), 0.0f, top));
+}
+
+// Subnormal scales (possible with f32 parameters) would give an infinite inverse.
+inline float inverse(float scale) noexcept { return scale >= std::numeric_limits<float>::min() ? 1.0f / scale : 0.0f; }
+
+inline float decode(const GroupParams& p, std::uint8_t code) noexcept { return p.zero + float(code) * p.scale; }
+
+/// Parameters as they were stored (reloaded from the parameter type).
+inline GroupParams load_params(const QuantizerSpec& spec, const void* scales, const void* zeros, std::size_t i) noexcept {
+  const float scale = load_scalar(spec.param, scales, i);
+  if (spec.mode == Mode::asymmetric) return {scale, load_scalar(spec.param, zeros, i)};
+  return {scale, -mid_code(spec) * scale};
+}
+
+inline void store_params(const QuantizerSpec& spec, void* scales, void* zeros, std::size_t i, const GroupParams& p) noexcept {
+  store_scalar(spec.param, scales, i, p.scale);
+  if (spec.mode == Mode::asymmetric) store_scalar(spec.param, zeros, i, p.zero);
+}
+
+/// One token x (dim) per token: groups_per_row(spec, dim) parameter pairs at scales/zeros,
+/// packed codes (packed_bytes(dim, bits)) at out.
+inline void quantize_row_per_token(const QuantizerSpec& spec, const float* x, std::size_t dim, void* scales,
+                                   void* zeros, std::uint8_t* out) noexcept {
+  std::uint8_t codes[max_head_dim];
+  for (std::size_t g = 0, begin = 0; begin < dim; ++g, begin += spec.group) {
+    const std::size_t end = std::min(dim, begin + spec.group);
+    const auto [lo, hi] = std::minmax_element(x + begin, x + end);
+    const GroupParams p = make_params(spec, *lo, *hi);
+    store_params(spec, scales, zeros, g, p);
+    const float inv = inverse(p.scale);
+    for (std::size_t c = begin; c < end; ++c) codes[c] = encode(spec, p, inv, x[c]);
+  }
+  pack_codes(codes, dim, spec.bits, out);
+}
+
+/// A block of `rows` tokens x (rows, stride) per channel: dim parameter pairs at scales/zeros,
+/// one packed row of codes per token at out + r * row_bytes.
+inline void quantize_block_per_channel(const QuantizerSpec& spec, const float* x, std::size_t rows, std::size_t dim,
+                                       std::size_t stride, void* scales, void* zeros, std::uint8_t* out,
+                                       std::size_t row_bytes) noexcept {
+  GroupParams params[max_head_dim];
+  float inv[max_head_dim];
+  for (std::size_t c = 0; c < dim; ++c) {
+    float lo = x[c], hi = x[c];
+    for (std::size_t r = 1; r < rows; ++r) {
+      lo = std::min(lo, x[r * stride + c]);
+      hi = std::max(hi, x[r * stride + c]);
+    }
+    params[c] = make_params(spec, lo, hi);
+    store_params(spec, scales, zeros, c, params[c]);
+    inv[c] = inverse(params[c].scale);
+  }
+  std::uint8_t codes[max_head_dim];
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t c = 0; c < dim; ++c) codes[c] = encode(spec, params[c], inv[c], x[r * stride + c]);
+    pack_codes(codes, dim, spec.bits, out + r * row_bytes);
+  }
+}
+
+/// Inverse of quantize_row_per_token: out (dim).
+inline void dequantize_row_per_token(const QuantizerSpec& spec, const std::uint8_t* packed, std::size_t dim,
+                                     const void* scales, const void* zeros, float* out) noexcept {
+  std::uint8_t codes[max_head_dim];
+  unpack_codes(packed, dim, spec.bits, codes);
+  for (std::size_t c = 0; c < dim; ++c) out[c] = decode(load_params(spec, scales, zeros, c / spec.group), codes[c]);
+}
+
+/// One token row of a per-channel block: out (dim), with the block's dim parameter pairs.
+inline void dequantize_row_per_channel(const QuantizerSpec& spec, const std::uint8_t* packed, std::size_t dim,
+                                       const void* scales, const void* zeros, float* out) noexcept {
+  std::uint8_t codes[max_head_dim];
+  unpack_codes(packed, dim, spec.bits, codes);
+  for (std::size_t c = 0; c < dim; ++c) out[c] = decode(load_params(spec, scales, zeros, c), codes[c]);
+}
+
+}  // namespace kvq::inline v0::kernels::reference

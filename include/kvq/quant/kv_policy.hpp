@@ -1,0 +1,55 @@
+#pragma once
+// KVPolicy: a key quantizer, a value quantizer, the full-precision window and sinks, and where
+// RoPE sits, composed into one type that KVCache<Policy> takes. Presets carry the names users know.
+
+#include <concepts>
+#include <cstddef>
+
+#include "kvq/cache/cache_config.hpp"
+#include "kvq/quant/policies.hpp"
+
+namespace kvq::inline v0 {
+
+template <Quantizer KeyQ, Quantizer ValueQ, std::size_t Window = 128, std::size_t Sinks = 0,
+          KeyRope Rope = KeyRope::pre, class Residual = fp16>
+struct KVPolicy {
+  static_assert(std::same_as<Residual, fp16> || std::same_as<Residual, bf16> || std::same_as<Residual, float>,
+                "window and sink tokens are stored as fp16, bf16 or float");
+  using key_quantizer = KeyQ;
+  using value_quantizer = ValueQ;
+  static constexpr std::size_t window = Window;
+  static constexpr std::size_t sinks = Sinks;
+  static constexpr KeyRope key_rope = Rope;
+
+  static CacheConfig config() {
+    CacheConfig c;
+    c.key = KeyQ::spec;
+    c.value = ValueQ::spec;
+    c.window = Window;
+    c.sinks = Sinks;
+    c.key_rope = Rope;
+    c.residual = scalar_of<Residual>;
+    return c;
+  }
+};
+
+template <class P>
+concept KVCachePolicy = Quantizer<typename P::key_quantizer> && Quantizer<typename P::value_quantizer> && requires {
+  { P::config() } -> std::same_as<CacheConfig>;
+};
+
+// The right axes: keys per channel, values per token, group 32, window 128 (KIVI's defaults).
+using K2V2 = KVPolicy<PerChannel<2, 32>, PerToken<2, 32>>;  // KIVI-2
+using K4V4 = KVPolicy<PerChannel<4, 32>, PerToken<4, 32>>;  // KIVI-4
+using K4V2 = KVPolicy<PerChannel<4, 32>, PerToken<2, 32>>;
+using K2V4 = KVPolicy<PerChannel<2, 32>, PerToken<4, 32>>;
+using K8V4 = KVPolicy<PerChannel<8, 32>, PerToken<4, 32>>;
+using K8V8 = KVPolicy<PerChannel<8, 32>, PerToken<8, 32>>;
+
+// Wrong-axis ablations that reproduce the thesis (KIVI's table): never use them for serving.
+using K2V2KeysPerToken = KVPolicy<PerToken<2, 32>, PerToken<2, 32>>;
+using K2V2ValuesPerChannel = KVPolicy<PerChannel<2, 32>, PerChannel<2, 32>>;
+using K2V2WrongAxes = KVPolicy<PerToken<2, 32>, PerChannel<2, 32>>;
+using K4V4KeysPostRope = KVPolicy<PerChannel<4, 32>, PerToken<4, 32>, 128, 0, KeyRope::post>;
+
+}  // namespace kvq::inline v0

@@ -1,0 +1,58 @@
+#pragma once
+// Quantizer policies: empty types whose constants describe one quantizer. They carry no state
+// (that lives in the cache) and compile to a constexpr QuantizerSpec that the kernels dispatch on.
+
+#include <concepts>
+#include <cstddef>
+
+#include "kvq/quant/spec.hpp"
+
+namespace kvq::inline v0 {
+
+template <class Q>
+concept Quantizer = requires {
+  { Q::bits } -> std::convertible_to<int>;
+  { Q::group_size } -> std::convertible_to<std::size_t>;
+  { Q::axis } -> std::convertible_to<Axis>;
+  { Q::mode } -> std::convertible_to<Mode>;
+  typename Q::param_type;
+  { Q::spec } -> std::convertible_to<QuantizerSpec>;
+};
+
+namespace detail {
+template <int Bits, std::size_t Group, class Param>
+consteval bool check_quantizer() {
+  static_assert(Bits >= 1 && Bits <= 8, "a quantizer's bit width must be between 1 and 8");
+  static_assert(Group >= 1, "a quantizer's group must hold at least one element");
+  static_assert(std::same_as<Param, fp16> || std::same_as<Param, bf16> || std::same_as<Param, float>,
+                "scales and zero points are stored as fp16, bf16 or float");
+  return true;
+}
+}  // namespace detail
+
+/// Keys: one scale and zero point per channel per run of `Group` consecutive tokens (KIVI).
+template <int Bits, std::size_t Group, Mode M = Mode::asymmetric, class Param = fp16>
+struct PerChannel {
+  static_assert(detail::check_quantizer<Bits, Group, Param>());
+  static constexpr int bits = Bits;
+  static constexpr std::size_t group_size = Group;
+  static constexpr Axis axis = Axis::per_channel;
+  static constexpr Mode mode = M;
+  using param_type = Param;
+  static constexpr QuantizerSpec spec{Bits, Group, Axis::per_channel, M, scalar_of<Param>};
+};
+
+/// Values: one scale and zero point per `Group` consecutive channels of one token.
+/// `Group` equal to the head dimension means one pair per token and head.
+template <int Bits, std::size_t Group, Mode M = Mode::asymmetric, class Param = fp16>
+struct PerToken {
+  static_assert(detail::check_quantizer<Bits, Group, Param>());
+  static constexpr int bits = Bits;
+  static constexpr std::size_t group_size = Group;
+  static constexpr Axis axis = Axis::per_token;
+  static constexpr Mode mode = M;
+  using param_type = Param;
+  static constexpr QuantizerSpec spec{Bits, Group, Axis::per_token, M, scalar_of<Param>};
+};
+
+}  // namespace kvq::inline v0

@@ -1,0 +1,120 @@
+#pragma once
+// QuantizerSpec: the runtime description of one quantizer (bits, group, axis, mode, parameter
+// type). Compiled policies (policies.hpp) expose theirs as a constexpr `spec`; tools build one
+// from a short string such as "k4c32" so that command lines and logs name configurations alike.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "kvq/core/half.hpp"
+#include "kvq/error.hpp"
+
+namespace kvq::inline v0 {
+
+/// Which elements share one scale and zero point.
+enum class Axis : std::uint8_t {
+  per_channel,  // one pair per channel per run of `group` consecutive tokens (keys)
+  per_token,    // one pair per `group` consecutive channels of one token (values)
+};
+
+enum class Mode : std::uint8_t {
+  asymmetric,  // zero point = group minimum, step = (max - min) / (2^b - 1)
+  symmetric,   // levels symmetric about 0: step = 2 absmax / (2^b - 1), no stored zero point
+};
+
+constexpr const char* to_string(Axis a) noexcept { return a == Axis::per_channel ? "per_channel" : "per_token"; }
+constexpr const char* to_string(Mode m) noexcept { return m == Mode::asymmetric ? "asymmetric" : "symmetric"; }
+
+inline constexpr int min_bits = 1;
+inline constexpr int max_bits = 8;
+/// Longest head vector the kernels accept; bounds their stack scratch.
+inline constexpr std::size_t max_head_dim = 1024;
+
+struct QuantizerSpec {
+  int bits = 4;
+  std::size_t group = 32;
+  Axis axis = Axis::per_token;
+  Mode mode = Mode::asymmetric;
+  Scalar param = Scalar::f16;
+
+  constexpr int levels() const noexcept { return 1 << bits; }
+  constexpr bool has_zero_point() const noexcept { return mode == Mode::asymmetric; }
+  constexpr bool operator==(const QuantizerSpec&) const = default;
+};
+
+/// Throws if the spec cannot be used with vectors of `head_dim` channels.
+inline void validate(const QuantizerSpec& spec, std::size_t head_dim, std::string_view what) {
+  const std::string prefix = std::string(what) + ": ";
+  if (spec.bits < min_bits || spec.bits > max_bits)
+    throw Error(ErrorCode::invalid_argument, prefix + "bits must be in 1..8, got " + std::to_string(spec.bits));
+  if (spec.group == 0) throw Error(ErrorCode::invalid_argument, prefix + "group size must be positive");
+  if (head_dim == 0 || head_dim > max_head_dim)
+    throw Error(ErrorCode::invalid_argument,
+                prefix + "head_dim must be in 1.." + std::to_string(max_head_dim) + ", got " + std::to_string(head_dim));
+  if (spec.axis == Axis::per_token && spec.group > head_dim)
+    throw Error(ErrorCode::invalid_argument, prefix + "a per-token group of " + std::to_string(spec.group) +
+                                                 " channels exceeds head_dim " + std::to_string(head_dim));
+}
+
+/// Parameter pairs per token row for per-token specs (the last group may be shorter).
+constexpr std::size_t groups_per_row(const QuantizerSpec& spec, std::size_t head_dim) noexcept {
+  return (head_dim + spec.group - 1) / spec.group;
+}
+
+/// "k4c32": tensor letter, bits, axis letter (c per channel, t per token), group; then optional
+/// "s" for symmetric and ".bf16" / ".f32" for the parameter type (default asymmetric, f16).
+inline std::string to_string(const QuantizerSpec& spec, char tensor) {
+  std::string s(1, tensor);
+  s += std::to_string(spec.bits);
+  s += spec.axis == Axis::per_channel ? 'c' : 't';
+  s += std::to_string(spec.group);
+  if (spec.mode == Mode::symmetric) s += 's';
+  if (spec.param != Scalar::f16) s += std::string(".") + to_string(spec.param);
+  return s;
+}
+
+namespace detail {
+inline bool parse_size(std::string_view& text, std::size_t& out) {
+  std::size_t i = 0, value = 0;
+  while (i < text.size() && text[i] >= '0' && text[i] <= '9' && i < 9) value = value * 10 + std::size_t(text[i++] - '0');
+  if (i == 0) return false;
+  out = value;
+  text.remove_prefix(i);
+  return true;
+}
+}  // namespace detail
+
+/// Parses the form written by to_string; `tensor` is 'k' or 'v'. Throws naming the bad text.
+inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
+  const std::string original(text);
+  auto fail = [&](const std::string& why) -> QuantizerSpec {
+    throw Error(ErrorCode::invalid_argument, "quantizer '" + original + "': " + why +
+                                                 " (expected e.g. " + tensor + "4c32, " + tensor + "2t64s, " +
+                                                 tensor + "8t128.bf16)");
+  };
+  QuantizerSpec spec;
+  if (text.empty() || text.front() != tensor) return fail(std::string("must start with '") + tensor + "'");
+  text.remove_prefix(1);
+  std::size_t bits = 0;
+  if (!detail::parse_size(text, bits) || bits < 1 || bits > 8) return fail("bits must be 1..8");
+  spec.bits = int(bits);
+  if (text.empty() || (text.front() != 'c' && text.front() != 't')) return fail("axis must be 'c' or 't'");
+  spec.axis = text.front() == 'c' ? Axis::per_channel : Axis::per_token;
+  text.remove_prefix(1);
+  if (!detail::parse_size(text, spec.group) || spec.group == 0) return fail("group size must be a positive number");
+  if (!text.empty() && text.front() == 's') {
+    spec.mode = Mode::symmetric;
+    text.remove_prefix(1);
+  }
+  if (!text.empty()) {
+    if (text == ".f32") spec.param = Scalar::f32;
+    else if (text == ".bf16") spec.param = Scalar::bf16;
+    else if (text == ".f16") spec.param = Scalar::f16;
+    else return fail("unknown suffix '" + std::string(text) + "'");
+  }
+  return spec;
+}
+
+}  // namespace kvq::inline v0

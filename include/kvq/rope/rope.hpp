@@ -1,0 +1,117 @@
+#pragma once
+// Rotary position embedding (RoPE). Channel pair i of a head rotates by angle
+// position * theta^(-2i/rotary_dims). Two conventions pair the channels differently:
+//   adjacent_pairs: (2i, 2i+1)       llama.cpp "normal" mode, llama2.c, Meta's Llama
+//   half_split:     (i, i + dims/2)  GPT-NeoX, Hugging Face transformers
+// Using the wrong one for a model's weights silently ruins attention, so it is always explicit.
+
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "kvq/error.hpp"
+
+namespace kvq::inline v0 {
+
+enum class RopeStyle : unsigned char { adjacent_pairs, half_split };
+
+constexpr const char* to_string(RopeStyle style) noexcept {
+  return style == RopeStyle::adjacent_pairs ? "adjacent_pairs" : "half_split";
+}
+
+struct RopeConfig {
+  std::size_t head_dim = 0;
+  RopeStyle style = RopeStyle::adjacent_pairs;
+  float theta = 10000.0f;
+  std::size_t rotary_dims = 0;  // channels rotated from the start of the head; 0 = head_dim
+  std::ptrdiff_t position_offset = 0;  // added to every position (context shift)
+
+  std::size_t dims() const noexcept { return rotary_dims == 0 ? head_dim : rotary_dims; }
+};
+
+inline void validate(const RopeConfig& config) {
+  if (config.head_dim == 0) throw Error(ErrorCode::invalid_argument, "RoPE head_dim must be positive");
+  const std::size_t dims = config.dims();
+  if (dims % 2 != 0 || dims > config.head_dim)
+    throw Error(ErrorCode::invalid_argument,
+                "RoPE rotary_dims must be even and at most head_dim (got " + std::to_string(dims) +
+                    " for head_dim " + std::to_string(config.head_dim) + ")");
+  if (!(config.theta > 1.0f) || !std::isfinite(config.theta))
+    throw Error(ErrorCode::invalid_argument, "RoPE theta must be finite and greater than 1");
+}
+
+/// Channel indices (first, second) of rotation pair i.
+constexpr std::pair<std::size_t, std::size_t> rope_pair(RopeStyle style, std::size_t dims, std::size_t i) noexcept {
+  return style == RopeStyle::adjacent_pairs ? std::pair{2 * i, 2 * i + 1} : std::pair{i, i + dims / 2};
+}
+
+/// Precomputed cos/sin per position and pair, so attention never calls trigonometry.
+class RopeTable {
+ public:
+  RopeTable() = default;
+
+  RopeTable(const RopeConfig& config, std::size_t max_positions) : config_(config), max_positions_(max_positions) {
+    validate(config);
+    const std::size_t pairs = config.dims() / 2;
+    cos_.resize(max_positions * pairs);
+    sin_.resize(max_positions * pairs);
+    for (std::size_t p = 0; p < max_positions; ++p) {
+      // float arithmetic as llama2.c computes it, so greedy decoding reproduces its tokens
+      const float position = static_cast<float>(static_cast<std::ptrdiff_t>(p) + config.position_offset);
+      for (std::size_t i = 0; i < pairs; ++i) {
+        const float freq = 1.0f / std::pow(config.theta, float(2 * i) / float(config.dims()));
+        const float angle = position * freq;
+        cos_[p * pairs + i] = std::cos(angle);
+        sin_[p * pairs + i] = std::sin(angle);
+      }
+    }
+  }
+
+  const RopeConfig& config() const noexcept { return config_; }
+  std::size_t max_positions() const noexcept { return max_positions_; }
+  std::size_t pairs() const noexcept { return config_.dims() / 2; }
+  const float* cos_row(std::size_t position) const noexcept { return cos_.data() + position * pairs(); }
+  const float* sin_row(std::size_t position) const noexcept { return sin_.data() + position * pairs(); }
+
+  /// Rotate one head vector in place: x (head_dim) at `position`.
+  void rotate(float* x, std::size_t position) const { rotate_by(x, position, +1.0f); }
+
+  /// Undo the rotation: x (head_dim) at `position` back to pre-RoPE.
+  void unrotate(float* x, std::size_t position) const { rotate_by(x, position, -1.0f); }
+
+  /// Rotate `heads` consecutive head vectors (heads, head_dim) at one position.
+  void rotate_heads(std::span<float> x, std::size_t position) const {
+    check_size(x.size());
+    for (std::size_t h = 0; h < x.size() / config_.head_dim; ++h) rotate(x.data() + h * config_.head_dim, position);
+  }
+
+ private:
+  void check_size(std::size_t n) const {
+    if (n % config_.head_dim != 0)
+      throw Error(ErrorCode::shape_mismatch, "RoPE input of " + std::to_string(n) +
+                                                 " values is not a whole number of heads of " +
+                                                 std::to_string(config_.head_dim));
+  }
+
+  void rotate_by(float* x, std::size_t position, float direction) const {
+    if (position >= max_positions_)
+      throw Error(ErrorCode::invalid_argument, "RoPE position " + std::to_string(position) +
+                                                   " is beyond the table of " + std::to_string(max_positions_));
+    const float* c = cos_row(position);
+    const float* s = sin_row(position);
+    for (std::size_t i = 0; i < pairs(); ++i) {
+      const auto [a, b] = rope_pair(config_.style, config_.dims(), i);
+      const float x0 = x[a], x1 = x[b], sn = direction * s[i];
+      x[a] = x0 * c[i] - x1 * sn;
+      x[b] = x0 * sn + x1 * c[i];
+    }
+  }
+
+  RopeConfig config_{};
+  std::size_t max_positions_ = 0;
+  std::vector<float> cos_, sin_;
+};
+
+}  // namespace kvq::inline v0

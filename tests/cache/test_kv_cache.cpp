@@ -1,0 +1,227 @@
+// KVCache: the quantization rule at the window's edges, chunking invariance, memory accounting,
+// strong guarantee on bad input, and cache operations.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "kvq/kvq.hpp"
+#include "support/random.hpp"
+
+namespace {
+
+using kvq::Axis;
+using kvq::BasicKVCache;
+using kvq::CacheConfig;
+using kvq::CacheShape;
+
+CacheConfig config_of(const char* text) { return kvq::parse_cache_config(text); }
+
+std::vector<std::uint8_t> snapshot(const BasicKVCache& c) { return {c.raw_storage().begin(), c.raw_storage().end()}; }
+
+void append_all(BasicKVCache& cache, const std::vector<float>& k, const std::vector<float>& v, std::size_t begin,
+                std::size_t end) {
+  const std::size_t row = cache.shape().kv_heads * cache.shape().head_dim;
+  for (std::size_t l = 0; l < cache.shape().layers; ++l)
+    cache.append(l, begin, std::span(k).subspan(begin * row, (end - begin) * row),
+                 std::span(v).subspan(begin * row, (end - begin) * row));
+}
+
+// Full-precision key positions after a prompt of n tokens: the newest R always, plus the
+// incomplete or not-yet-due group, plus the sinks.
+TEST(KVCacheWindow, QuantizesExactlyWhatTheRuleSays) {
+  const std::size_t R = 16, G = 8;
+  for (std::size_t S : {0u, 1u, 4u}) {
+    for (std::size_t n : {R - 1, R, R + 1, R + G - 1, R + G, R + G + S, R + G + S + 1, 3 * R + 5}) {
+      CacheConfig c = config_of("k4c8-v2t8-r16-f32");
+      c.sinks = S;
+      BasicKVCache cache(CacheShape{1, 2, 16, 200}, c);
+      const auto k = kvq::test::normal_vector(n * 2 * 16, 1), v = kvq::test::normal_vector(n * 2 * 16, 2);
+      append_all(cache, k, v, 0, n);
+      const kvq::StreamView kv = cache.keys(0, 1), vv = cache.values(0, 1);
+      const std::size_t expect_k = n >= S + R ? S + (n - S - R) / G * G : S;
+      const std::size_t expect_v = n > S + R ? n - R : S;
+      EXPECT_EQ(kv.end_quantized, expect_k) << "S=" << S << " n=" << n;
+      EXPECT_EQ(vv.end_quantized, expect_v) << "S=" << S << " n=" << n;
+      EXPECT_TRUE(kv.end_quantized == S || kv.end_quantized + R <= n) << "the newest R keys stay full precision";
+      if (n > S) {
+        EXPECT_LE(n - kv.end_quantized, R + G - 1);
+      }
+      // Sinks and pending rows read back exactly (f32 residual); quantized rows approximately.
+      std::vector<float> row(16);
+      for (std::size_t p = 0; p < n; ++p) {
+        kv.read_row(p, row.data());
+        for (std::size_t c2 = 0; c2 < 16; ++c2) {
+          const float x = k[(p * 2 + 1) * 16 + c2];
+          if (p < S || p >= kv.end_quantized) {
+            EXPECT_EQ(row[c2], x) << "position " << p;
+          } else {
+            EXPECT_NEAR(row[c2], x, 1.0) << "position " << p;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(KVCacheWindow, ZeroWindowQuantizesEveryCompleteGroupAtOnce) {
+  BasicKVCache cache(CacheShape{1, 1, 8, 64}, config_of("k2c4-v2t8-r0"));
+  const auto k = kvq::test::normal_vector(10 * 8, 3), v = kvq::test::normal_vector(10 * 8, 4);
+  append_all(cache, k, v, 0, 10);
+  EXPECT_EQ(cache.keys(0, 0).end_quantized, 8u);
+  EXPECT_EQ(cache.values(0, 0).end_quantized, 10u);
+}
+
+TEST(KVCacheChunking, StorageIsByteIdenticalHoweverTokensArrive) {
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k3c8-v5t16-r0-s0", "k2t32-v2c32-r7-s1", "k8c16s-v4t64s-r33-s2-bf16"}) {
+    const CacheShape shape{2, 2, 64, 300};
+    const std::size_t n = 257, row = 2 * 64;
+    const auto k = kvq::test::outlier_keys(n, 2, 64, 3, 8.0f, 5), v = kvq::test::normal_vector(n * row, 6);
+    BasicKVCache one_shot(shape, config_of(text)), chunked(shape, config_of(text)), single(shape, config_of(text));
+    append_all(one_shot, k, v, 0, n);
+    std::mt19937 rng(11);
+    for (std::size_t begin = 0; begin < n;) {
+      const std::size_t end = std::min(n, begin + 1 + rng() % 40);
+      append_all(chunked, k, v, begin, end);
+      begin = end;
+    }
+    for (std::size_t p = 0; p < n; ++p) append_all(single, k, v, p, p + 1);
+    EXPECT_TRUE(snapshot(one_shot) == snapshot(chunked)) << text;
+    EXPECT_TRUE(snapshot(one_shot) == snapshot(single)) << text;
+    const auto q = kvq::test::normal_vector(4 * 64, 7);
+    std::vector<float> a(q.size()), b(q.size());
+    kvq::reference_attention(one_shot, 1, n - 1, q, a);
+    kvq::reference_attention(single, 1, n - 1, q, b);
+    EXPECT_EQ(a, b) << text;
+  }
+}
+
+TEST(KVCacheMemory, AccountingMatchesAFormulaAndThePlan) {
+  const CacheShape shape{3, 4, 128, 4096};
+  BasicKVCache cache(shape, config_of("k4c32-v2t32-r128-s1"));
+  const std::size_t n = 1000, row = 4 * 128;
+  const auto k = kvq::test::normal_vector(n * row, 8), v = kvq::test::normal_vector(n * row, 9);
+  append_all(cache, k, v, 0, n);
+  const kvq::MemoryUsage m = cache.memory();
+  // Keys: groups of 32 after 1 sink, due when older than 128 -> (1000-128-1)/32 = 27 groups.
+  const std::size_t key_rows = 27 * 32, value_rows = 1000 - 128 - 1;
+  const std::size_t heads = 3 * 4;
+  EXPECT_EQ(m.code_bytes, heads * (key_rows * 64 + value_rows * 32));
+  EXPECT_EQ(m.param_bytes, heads * (27 * 128 * 2 * 2 + value_rows * 4 * 2 * 2));
+  EXPECT_EQ(m.residual_bytes, heads * ((n - key_rows) + (n - value_rows)) * 128 * 2);
+  EXPECT_EQ(m.values, heads * n * 128 * 2);
+  EXPECT_NEAR(m.bits_per_value(), 8.0 * double(m.total_bytes()) / double(m.values), 1e-12);
+  const kvq::MemoryUsage plan = cache.planned_memory(n);
+  EXPECT_EQ(plan.total_bytes(), m.total_bytes());
+  // Long contexts approach the asymptote: 4 + 2 bits of codes + 16*2/32 bits of params each.
+  EXPECT_NEAR(cache.planned_memory(4096).bits_per_value(), 3.0 + 1.0 + 0.5, 0.5);
+  EXPECT_GE(cache.allocated_bytes(), cache.planned_memory(4096).total_bytes());
+}
+
+class KVCacheBadInput : public ::testing::Test {
+ protected:
+  const CacheShape shape{2, 2, 32, 80};
+  BasicKVCache cache{shape, config_of("k4c8-v2t32-r4-s1")};
+  std::vector<float> k = kvq::test::normal_vector(10 * 64, 12), v = kvq::test::normal_vector(10 * 64, 13);
+
+  void SetUp() override { append_all(cache, k, v, 0, 10); }
+
+  // The call throws the given code, its message names `needle`, and nothing changed.
+  template <class F>
+  void expect_rejected(F&& call, kvq::ErrorCode code, const std::string& needle) {
+    const auto before = snapshot(cache);
+    const std::size_t l0 = cache.length(0), l1 = cache.length(1);
+    try {
+      call();
+      ADD_FAILURE() << "expected kvq::Error mentioning " << needle;
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(snapshot(cache) == before);
+    EXPECT_EQ(cache.length(0), l0);
+    EXPECT_EQ(cache.length(1), l1);
+  }
+};
+
+TEST_F(KVCacheBadInput, ShapesOrderCapacityAndValues) {
+  std::vector<float> row(2 * 64, 0.5f), short_row(63, 0.5f);
+  expect_rejected([&] { cache.append(0, 10, short_row, short_row); }, kvq::ErrorCode::shape_mismatch, "kv heads");
+  expect_rejected([&] { cache.append(0, 9, row, row); }, kvq::ErrorCode::out_of_order, "position 9");
+  expect_rejected([&] { cache.append(2, 10, row, row); }, kvq::ErrorCode::invalid_argument, "layer 2");
+  std::vector<float> too_many(71 * 64, 0.5f);
+  expect_rejected([&] { cache.append(1, 10, too_many, too_many); }, kvq::ErrorCode::capacity_exceeded, "capacity");
+
+  std::vector<float> bad = row;
+  bad[64 + 32 + 7] = std::numeric_limits<float>::quiet_NaN();  // token 1, head 1, channel 7
+  expect_rejected([&] { cache.append(0, 10, bad, row); }, kvq::ErrorCode::non_finite_input,
+                  "layer 0, kv head 1, position 11 (key), channel 7");
+  bad[64 + 32 + 7] = std::numeric_limits<float>::infinity();
+  expect_rejected([&] { cache.append(0, 10, row, bad); }, kvq::ErrorCode::non_finite_input, "(value)");
+  bad[64 + 32 + 7] = 1e6f;  // beyond fp16, the residual type
+  expect_rejected([&] { cache.append(0, 10, bad, row); }, kvq::ErrorCode::unrepresentable, "residual");
+}
+
+TEST(KVCacheBadParams, GroupWhoseScaleOverflowsIsRejectedWholly) {
+  // f32 residual holds 60000 and -60000, but the 1-bit f16 scale of their range (120000) cannot.
+  BasicKVCache cache(CacheShape{1, 1, 8, 64}, config_of("k1c4-v8t8-r0-f32"));
+  std::vector<float> k(4 * 8, 0.0f), v(4 * 8, 0.0f);
+  k[0] = 60000.0f;
+  k[8] = -60000.0f;
+  const auto before = snapshot(cache);
+  try {
+    cache.append(0, 0, k, v);
+    ADD_FAILURE() << "expected an error";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::unrepresentable);
+    EXPECT_NE(std::string(e.what()).find("channel 0"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(snapshot(cache) == before);
+  EXPECT_EQ(cache.length(0), 0u);
+  std::string why;
+  EXPECT_FALSE(cache.can_append(0, 0, k, v, &why));
+  EXPECT_NE(why.find("f16"), std::string::npos) << why;
+  k[8] = 0.0f;
+  EXPECT_TRUE(cache.can_append(0, 0, k, v));
+}
+
+TEST(KVCacheBadInput2, ConstantGroupsReconstructExactly) {
+  BasicKVCache cache(CacheShape{1, 1, 16, 64}, config_of("k2c8-v3t16-r0-f32"));
+  std::vector<float> k(16 * 16, 1.25f), v(16 * 16, -3.5f);
+  cache.append(0, 0, k, v);
+  std::vector<float> row(16);
+  for (std::size_t p = 0; p < 16; ++p) {
+    cache.keys(0, 0).read_row(p, row.data());
+    for (float x : row) EXPECT_EQ(x, 1.25f);
+    cache.values(0, 0).read_row(p, row.data());
+    for (float x : row) EXPECT_EQ(x, -3.5f);
+  }
+}
+
+TEST(KVCacheOperations, TruncateForkAndClear) {
+  BasicKVCache cache(CacheShape{1, 1, 8, 64}, config_of("k4c4-v4t8-r8"));
+  const auto k = kvq::test::normal_vector(20 * 8, 14), v = kvq::test::normal_vector(20 * 8, 15);
+  append_all(cache, k, v, 0, 20);  // keys quantized up to 12, values up to 12
+  BasicKVCache fork = cache;
+  EXPECT_TRUE(snapshot(fork) == snapshot(cache));
+  EXPECT_THROW(cache.truncate(11), kvq::Error);
+  EXPECT_EQ(cache.length(0), 20u);
+  cache.truncate(14);
+  EXPECT_EQ(cache.length(0), 14u);
+  append_all(cache, k, v, 14, 20);  // re-appending the same tokens restores the same state
+  EXPECT_TRUE(snapshot(fork) == snapshot(cache));
+  cache.clear();
+  EXPECT_EQ(cache.length(0), 0u);
+  EXPECT_EQ(fork.length(0), 20u);
+}
+
+TEST(KVCachePolicy, CompiledPolicyMatchesItsRuntimeDescription) {
+  kvq::KVCache<kvq::K4V2> typed(CacheShape{1, 1, 64, 256});
+  EXPECT_EQ(kvq::to_string(typed.config()), "k4c32-v2t32-r128-s0");
+  EXPECT_THROW(kvq::KVCache<kvq::K4V2>(CacheShape{1, 1, 16, 256}), kvq::Error);  // group 32 > head_dim 16
+}
+
+}  // namespace

@@ -1,0 +1,176 @@
+// Llama forward pass with the full-precision backend: exact golden greedy tokens, held-out
+// perplexity, and clear errors for models this engine cannot run.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "llama/full_precision_backend.hpp"
+#include "llama/gguf.hpp"
+#include "llama/inference.hpp"
+#include "llama/llama_test_support.hpp"
+#include "llama/model.hpp"
+#include "llama/tokenizer.hpp"
+
+namespace kvq::llama {
+namespace {
+
+using testing::GgufWriter;
+
+TEST(Model, HyperParametersOfStories260K) {
+  KVQ_REQUIRE_LLAMA_DATA();
+  const Model model = Model::load(default_model_path());
+  const LlamaConfig& c = model.config();
+  EXPECT_EQ(c.dim, 64u);
+  EXPECT_EQ(c.layers, 5u);
+  EXPECT_EQ(c.heads, 8u);
+  EXPECT_EQ(c.kv_heads, 4u);
+  EXPECT_EQ(c.head_dim, 8u);
+  EXPECT_EQ(c.ffn_dim, 172u);
+  EXPECT_EQ(c.vocab, 512u);
+  EXPECT_EQ(c.context_length, 2048u);  // the GGUF says 2048; llama2.c trained it with 512
+  EXPECT_FLOAT_EQ(c.norm_eps, 1e-5f);
+  EXPECT_EQ(c.bos, 1);
+  EXPECT_EQ(c.eos, 2);
+  const RopeConfig rope = model.rope_config();
+  EXPECT_EQ(rope.style, RopeStyle::adjacent_pairs);
+  EXPECT_EQ(rope.head_dim, 8u);
+  EXPECT_EQ(rope.dims(), 8u);
+  EXPECT_EQ(rope.theta, 10000.0f);
+}
+
+TEST(Model, GreedyDecodingReproducesGoldenTokens) {
+  KVQ_REQUIRE_LLAMA_DATA();
+  const Model model = Model::load(default_model_path());
+  const auto golden = testing::read_golden();
+  ASSERT_EQ(golden.tokens.size(), 257u);
+  FullPrecisionBackend kv(model, 512);
+  const auto tokens = greedy_generate(model, kv, 256);
+  EXPECT_EQ(tokens, golden.tokens);
+  EXPECT_EQ(kv.length(0), 256u);
+  EXPECT_EQ(kv.keys(4).size(), 256u * model.config().kv_dim());
+
+  // Teacher forcing the golden tokens must agree: each position's argmax is the next token.
+  const auto tf = teacher_forced(model, [&] { return FullPrecisionBackend(model, 512); }, golden.tokens);
+  ASSERT_EQ(tf.log_probs.size(), 257u * 512u);
+  ASSERT_EQ(tf.nll.size(), 256u);
+  for (std::size_t i = 0; i + 1 < golden.tokens.size(); ++i) EXPECT_EQ(argmax(tf.row(i)), golden.tokens[i + 1]) << i;
+}
+
+TEST(Model, HeldOutPerplexity) {
+  KVQ_REQUIRE_LLAMA_DATA();
+  const auto file = GgufFile::load(default_model_path());
+  const Model model(file);
+  const Tokenizer tok(file);
+  const std::size_t context = 512;  // llama2.c's training context for stories260K
+  double total = 0.0;
+  std::size_t count = 0;
+  for (const auto& story : testing::read_stories()) {
+    auto tokens = tok.encode(story);
+    if (tokens.size() > context) tokens.resize(context);
+    const auto tf = teacher_forced(model, [&] { return FullPrecisionBackend(model, context); }, tokens);
+    total += tf.total_nll();
+    count += tf.nll.size();
+  }
+  const double nats = total / static_cast<double>(count);
+  std::printf("held-out: %zu tokens, %.4f nats/token, perplexity %.4f\n", count, nats, std::exp(nats));
+  EXPECT_GT(count, 2000u);
+  EXPECT_GT(nats, 1.10);
+  EXPECT_LT(nats, 1.18);
+}
+
+TEST(Model, BackendRejectsMisuse) {
+  KVQ_REQUIRE_LLAMA_DATA();
+  const Model model = Model::load(default_model_path());
+  FullPrecisionBackend kv(model, 2);
+  std::vector<float> logits(512), small(3);
+  EXPECT_THROW(model.forward(1, 1, kv, logits), Error);  // position 1 before position 0
+  model.forward(1, 0, kv, logits);
+  model.forward(403, 1, kv, logits);
+  EXPECT_THROW(model.forward(407, 2, kv, logits), Error);  // capacity 2
+  EXPECT_THROW(model.forward(600, 2, kv, logits), Error);  // token outside the vocabulary
+  EXPECT_THROW(model.forward(1, 2, kv, small), Error);     // logits buffer size
+  const std::vector<float> k(32), q(64);
+  std::vector<float> out(64);
+  EXPECT_THROW(kv.append(5, 0, k, k), Error);                                   // layer
+  EXPECT_THROW(kv.append(0, 2, std::span(k).first(8), k), Error);               // shape
+  EXPECT_THROW(kv.attend(0, 2, q, out), Error);                                 // not stored
+  kv.clear();
+  EXPECT_EQ(kv.length(0), 0u);
+  model.forward(1, 0, kv, logits);
+  EXPECT_EQ(argmax(logits), 403);
+}
+
+// A tiny random llama (dim 4, 1 layer, 2 heads, 1 kv head, ffn 3, vocab 5), with a hook to break it.
+std::vector<std::uint8_t> tiny_llama(std::string arch,
+                                     std::function<void(std::string&, std::vector<std::uint64_t>&)> tweak = {}) {
+  GgufWriter w;
+  w.str("general.architecture", arch)
+      .u32(arch + ".embedding_length", 4)
+      .u32(arch + ".block_count", 1)
+      .u32(arch + ".attention.head_count", 2)
+      .u32(arch + ".attention.head_count_kv", 1)
+      .u32(arch + ".feed_forward_length", 3)
+      .u32(arch + ".context_length", 16)
+      .f32(arch + ".attention.layer_norm_rms_epsilon", 1e-5f);
+  const std::vector<std::pair<std::string, std::vector<std::uint64_t>>> tensors = {
+      {"token_embd.weight", {4, 5}},       {"output_norm.weight", {4}},        {"blk.0.attn_norm.weight", {4}},
+      {"blk.0.attn_q.weight", {4, 4}},     {"blk.0.attn_k.weight", {4, 2}},    {"blk.0.attn_v.weight", {4, 2}},
+      {"blk.0.attn_output.weight", {4, 4}}, {"blk.0.ffn_norm.weight", {4}},    {"blk.0.ffn_gate.weight", {4, 3}},
+      {"blk.0.ffn_up.weight", {4, 3}},     {"blk.0.ffn_down.weight", {3, 4}}};
+  float seed = 0.1f;
+  for (auto [name, dims] : tensors) {
+    if (tweak) tweak(name, dims);
+    std::size_t n = 1;
+    for (const auto d : dims) n *= d;
+    std::vector<float> values(n);
+    for (auto& v : values) v = seed = std::fmod(seed * 7.31f + 0.37f, 2.0f) - 1.0f;
+    w.tensor_f32(name, dims, values);
+  }
+  return w.bytes();
+}
+
+std::string model_error(const std::vector<std::uint8_t>& bytes) {
+  try {
+    (void)Model(GgufFile::parse(bytes, "tiny.gguf"));
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Model, TinySyntheticModelRuns) {
+  const Model model(GgufFile::parse(tiny_llama("llama")));
+  EXPECT_EQ(model.config().head_dim, 2u);
+  FullPrecisionBackend kv(model);
+  const auto tokens = greedy_generate(model, kv, 10, std::vector<int>{1, 2, 3});
+  EXPECT_EQ(tokens.size(), 11u);
+  EXPECT_EQ(std::vector<int>(tokens.begin(), tokens.begin() + 3), (std::vector<int>{1, 2, 3}));
+  for (const int t : tokens) EXPECT_LT(t, 5);
+  EXPECT_EQ(kv.length(0), 10u);
+}
+
+TEST(Model, RejectsOtherArchitecturesAndWrongShapes) {
+  const std::string gpt2 = model_error(tiny_llama("gpt2"));
+  EXPECT_NE(gpt2.find("'gpt2'"), std::string::npos) << gpt2;
+  EXPECT_NE(gpt2.find("llama"), std::string::npos) << gpt2;
+
+  const std::string shape = model_error(tiny_llama("llama", [](std::string& name, std::vector<std::uint64_t>& dims) {
+    if (name == "blk.0.attn_k.weight") dims = {4, 4};
+  }));
+  EXPECT_NE(shape.find("blk.0.attn_k.weight"), std::string::npos) << shape;
+  EXPECT_NE(shape.find("[4, 4]"), std::string::npos) << shape;
+  EXPECT_NE(shape.find("[4, 2]"), std::string::npos) << shape;
+
+  const std::string missing = model_error(tiny_llama("llama", [](std::string& name, std::vector<std::uint64_t>&) {
+    if (name == "blk.0.ffn_up.weight") name = "blk.0.ffn_upp.weight";
+  }));
+  EXPECT_NE(missing.find("blk.0.ffn_up.weight"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("tiny.gguf"), std::string::npos) << missing;
+}
+
+}  // namespace
+}  // namespace kvq::llama

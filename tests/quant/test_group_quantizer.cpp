@@ -1,0 +1,474 @@
+// Group quantization: error bounds derived from the stored parameters, constant and
+// unrepresentable groups, byte-identical fast paths, and the key-axis thesis in miniature.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvq/isa.hpp"
+#include "kvq/kernels/quantize/quantize.hpp"
+#include "kvq/kernels/quantize/reference.hpp"
+#include "kvq/pack/bitpack.hpp"
+#include "kvq/quant/spec.hpp"
+
+namespace {
+
+using kvq::Axis;
+using kvq::Mode;
+using kvq::QuantizerSpec;
+using kvq::Scalar;
+namespace ref = kvq::kernels::reference;
+
+constexpr std::uint8_t sentinel = 0xa7;
+
+std::string describe(const QuantizerSpec& s) {
+  return kvq::to_string(s, s.axis == Axis::per_channel ? 'k' : 'v') + " (" + kvq::to_string(s.mode) + ")";
+}
+
+std::vector<QuantizerSpec> all_specs(Axis axis, std::size_t group) {
+  std::vector<QuantizerSpec> specs;
+  for (int bits = 1; bits <= 8; ++bits)
+    for (const Mode mode : {Mode::asymmetric, Mode::symmetric})
+      for (const Scalar param : {Scalar::f16, Scalar::bf16, Scalar::f32})
+        specs.push_back(QuantizerSpec{bits, group, axis, mode, param});
+  return specs;
+}
+
+// Code j of a packed row, read bit by bit from the documented layout.
+unsigned read_code(const std::uint8_t* row, std::size_t j, int bits) {
+  unsigned code = 0;
+  for (int k = 0; k < bits; ++k) {
+    const std::size_t bit = std::size_t(bits) * j + std::size_t(k);
+    code |= unsigned((row[bit / 8] >> (bit % 8)) & 1u) << k;
+  }
+  return code;
+}
+
+// Bits of a packed row's last byte beyond its codes must be zero.
+void expect_clean_tail(const std::uint8_t* row, std::size_t n, int bits) {
+  const std::size_t used = n * std::size_t(bits);
+  if (used % 8 == 0) return;
+  EXPECT_EQ(row[used / 8] >> (used % 8), 0) << "unused high bits are not zero";
+}
+
+struct Buffers {
+  std::vector<std::uint8_t> scales, zeros, codes;
+  Buffers(std::size_t params, std::size_t code_bytes)
+      : scales(params * 4 + 8, sentinel), zeros(params * 4 + 8, sentinel), codes(code_bytes + 8, sentinel) {}
+};
+
+// Bytes from `from` on must still be the sentinel.
+void expect_untouched(const std::vector<std::uint8_t>& v, std::size_t from, const char* what) {
+  for (std::size_t i = from; i < v.size(); ++i) ASSERT_EQ(v[i], sentinel) << what << " written past its end at byte " << i;
+}
+
+// |x - x^| <= scale/2 + (how far the stored levels fall short of the group's range) + float rounding.
+float error_bound(const QuantizerSpec& spec, const ref::GroupParams& p, float lo, float hi, float x) {
+  const float top = float(spec.levels() - 1);
+  const float top_level = p.zero + top * p.scale;
+  float slack;
+  if (spec.mode == Mode::asymmetric) {
+    slack = std::fabs(p.zero - lo) + std::max(0.0f, hi - top_level);
+  } else {
+    const float absmax = std::max(std::fabs(lo), std::fabs(hi));
+    slack = std::fabs(p.zero + absmax) + std::max(0.0f, absmax - top_level);
+  }
+  const float eps = 1e-4f * p.scale + 8 * std::numeric_limits<float>::epsilon() *
+                                          (std::fabs(x) + std::fabs(p.zero) + std::fabs(top_level));
+  return 0.5f * p.scale + slack + eps;
+}
+
+std::vector<float> normal_data(std::size_t n, std::mt19937& rng, float sigma = 1.0f) {
+  std::normal_distribution<float> normal(0.0f, sigma);
+  std::vector<float> v(n);
+  for (auto& x : v) x = normal(rng);
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Round trips against error bounds
+
+void check_row_per_token(const QuantizerSpec& spec, const std::vector<float>& x) {
+  const std::size_t dim = x.size();
+  const std::size_t groups = kvq::groups_per_row(spec, dim);
+  Buffers b(groups, kvq::packed_bytes(dim, spec.bits));
+  ref::quantize_row_per_token(spec, x.data(), dim, b.scales.data(), b.zeros.data(), b.codes.data());
+  SCOPED_TRACE(describe(spec) + " dim " + std::to_string(dim));
+  expect_untouched(b.scales, groups * kvq::size_of(spec.param), "scales");
+  expect_untouched(b.zeros, spec.has_zero_point() ? groups * kvq::size_of(spec.param) : 0, "zeros");
+  expect_untouched(b.codes, kvq::packed_bytes(dim, spec.bits), "codes");
+  expect_clean_tail(b.codes.data(), dim, spec.bits);
+
+  std::vector<float> decoded(dim);
+  ref::dequantize_row_per_token(spec, b.codes.data(), dim, b.scales.data(), b.zeros.data(), decoded.data());
+  for (std::size_t g = 0; g < groups; ++g) {
+    const std::size_t begin = g * spec.group, end = std::min(dim, begin + spec.group);
+    const float lo = *std::min_element(x.begin() + long(begin), x.begin() + long(end));
+    const float hi = *std::max_element(x.begin() + long(begin), x.begin() + long(end));
+    const ref::GroupParams p = ref::load_params(spec, b.scales.data(), b.zeros.data(), g);
+    ASSERT_TRUE(ref::representable(p));
+    ASSERT_GE(p.scale, 0.0f);
+    for (std::size_t c = begin; c < end; ++c) {
+      const float mine = p.zero + float(read_code(b.codes.data(), c, spec.bits)) * p.scale;
+      ASSERT_FLOAT_EQ(decoded[c], mine) << "channel " << c;
+      ASSERT_LE(std::fabs(x[c] - mine), error_bound(spec, p, lo, hi, x[c]))
+          << "channel " << c << " x " << x[c] << " scale " << p.scale << " zero " << p.zero;
+    }
+  }
+}
+
+TEST(GroupQuantizer, PerTokenRoundTripWithinBound) {
+  std::mt19937 rng(1);
+  for (const std::size_t dim : {8, 40, 100, 128, 136}) {
+    for (const std::size_t group : {std::size_t(8), std::size_t(16), std::size_t(32), std::size_t(64), dim}) {
+      if (group > dim) continue;
+      for (int variant = 0; variant < 3; ++variant) {
+        std::vector<float> x = normal_data(dim, rng);
+        if (variant == 1) x[dim / 3] *= 100, x[dim - 1] *= 100;  // outlier channels
+        if (variant == 2)
+          for (auto& v : x) v = v * 0.01f + 3.0f;  // offset, narrow range
+        for (const QuantizerSpec& spec : all_specs(Axis::per_token, group)) {
+          check_row_per_token(spec, x);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+void check_block_per_channel(const QuantizerSpec& spec, const std::vector<float>& x, std::size_t rows,
+                             std::size_t dim, std::size_t stride) {
+  const std::size_t row_bytes = kvq::packed_bytes(dim, spec.bits) + 3;  // a gap the kernel must not touch
+  Buffers b(dim, rows * row_bytes);
+  ref::quantize_block_per_channel(spec, x.data(), rows, dim, stride, b.scales.data(), b.zeros.data(), b.codes.data(),
+                                  row_bytes);
+  SCOPED_TRACE(describe(spec) + " rows " + std::to_string(rows) + " dim " + std::to_string(dim) + " stride " +
+               std::to_string(stride));
+  expect_untouched(b.scales, dim * kvq::size_of(spec.param), "scales");
+  expect_untouched(b.zeros, spec.has_zero_point() ? dim * kvq::size_of(spec.param) : 0, "zeros");
+  std::vector<float> decoded(dim);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const std::uint8_t* row = b.codes.data() + r * row_bytes;
+    for (std::size_t i = kvq::packed_bytes(dim, spec.bits); i < row_bytes; ++i) ASSERT_EQ(row[i], sentinel);
+    expect_clean_tail(row, dim, spec.bits);
+    ref::dequantize_row_per_channel(spec, row, dim, b.scales.data(), b.zeros.data(), decoded.data());
+    for (std::size_t c = 0; c < dim; ++c) {
+      float lo = x[c], hi = x[c];
+      for (std::size_t q = 0; q < rows; ++q) lo = std::min(lo, x[q * stride + c]), hi = std::max(hi, x[q * stride + c]);
+      const ref::GroupParams p = ref::load_params(spec, b.scales.data(), b.zeros.data(), c);
+      ASSERT_TRUE(ref::representable(p));
+      const float v = x[r * stride + c];
+      const float mine = p.zero + float(read_code(row, c, spec.bits)) * p.scale;
+      ASSERT_FLOAT_EQ(decoded[c], mine);
+      ASSERT_LE(std::fabs(v - mine), error_bound(spec, p, lo, hi, v)) << "row " << r << " channel " << c;
+    }
+  }
+}
+
+TEST(GroupQuantizer, PerChannelRoundTripWithinBound) {
+  std::mt19937 rng(2);
+  for (const std::size_t dim : {8, 40, 100, 128, 136}) {
+    for (const std::size_t rows : {1, 3, 32, 33}) {
+      for (const std::size_t pad : {0, 5}) {
+        const std::size_t stride = dim + pad;
+        for (int variant = 0; variant < 2; ++variant) {
+          std::vector<float> x = normal_data(rows * stride, rng);
+          for (std::size_t r = 0; r < rows; ++r) {
+            if (variant == 1) x[r * stride + dim / 2] *= 100;  // an outlier channel
+            for (std::size_t c = dim; c < stride; ++c) x[r * stride + c] = std::numeric_limits<float>::quiet_NaN();
+          }
+          for (const QuantizerSpec& spec : all_specs(Axis::per_channel, 32)) {
+            check_block_per_channel(spec, x, rows, dim, stride);
+            if (HasFatalFailure()) return;
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Constant and unrepresentable groups
+
+TEST(GroupQuantizer, ConstantGroupReconstructsToTheStoredValue) {
+  for (const float value : {0.0f, 1.0f, -3.3f, 0.1f, 1e-3f, 12345.678f, -65504.0f, 1e-30f}) {
+    for (const QuantizerSpec& spec : all_specs(Axis::per_token, 32)) {
+      SCOPED_TRACE(describe(spec) + " value " + std::to_string(value));
+      const std::vector<float> x(32, value);
+      Buffers b(1, kvq::packed_bytes(32, spec.bits));
+      ref::quantize_row_per_token(spec, x.data(), 32, b.scales.data(), b.zeros.data(), b.codes.data());
+      std::vector<float> decoded(32);
+      ref::dequantize_row_per_token(spec, b.codes.data(), 32, b.scales.data(), b.zeros.data(), decoded.data());
+      for (const float d : decoded) {
+        ASSERT_FALSE(std::isnan(d));
+        if (spec.mode == Mode::asymmetric) {
+          ASSERT_EQ(d, kvq::round_to(spec.param, value));  // exact for f32
+          if (spec.param == Scalar::f32) ASSERT_EQ(d, value);
+        } else {  // symmetric levels are +-k*scale/2: within the bound of the stored scale
+          const ref::GroupParams p = ref::load_params(spec, b.scales.data(), b.zeros.data(), 0);
+          ASSERT_LE(std::fabs(d - value), error_bound(spec, p, value, value, value));
+        }
+      }
+    }
+    // The same through the per-channel block and the dispatched fast path.
+    for (const QuantizerSpec& spec : all_specs(Axis::per_channel, 32)) {
+      if (spec.mode != Mode::asymmetric) continue;
+      const std::size_t rows = 5, dim = 33;
+      const std::vector<float> x(rows * dim, value);
+      Buffers b(dim, rows * kvq::packed_bytes(dim, spec.bits));
+      kvq::kernels::quantize_block_per_channel(spec, x.data(), rows, dim, dim, b.scales.data(), b.zeros.data(),
+                                               b.codes.data(), kvq::packed_bytes(dim, spec.bits));
+      std::vector<float> decoded(dim);
+      for (std::size_t r = 0; r < rows; ++r) {
+        ref::dequantize_row_per_channel(spec, b.codes.data() + r * kvq::packed_bytes(dim, spec.bits), dim,
+                                        b.scales.data(), b.zeros.data(), decoded.data());
+        for (const float d : decoded) ASSERT_EQ(d, kvq::round_to(spec.param, value)) << describe(spec);
+      }
+    }
+  }
+}
+
+TEST(GroupQuantizer, ParametersBeyondTheParameterTypeAreUnrepresentable) {
+  std::mt19937 rng(5);
+  for (int bits = 1; bits <= 8; ++bits) {
+    // A huge negative value: the f16 zero point (the minimum) overflows at every width.
+    std::vector<float> x = normal_data(32, rng);
+    x[7] = -1e5f;
+    QuantizerSpec spec{bits, 32, Axis::per_token, Mode::asymmetric, Scalar::f16};
+    Buffers b(1, kvq::packed_bytes(32, bits));
+    ref::quantize_row_per_token(spec, x.data(), 32, b.scales.data(), b.zeros.data(), b.codes.data());
+    EXPECT_FALSE(ref::representable(ref::load_params(spec, b.scales.data(), b.zeros.data(), 0))) << bits;
+    EXPECT_FALSE(ref::representable(ref::make_params(spec, -1e5f, 1.0f))) << bits;
+    // bf16 and f32 hold it.
+    for (const Scalar wide : {Scalar::bf16, Scalar::f32}) {
+      spec.param = wide;
+      EXPECT_TRUE(ref::representable(ref::make_params(spec, -1e5f, 1.0f))) << bits;
+    }
+    // A huge positive value: the f16 scale (range / (2^b - 1)) overflows once the range exceeds 65520 levels' worth.
+    const float range_limit = 65520.0f * float((1 << bits) - 1);
+    spec = QuantizerSpec{bits, 32, Axis::per_token, Mode::asymmetric, Scalar::f16};
+    EXPECT_FALSE(ref::representable(ref::make_params(spec, -1.0f, range_limit * 1.01f))) << bits;
+    EXPECT_TRUE(ref::representable(ref::make_params(spec, -1.0f, range_limit * 0.99f))) << bits;
+    spec.mode = Mode::symmetric;  // scale = 2 absmax / (2^b - 1)
+    EXPECT_FALSE(ref::representable(ref::make_params(spec, -1.0f, range_limit * 0.51f))) << bits;
+    EXPECT_TRUE(ref::representable(ref::make_params(spec, -1.0f, range_limit * 0.49f))) << bits;
+  }
+  // One huge value at 1 bit and f16: range > 65504 makes the stored scale infinite.
+  std::vector<float> x = normal_data(32, rng);
+  x[3] = 70000.0f;
+  const QuantizerSpec spec{1, 32, Axis::per_token, Mode::asymmetric, Scalar::f16};
+  Buffers b(1, kvq::packed_bytes(32, 1));
+  kvq::kernels::quantize_row_per_token(spec, x.data(), 32, b.scales.data(), b.zeros.data(), b.codes.data());
+  EXPECT_FALSE(ref::representable(ref::load_params(spec, b.scales.data(), b.zeros.data(), 0)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fast paths: byte-identical to the reference
+
+enum class Pattern { normal, ties, constant, tiny, huge, signed_zeros };
+constexpr Pattern all_patterns[] = {Pattern::normal, Pattern::ties,  Pattern::constant,
+                                    Pattern::tiny,   Pattern::huge, Pattern::signed_zeros};
+const char* name(Pattern p) {
+  switch (p) {
+    case Pattern::normal: return "normal";
+    case Pattern::ties: return "ties";
+    case Pattern::constant: return "constant";
+    case Pattern::tiny: return "tiny";
+    case Pattern::huge: return "huge";
+    case Pattern::signed_zeros: return "signed_zeros";
+  }
+  return "?";
+}
+
+// rows x stride values; `spec` decides where exact ties are planted.
+std::vector<float> make_data(Pattern pattern, const QuantizerSpec& spec, std::size_t n, std::mt19937& rng) {
+  std::vector<float> v(n);
+  const int top = spec.levels() - 1;
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> half_steps(0, 2 * top);
+  std::uniform_int_distribution<int> coin(0, 2);
+  const float huge = spec.param == Scalar::f16 ? 30000.0f : 1e30f;
+  for (std::size_t i = 0; i < n; ++i) {
+    switch (pattern) {
+      case Pattern::normal: v[i] = normal(rng) * 2.0f + 0.5f; break;
+      // Half-integer steps of a unit scale: (x - zero) * inv lands exactly on k + 0.5.
+      case Pattern::ties:
+        v[i] = float(half_steps(rng)) * 0.5f - (spec.mode == Mode::symmetric ? float(top) * 0.5f : 0.0f);
+        if (i % 7 == 0) v[i] = spec.mode == Mode::symmetric ? float(top) * 0.5f : float(top);
+        if (i % 7 == 1) v[i] = spec.mode == Mode::symmetric ? -float(top) * 0.5f : 0.0f;
+        break;
+      case Pattern::constant: v[i] = 1.75f; break;
+      case Pattern::tiny: v[i] = 1.0f + normal(rng) * 1e-6f; break;
+      case Pattern::huge: v[i] = (normal(rng) > 0 ? huge : -huge) * (0.5f + 0.25f * std::fabs(normal(rng))); break;
+      case Pattern::signed_zeros: v[i] = coin(rng) == 0 ? 0.0f : coin(rng) == 1 ? -0.0f : 0.0f; break;
+    }
+  }
+  return v;
+}
+
+using RowFn = void (*)(const QuantizerSpec&, const float*, std::size_t, void*, void*, std::uint8_t*) noexcept;
+using BlockFn = void (*)(const QuantizerSpec&, const float*, std::size_t, std::size_t, std::size_t, void*, void*,
+                         std::uint8_t*, std::size_t) noexcept;
+
+void compare_row(RowFn fast, const QuantizerSpec& spec, const std::vector<float>& x, const std::string& what) {
+  const std::size_t dim = x.size(), groups = kvq::groups_per_row(spec, dim);
+  Buffers want(groups, kvq::packed_bytes(dim, spec.bits)), got = want;
+  ref::quantize_row_per_token(spec, x.data(), dim, want.scales.data(), want.zeros.data(), want.codes.data());
+  fast(spec, x.data(), dim, got.scales.data(), got.zeros.data(), got.codes.data());
+  SCOPED_TRACE(what + " " + describe(spec) + " dim " + std::to_string(dim));
+  for (std::size_t i = 0; i < want.codes.size(); ++i) ASSERT_EQ(got.codes[i], want.codes[i]) << "code byte " << i;
+  for (std::size_t i = 0; i < want.scales.size(); ++i) ASSERT_EQ(got.scales[i], want.scales[i]) << "scale byte " << i;
+  for (std::size_t i = 0; i < want.zeros.size(); ++i) ASSERT_EQ(got.zeros[i], want.zeros[i]) << "zero byte " << i;
+}
+
+void compare_block(BlockFn fast, const QuantizerSpec& spec, const std::vector<float>& x, std::size_t rows,
+                   std::size_t dim, std::size_t stride, const std::string& what) {
+  const std::size_t row_bytes = kvq::packed_bytes(dim, spec.bits) + 1;
+  Buffers want(dim, rows * row_bytes), got = want;
+  ref::quantize_block_per_channel(spec, x.data(), rows, dim, stride, want.scales.data(), want.zeros.data(),
+                                  want.codes.data(), row_bytes);
+  fast(spec, x.data(), rows, dim, stride, got.scales.data(), got.zeros.data(), got.codes.data(), row_bytes);
+  SCOPED_TRACE(what + " " + describe(spec) + " rows " + std::to_string(rows) + " dim " + std::to_string(dim));
+  for (std::size_t i = 0; i < want.codes.size(); ++i) ASSERT_EQ(got.codes[i], want.codes[i]) << "code byte " << i;
+  for (std::size_t i = 0; i < want.scales.size(); ++i) ASSERT_EQ(got.scales[i], want.scales[i]) << "scale byte " << i;
+  for (std::size_t i = 0; i < want.zeros.size(); ++i) ASSERT_EQ(got.zeros[i], want.zeros[i]) << "zero byte " << i;
+}
+
+constexpr std::size_t awkward_dims[] = {1, 7, 8, 15, 16, 17, 31, 33, 100, 128, 130, 1024};
+
+void run_row_comparison(RowFn fast, bool only_supported, const std::string& what) {
+  std::mt19937 rng(3);
+  for (const std::size_t dim : awkward_dims)
+    for (const std::size_t group : {16, 32, 64, 128, 24, 8})
+      for (const Pattern pattern : all_patterns)
+        for (const QuantizerSpec& spec : all_specs(Axis::per_token, group)) {
+          if (only_supported && group % 16 != 0) continue;
+          const std::size_t reps = dim >= 128 ? 1 : 3;
+          for (std::size_t rep = 0; rep < reps; ++rep) {
+            compare_row(fast, spec, make_data(pattern, spec, dim, rng), what + " " + name(pattern));
+            if (::testing::Test::HasFatalFailure()) return;
+          }
+        }
+}
+
+void run_block_comparison(BlockFn fast, const std::string& what) {
+  std::mt19937 rng(4);
+  for (const std::size_t dim : awkward_dims) {
+    std::vector<std::size_t> row_counts;
+    if (dim < 128)
+      for (std::size_t r = 1; r <= 40; ++r) row_counts.push_back(r);
+    else
+      row_counts = {1, 2, 16, 32, 33, 40};
+    for (const std::size_t rows : row_counts)
+      for (const Pattern pattern : all_patterns)
+        for (const QuantizerSpec& spec : all_specs(Axis::per_channel, 32)) {
+          // Keep the sweep fast: every width for a few row counts, every row count for a few widths.
+          if (rows > 3 && rows != 32 && rows != 33 && rows != 40 && spec.bits != 2 && spec.bits != 3) continue;
+          const std::size_t stride = dim + (rows % 3);  // padded rows too
+          std::vector<float> x = make_data(pattern, spec, rows * stride, rng);
+          for (std::size_t r = 0; r < rows; ++r)
+            for (std::size_t c = dim; c < stride; ++c) x[r * stride + c] = std::numeric_limits<float>::quiet_NaN();
+          compare_block(fast, spec, x, rows, dim, stride, what + " " + name(pattern));
+          if (::testing::Test::HasFatalFailure()) return;
+        }
+  }
+}
+
+TEST(GroupQuantizerFastPath, DispatchedPerTokenMatchesReferenceByteForByte) {
+  run_row_comparison(&kvq::kernels::quantize_row_per_token, false, "dispatched");
+}
+
+TEST(GroupQuantizerFastPath, DispatchedPerChannelMatchesReferenceByteForByte) {
+  run_block_comparison(&kvq::kernels::quantize_block_per_channel, "dispatched");
+}
+
+#if defined(KVQ_HAVE_X86_KERNELS)
+TEST(GroupQuantizerFastPath, Avx512PerTokenMatchesReferenceByteForByte) {
+  if (kvq::isa::detected() != kvq::isa::Level::avx512) GTEST_SKIP() << "this CPU lacks AVX-512";
+  EXPECT_TRUE(kvq::kernels::avx512::supports(QuantizerSpec{4, 32, Axis::per_token}));
+  EXPECT_FALSE(kvq::kernels::avx512::supports(QuantizerSpec{4, 24, Axis::per_token}));
+  EXPECT_TRUE(kvq::kernels::avx512::supports(QuantizerSpec{4, 24, Axis::per_channel}));
+  run_row_comparison(&kvq::kernels::avx512::quantize_row_per_token, true, "avx512");
+}
+
+TEST(GroupQuantizerFastPath, Avx512PerChannelMatchesReferenceByteForByte) {
+  if (kvq::isa::detected() != kvq::isa::Level::avx512) GTEST_SKIP() << "this CPU lacks AVX-512";
+  run_block_comparison(&kvq::kernels::avx512::quantize_block_per_channel, "avx512");
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// The thesis in miniature: keys with a fixed outlier channel want per-channel groups.
+
+double relative_error(const std::vector<float>& x, const std::vector<float>& y) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) num += double(x[i] - y[i]) * (x[i] - y[i]), den += double(x[i]) * x[i];
+  return std::sqrt(num / den);
+}
+
+// (tokens, dim) row-major -> reconstruction with per-channel groups of `tokens` tokens.
+std::vector<float> roundtrip_per_channel(const QuantizerSpec& spec, const std::vector<float>& x, std::size_t tokens,
+                                         std::size_t dim) {
+  const std::size_t row_bytes = kvq::packed_bytes(dim, spec.bits);
+  Buffers b(dim, tokens * row_bytes);
+  kvq::kernels::quantize_block_per_channel(spec, x.data(), tokens, dim, dim, b.scales.data(), b.zeros.data(),
+                                           b.codes.data(), row_bytes);
+  std::vector<float> out(x.size());
+  for (std::size_t t = 0; t < tokens; ++t)
+    ref::dequantize_row_per_channel(spec, b.codes.data() + t * row_bytes, dim, b.scales.data(), b.zeros.data(),
+                                    out.data() + t * dim);
+  return out;
+}
+
+std::vector<float> roundtrip_per_token(const QuantizerSpec& spec, const std::vector<float>& x, std::size_t tokens,
+                                       std::size_t dim) {
+  const std::size_t groups = kvq::groups_per_row(spec, dim), row_bytes = kvq::packed_bytes(dim, spec.bits);
+  std::vector<float> out(x.size());
+  for (std::size_t t = 0; t < tokens; ++t) {
+    Buffers b(groups, row_bytes);
+    kvq::kernels::quantize_row_per_token(spec, x.data() + t * dim, dim, b.scales.data(), b.zeros.data(), b.codes.data());
+    ref::dequantize_row_per_token(spec, b.codes.data(), dim, b.scales.data(), b.zeros.data(), out.data() + t * dim);
+  }
+  return out;
+}
+
+TEST(GroupQuantizerThesis, OutlierChannelsFavourPerChannelKeys) {
+  constexpr std::size_t tokens = 32, dim = 128;
+  std::mt19937 rng(6);
+  std::vector<float> keys = normal_data(tokens * dim, rng);  // (tokens, dim)
+  for (std::size_t t = 0; t < tokens; ++t)
+    for (const std::size_t c : {5, 77}) keys[t * dim + c] = 50.0f * (1.0f + 0.1f * keys[t * dim + c]);
+  for (const int bits : {2, 4}) {
+    const double per_channel =
+        relative_error(keys, roundtrip_per_channel(QuantizerSpec{bits, tokens, Axis::per_channel}, keys, tokens, dim));
+    const double per_token =
+        relative_error(keys, roundtrip_per_token(QuantizerSpec{bits, 32, Axis::per_token}, keys, tokens, dim));
+    RecordProperty("bits" + std::to_string(bits) + "_per_channel", std::to_string(per_channel));
+    RecordProperty("bits" + std::to_string(bits) + "_per_token", std::to_string(per_token));
+    EXPECT_LT(per_channel, 0.5 * per_token) << bits << " bits: per-channel " << per_channel << ", per-token " << per_token;
+  }
+}
+
+TEST(GroupQuantizerThesis, OutlierTokensFavourPerTokenValues) {
+  constexpr std::size_t tokens = 32, dim = 128;
+  std::mt19937 rng(7);
+  std::vector<float> values = normal_data(tokens * dim, rng);
+  for (const std::size_t t : {3, 20})
+    for (std::size_t c = 0; c < dim; ++c) values[t * dim + c] *= 50.0f;
+  for (const int bits : {2, 4}) {
+    const double per_channel =
+        relative_error(values, roundtrip_per_channel(QuantizerSpec{bits, tokens, Axis::per_channel}, values, tokens, dim));
+    const double per_token =
+        relative_error(values, roundtrip_per_token(QuantizerSpec{bits, 32, Axis::per_token}, values, tokens, dim));
+    EXPECT_LT(per_token, per_channel) << bits << " bits: per-channel " << per_channel << ", per-token " << per_token;
+  }
+}
+
+}  // namespace
