@@ -21,8 +21,8 @@ inline std::filesystem::path default_model_path() { return data_dir() / "stories
 
 /// How to obtain the data, for messages where it is missing.
 inline std::string data_help() {
-  return "the data folder " + data_dir().string() +
-         " is missing; it must hold stories260K/stories260K.gguf (ggml-org's GGUF of Karpathy's stories260K, "
+  return "model data not found under " + data_dir().string() +
+         ": that folder must hold stories260K/stories260K.gguf (ggml-org's GGUF of Karpathy's stories260K, "
          "e.g. testdata/stories260K.gguf in github.com/mutablelogic/go-llama), "
          "stories260K/golden_greedy_256.json and text/tinystories_valid_excerpt.txt; "
          "point the KVQ_DATA_DIR environment variable or CMake cache variable at it";

@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <string>
 #include <string_view>
 
@@ -50,6 +51,8 @@ int run(int argc, char** argv) {
     }
   }
 
+  if (model_path == kvq::llama::default_model_path().string() && !std::filesystem::exists(model_path))
+    throw kvq::Error(kvq::ErrorCode::io, kvq::llama::data_help() + " (or pass --model PATH)");
   const auto file = kvq::llama::GgufFile::load(model_path);
   const kvq::llama::Model model(file);
   const kvq::llama::Tokenizer tokenizer(file);

@@ -88,22 +88,22 @@ class Model {
     const GgufTensor& embd = file.tensor("token_embd.weight");
     if (embd.dims.size() != 2) file.fail("token_embd.weight must have 2 dimensions");
     c.vocab = static_cast<std::size_t>(embd.dims[1]);
-    embedding_ = matrix(file, "token_embd.weight", c.dim, c.vocab);
-    output_ = file.find_tensor("output.weight") ? matrix(file, "output.weight", c.dim, c.vocab) : embedding_;  // tied
-    output_norm_ = vector(file, "output_norm.weight", c.dim);
+    embedding_ = load_matrix(file, "token_embd.weight", c.dim, c.vocab);
+    output_ = file.find_tensor("output.weight") ? load_matrix(file, "output.weight", c.dim, c.vocab) : embedding_;  // tied
+    output_norm_ = load_vector(file, "output_norm.weight", c.dim);
     layers_.resize(c.layers);
     for (std::size_t l = 0; l < c.layers; ++l) {
       const std::string p = "blk." + std::to_string(l) + ".";
       Layer& L = layers_[l];
-      L.attn_norm = vector(file, p + "attn_norm.weight", c.dim);
-      L.wq = matrix(file, p + "attn_q.weight", c.dim, c.q_dim());
-      L.wk = matrix(file, p + "attn_k.weight", c.dim, c.kv_dim());
-      L.wv = matrix(file, p + "attn_v.weight", c.dim, c.kv_dim());
-      L.wo = matrix(file, p + "attn_output.weight", c.q_dim(), c.dim);
-      L.ffn_norm = vector(file, p + "ffn_norm.weight", c.dim);
-      L.w_gate = matrix(file, p + "ffn_gate.weight", c.dim, c.ffn_dim);
-      L.w_up = matrix(file, p + "ffn_up.weight", c.dim, c.ffn_dim);
-      L.w_down = matrix(file, p + "ffn_down.weight", c.ffn_dim, c.dim);
+      L.attn_norm = load_vector(file, p + "attn_norm.weight", c.dim);
+      L.wq = load_matrix(file, p + "attn_q.weight", c.dim, c.q_dim());
+      L.wk = load_matrix(file, p + "attn_k.weight", c.dim, c.kv_dim());
+      L.wv = load_matrix(file, p + "attn_v.weight", c.dim, c.kv_dim());
+      L.wo = load_matrix(file, p + "attn_output.weight", c.q_dim(), c.dim);
+      L.ffn_norm = load_vector(file, p + "ffn_norm.weight", c.dim);
+      L.w_gate = load_matrix(file, p + "ffn_gate.weight", c.dim, c.ffn_dim);
+      L.w_up = load_matrix(file, p + "ffn_up.weight", c.dim, c.ffn_dim);
+      L.w_down = load_matrix(file, p + "ffn_down.weight", c.ffn_dim, c.dim);
     }
     if (file.find("tokenizer.ggml.tokens")) {
       const std::size_t n = file.get_array("tokenizer.ggml.tokens", GgufType::string).size();
@@ -188,12 +188,12 @@ class Model {
   }
 
   // GGUF [ne0, ne1] is ne1 rows of ne0 floats: a row-major (ne1 x ne0) matrix, y = W x.
-  static Matrix matrix(const GgufFile& file, const std::string& name, std::size_t ne0, std::size_t ne1) {
+  static Matrix load_matrix(const GgufFile& file, const std::string& name, std::size_t ne0, std::size_t ne1) {
     const GgufTensor& t = shaped(file, name, {ne0, ne1});
     return Eigen::Map<const Matrix>(t.data.data(), static_cast<Eigen::Index>(ne1), static_cast<Eigen::Index>(ne0));
   }
 
-  static Vector vector(const GgufFile& file, const std::string& name, std::size_t n) {
+  static Vector load_vector(const GgufFile& file, const std::string& name, std::size_t n) {
     const GgufTensor& t = shaped(file, name, {n});
     return Eigen::Map<const Vector>(t.data.data(), static_cast<Eigen::Index>(n));
   }

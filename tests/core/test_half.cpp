@@ -14,6 +14,7 @@
 #include "kvq/core/half.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define KVQ_TEST_HAVE_F16C_INTRINSICS 1
 #endif
@@ -29,12 +30,15 @@ float float_of(std::uint32_t u) { return std::bit_cast<float>(u); }
 
 #if defined(KVQ_TEST_HAVE_F16C_INTRINSICS)
 __attribute__((target("f16c"))) std::uint16_t hw_to_fp16(float x) {
-  return static_cast<std::uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m128i h = _mm_cvtps_ph(_mm_set_ss(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return static_cast<std::uint16_t>(_mm_extract_epi16(h, 0));
 }
 __attribute__((target("f16c"))) float hw_to_float(std::uint16_t h) { return _cvtsh_ss(h); }
 bool have_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;  // cpuid: F16C is VEX-encoded, so AVX must be usable too
+  if (__get_cpuid(1, &a, &b, &c, &d) == 0 || (c & bit_F16C) == 0) return false;
   __builtin_cpu_init();
-  return __builtin_cpu_supports("f16c");
+  return __builtin_cpu_supports("avx");
 }
 #else
 std::uint16_t hw_to_fp16(float) { return 0; }
@@ -99,6 +103,15 @@ std::uint16_t plain_to_bf16(float x) {
 
 bool is_fp16_nan(std::uint16_t h) { return (h & 0x7c00) == 0x7c00 && (h & 0x3ff) != 0; }
 
+TEST(Fp16, HardwareOracleWorks) {
+  if (!have_f16c()) GTEST_SKIP() << "no F16C: the plain reference is the only oracle";
+  EXPECT_EQ(hw_to_fp16(1.0f), 0x3c00);
+  EXPECT_EQ(hw_to_fp16(-65504.0f), 0xfbff);
+  EXPECT_EQ(hw_to_fp16(65520.0f), 0x7c00);
+  EXPECT_EQ(hw_to_fp16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);
+  EXPECT_EQ(hw_to_float(0x3555), 0.333251953125f);
+}
+
 TEST(Fp16, EveryPatternDecodesLikeTheDefinitionAndRoundTrips) {
   const bool hw = have_f16c();
   for (std::uint32_t b = 0; b <= 0xffff; ++b) {
@@ -110,7 +123,9 @@ TEST(Fp16, EveryPatternDecodesLikeTheDefinitionAndRoundTrips) {
       continue;
     }
     EXPECT_EQ(double(f), plain_fp16_value(h.bits)) << std::hex << b;
-    if (hw) EXPECT_EQ(bits_of(f), bits_of(hw_to_float(h.bits))) << std::hex << b;
+    if (hw) {
+      EXPECT_EQ(bits_of(f), bits_of(hw_to_float(h.bits))) << std::hex << b;
+    }
     EXPECT_EQ(kvq::to_fp16(f).bits, b) << std::hex << b;
   }
 }
@@ -147,7 +162,9 @@ void check_fp16(float x, bool hw) {
   }
   const std::uint16_t want = plain_to_fp16(x);
   ASSERT_EQ(got, want) << "x bits " << std::hex << bits_of(x);
-  if (hw) ASSERT_EQ(got, hw_to_fp16(x)) << "x bits " << std::hex << bits_of(x);
+  if (hw) {
+    ASSERT_EQ(got, hw_to_fp16(x)) << "x bits " << std::hex << bits_of(x);
+  }
 }
 
 TEST(Fp16, HalfwayPointsAndTheirNeighbours) {
@@ -209,8 +226,11 @@ TEST(Bf16, EveryPatternRoundTripsAndRandomFloatsMatchReference) {
   for (std::uint32_t b = 0; b <= 0xffff; ++b) {
     const float f = kvq::to_float(bf16{std::uint16_t(b)});
     EXPECT_EQ(bits_of(f), b << 16);
-    if (std::isnan(f)) EXPECT_TRUE(std::isnan(kvq::to_float(kvq::to_bf16(f))));
-    else EXPECT_EQ(kvq::to_bf16(f).bits, b) << std::hex << b;
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(kvq::to_float(kvq::to_bf16(f))));
+    } else {
+      EXPECT_EQ(kvq::to_bf16(f).bits, b) << std::hex << b;
+    }
   }
   std::mt19937 rng(777);
   std::uniform_int_distribution<std::uint32_t> any_bits;
@@ -242,7 +262,9 @@ TEST(Scalar, RoundToStoreAndLoad) {
       kvq::store_scalar(s, buffer.data(), 2, x);
       const std::size_t size = kvq::size_of(s);
       for (std::size_t b = 0; b < buffer.size(); ++b)
-        if (b < 2 * size || b >= 3 * size) ASSERT_EQ(buffer[b], 0xa5) << kvq::to_string(s) << " byte " << b;
+        if (b < 2 * size || b >= 3 * size) {
+          ASSERT_EQ(buffer[b], 0xa5) << kvq::to_string(s) << " byte " << b;
+        }
       EXPECT_EQ(bits_of(kvq::load_scalar(s, buffer.data(), 2)), bits_of(kvq::round_to(s, x))) << kvq::to_string(s);
     }
   }

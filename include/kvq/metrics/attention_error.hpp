@@ -56,6 +56,15 @@ class AttentionErrorAccumulator {
     rows_ += double(a.rows());
   }
 
+  /// Pools another accumulator's sums into this one.
+  AttentionErrorAccumulator& operator+=(const AttentionErrorAccumulator& o) noexcept {
+    key_diff_ += o.key_diff_, key_norm_ += o.key_norm_, value_diff_ += o.value_diff_, value_norm_ += o.value_norm_;
+    score_diff_ += o.score_diff_, score_norm_ += o.score_norm_, out_norm_ += o.out_norm_, out_diff_ += o.out_diff_;
+    out_diff_keys_ += o.out_diff_keys_, out_diff_values_ += o.out_diff_values_;
+    kl_sum_ += o.kl_sum_, rows_ += o.rows_, small_ += o.small_, weights_ += o.weights_;
+    return *this;
+  }
+
   AttentionErrors errors() const noexcept {
     auto ratio = [](double diff, double norm) { return norm > 0 ? std::sqrt(diff / norm) : 0.0; };
     AttentionErrors e;

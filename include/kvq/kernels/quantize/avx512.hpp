@@ -16,7 +16,10 @@
 // GCC 12 warns on its own intrinsic headers (_mm512_undefined_* placeholders) when inlined
 // through target attributes; the warning is about GCC's code, not ours.
 #pragma GCC diagnostic push
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 
 namespace kvq::inline v0::kernels::avx512 {
 
@@ -54,6 +57,8 @@ struct Params16 {
 KVQ_TARGET_AVX512 inline Params16 make_params(const QuantizerSpec& spec, __m512 lo, __m512 hi, void* scales,
                                               void* zeros, std::size_t index, __mmask16 m) noexcept {
   const __m512 top = _mm512_set1_ps(float(spec.levels() - 1));
+  lo = _mm512_add_ps(lo, _mm512_setzero_ps());  // -0 -> +0, as in reference::make_params
+  hi = _mm512_add_ps(hi, _mm512_setzero_ps());
   Params16 p;
   if (spec.mode == Mode::asymmetric) {
     p.scale = round_to(spec.param, _mm512_div_ps(_mm512_sub_ps(hi, lo), top));

@@ -34,6 +34,9 @@ inline float mid_code(const QuantizerSpec& spec) noexcept { return float(spec.le
 
 /// Parameters for a group whose values span [min, max]; non-finite when unrepresentable.
 inline GroupParams make_params(const QuantizerSpec& spec, float min, float max) noexcept {
+  // Adding +0 turns -0 into +0: paths may pick either zero as min/max, the stored bytes must agree.
+  min += 0.0f;
+  max += 0.0f;
   const float top = float(spec.levels() - 1);
   if (spec.mode == Mode::asymmetric) return {round_to(spec.param, (max - min) / top), round_to(spec.param, min)};
   const float absmax = std::max(std::fabs(min), std::fabs(max));

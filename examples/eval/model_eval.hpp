@@ -1,0 +1,187 @@
+#pragma once
+// Teacher-forced evaluation of a real model with one cache configuration against the
+// full-precision run: what the next-token distribution loses (KL, top-1, perplexity) and what
+// each layer's attention loses (errors measured at the attention output).
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "eval/cache_backend.hpp"
+#include "kvq/kvq.hpp"
+#include "llama/full_precision_backend.hpp"
+#include "llama/inference.hpp"
+#include "llama/model.hpp"
+
+namespace kvq::eval {
+
+struct ConfigResult {
+  CacheConfig config;
+  double mean_nll = 0;        // nats per predicted token
+  double perplexity = 0;
+  double mean_kl = 0;         // KL(full precision || this cache) of the next-token distribution, nats
+  double top1 = 0;            // fraction of positions whose argmax matches the full-precision run
+  double bits_per_value = 0;  // cache bits per K/V element at the end of each story, all counted
+  std::size_t cache_bytes = 0;  // summed over stories at their end
+  std::size_t predictions = 0;
+  std::vector<AttentionErrors> layers;  // per layer, all heads and metric stories pooled
+  AttentionErrors all;                  // all layers pooled
+};
+
+class ModelEvaluation {
+ public:
+  /// `stories`: token sequences starting with BOS; `metric_stories`: how many of them feed the
+  /// per-layer attention metrics (they cost O(T^2) per head).
+  ModelEvaluation(const llama::Model& model, std::vector<std::vector<int>> stories, std::size_t metric_stories,
+                  AttentionFn attention = reference_attention_fn())
+      : model_(model), stories_(std::move(stories)), metric_stories_(std::min(metric_stories, stories_.size())),
+        attention_(std::move(attention)) {
+    for (const auto& tokens : stories_) {
+      RecordingBackend<llama::FullPrecisionBackend> kv(llama::FullPrecisionBackend(model_, tokens.size()),
+                                                       model_.config().layers);
+      Run run;
+      run.log_probs = forward_all(kv, tokens);
+      run.nll = nll_of(run.log_probs, tokens);
+      for (std::size_t l = 0; l < model_.config().layers; ++l) {
+        run.q.push_back(kv.queries(l));
+        run.k.push_back(kv.keys(l));
+        run.v.push_back(kv.values(l));
+      }
+      exact_.push_back(std::move(run));
+    }
+  }
+
+  std::size_t predictions() const {
+    std::size_t n = 0;
+    for (const auto& s : stories_) n += s.size() - 1;
+    return n;
+  }
+
+  /// Full-precision (fp32 cache) negative log-likelihood per token.
+  double baseline_nll() const {
+    double total = 0;
+    for (const Run& r : exact_) total += sum(r.nll);
+    return total / double(predictions());
+  }
+
+  ConfigResult evaluate(const CacheConfig& config) const {
+    ConfigResult r;
+    r.config = config;
+    double nll = 0, kl = 0, agree = 0;
+    std::size_t values = 0;
+    for (std::size_t s = 0; s < stories_.size(); ++s) {
+      const std::vector<int>& tokens = stories_[s];
+      CacheBackend kv(model_, config, tokens.size(), attention_);
+      const std::vector<float> log_probs = forward_all(kv, tokens);
+      nll += sum(nll_of(log_probs, tokens));
+      const std::size_t vocab = model_.config().vocab;
+      for (std::size_t p = 0; p + 1 < tokens.size(); ++p) {
+        const float* exact = exact_[s].log_probs.data() + p * vocab;
+        const float* ours = log_probs.data() + p * vocab;
+        double d = 0;
+        for (std::size_t i = 0; i < vocab; ++i) d += std::exp(double(exact[i])) * (double(exact[i]) - ours[i]);
+        kl += std::max(d, 0.0);
+        agree += std::max_element(exact, exact + vocab) - exact == std::max_element(ours, ours + vocab) - ours ? 1 : 0;
+      }
+      const MemoryUsage m = kv.cache().memory();
+      r.cache_bytes += m.total_bytes();
+      values += m.values;
+    }
+    r.predictions = predictions();
+    r.mean_nll = nll / double(r.predictions);
+    r.perplexity = std::exp(r.mean_nll);
+    r.mean_kl = kl / double(r.predictions);
+    r.top1 = agree / double(r.predictions);
+    r.bits_per_value = 8.0 * double(r.cache_bytes) / double(values);
+    attention_metrics(config, r);
+    return r;
+  }
+
+ private:
+  struct Run {
+    std::vector<float> log_probs;  // (T, vocab)
+    std::vector<double> nll;
+    std::vector<std::vector<float>> q, k, v;  // per layer, pre-RoPE
+  };
+
+  template <class Backend>
+  std::vector<float> forward_all(Backend& kv, const std::vector<int>& tokens) const {
+    const std::size_t vocab = model_.config().vocab;
+    std::vector<float> logits(vocab), out(tokens.size() * vocab);
+    for (std::size_t p = 0; p < tokens.size(); ++p) {
+      model_.forward(tokens[p], p, kv, logits);
+      llama::log_softmax(logits, std::span<float>(out.data() + p * vocab, vocab));
+    }
+    return out;
+  }
+
+  std::vector<double> nll_of(const std::vector<float>& log_probs, const std::vector<int>& tokens) const {
+    std::vector<double> nll;
+    for (std::size_t p = 0; p + 1 < tokens.size(); ++p)
+      nll.push_back(-double(log_probs[p * model_.config().vocab + std::size_t(tokens[p + 1])]));
+    return nll;
+  }
+
+  static double sum(const std::vector<double>& v) {
+    double s = 0;
+    for (double x : v) s += x;
+    return s;
+  }
+
+  // Each layer's exact q, k, v go into a one-layer cache with `config`; errors are measured
+  // against the exact tensors with the cache as it stands after the whole story.
+  void attention_metrics(const CacheConfig& config, ConfigResult& r) const {
+    const llama::LlamaConfig& m = model_.config();
+    const std::size_t d = m.head_dim, group = m.heads / m.kv_heads;
+    std::vector<AttentionErrorAccumulator> per_layer(m.layers);
+    AttentionErrorAccumulator all;
+    for (std::size_t s = 0; s < metric_stories_; ++s) {
+      const std::size_t T = stories_[s].size();
+      for (std::size_t l = 0; l < m.layers; ++l) {
+        CacheShape shape = cache_shape(model_, T);
+        shape.layers = 1;
+        BasicKVCache cache(shape, config);
+        std::vector<float> keys = exact_[s].k[l], queries = exact_[s].q[l];
+        for (std::size_t t = 0; t < T; ++t) {
+          cache.rope().rotate_heads(std::span(queries).subspan(t * m.q_dim(), m.q_dim()), t);
+          if (config.key_rope == KeyRope::post)
+            cache.rope().rotate_heads(std::span(keys).subspan(t * m.kv_dim(), m.kv_dim()), t);
+        }
+        cache.append(0, 0, keys, exact_[s].v[l]);
+        for (std::size_t h = 0; h < m.kv_heads; ++h) {
+          MatrixD k(T, d), v(T, d);
+          std::vector<float> row(d);
+          for (std::size_t t = 0; t < T; ++t) {
+            const float* src = exact_[s].k[l].data() + (t * m.kv_heads + h) * d;
+            row.assign(src, src + d);
+            cache.rope().rotate(row.data(), t);
+            for (std::size_t c = 0; c < d; ++c) {
+              k(t, c) = row[c];
+              v(t, c) = exact_[s].v[l][(t * m.kv_heads + h) * d + c];
+            }
+          }
+          std::vector<MatrixD> q(group, MatrixD(T, d));
+          for (std::size_t g = 0; g < group; ++g)
+            for (std::size_t t = 0; t < T; ++t)
+              for (std::size_t c = 0; c < d; ++c) q[g](t, c) = queries[(t * m.heads + h * group + g) * d + c];
+          add_head_errors(per_layer[l], cache, 0, h, k, v, q, 0);
+        }
+      }
+    }
+    for (const auto& acc : per_layer) {
+      r.layers.push_back(acc.errors());
+      all += acc;
+    }
+    r.all = all.errors();
+  }
+
+  const llama::Model& model_;
+  std::vector<std::vector<int>> stories_;
+  std::size_t metric_stories_;
+  AttentionFn attention_;
+  std::vector<Run> exact_;
+};
+
+}  // namespace kvq::eval

@@ -1,0 +1,124 @@
+#pragma once
+// kvq-eval's output: an aligned terminal table, a CSV with per-layer rows, and an SVG chart of
+// model KL divergence and attention-output error against bits per value.
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "eval/model_eval.hpp"
+
+namespace kvq::eval {
+
+/// "K chan / V tok", the axis combination a configuration uses.
+inline std::string axes_label(const CacheConfig& c) {
+  auto axis = [](bool quantized, Axis a) { return !quantized ? "full" : a == Axis::per_channel ? "chan" : "tok"; };
+  return fmt::format("K {} / V {}", axis(c.quantize_keys, c.key.axis), axis(c.quantize_values, c.value.axis));
+}
+
+inline void print_table(std::ostream& out, const std::vector<ConfigResult>& results, double baseline_nll) {
+  out << fmt::format("{:<28} {:<16} {:>6} {:>8} {:>9} {:>7} {:>8} {:>8} {:>8} {:>8}\n", "config", "axes", "bits",
+                     "dPPL", "KL", "top-1", "key err", "val err", "score", "output");
+  out << fmt::format("{:<28} {:<16} {:>6} {:>8} {:>9} {:>7} {:>8} {:>8} {:>8} {:>8}\n", "", "", "/value", "", "nats",
+                     "", "", "", "err", "err");
+  const double base_ppl = std::exp(baseline_nll);
+  for (const ConfigResult& r : results)
+    out << fmt::format("{:<28} {:<16} {:>6.2f} {:>+8.4f} {:>9.5f} {:>7.4f} {:>8.4f} {:>8.4f} {:>8.4f} {:>8.4f}\n",
+                       to_string(r.config), axes_label(r.config), r.bits_per_value, r.perplexity - base_ppl, r.mean_kl,
+                       r.top1, r.all.key_error, r.all.value_error, r.all.score_error, r.all.output_error);
+}
+
+inline void write_csv(std::FILE* f, const std::vector<ConfigResult>& results, double baseline_nll) {
+  fmt::print(f,
+             "config,axes,layer,bits_per_value,cache_bytes,perplexity,baseline_perplexity,mean_kl,top1,key_error,"
+             "value_error,score_error,output_error,output_error_keys_only,output_error_values_only,attention_kl,"
+             "sparsity\n");
+  for (const ConfigResult& r : results) {
+    for (std::size_t l = 0; l <= r.layers.size(); ++l) {
+      const AttentionErrors& e = l < r.layers.size() ? r.layers[l] : r.all;
+      fmt::print(f, "{},{},{},{:.4f},{},{:.6f},{:.6f},{:.6g},{:.6f},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.4f}\n",
+                 to_string(r.config), axes_label(r.config), l < r.layers.size() ? std::to_string(l) : "all",
+                 r.bits_per_value, r.cache_bytes, r.perplexity, std::exp(baseline_nll), r.mean_kl, r.top1, e.key_error,
+                 e.value_error, e.score_error, e.output_error, e.output_error_keys, e.output_error_values,
+                 e.attention_kl, e.sparsity);
+    }
+  }
+}
+
+struct ChartPoint {
+  double bits, kl, output_error;
+};
+
+/// Two log-scale panels (model KL, attention-output error) against bits per value, one line per
+/// axis combination: configurations with no window, no sinks and pre-RoPE keys.
+inline std::string svg_chart(const std::vector<ConfigResult>& results, const std::string& title) {
+  std::map<std::string, std::vector<ChartPoint>> series;
+  for (const ConfigResult& r : results) {
+    const CacheConfig& c = r.config;
+    if (!c.quantize_keys || !c.quantize_values || c.window != 0 || c.sinks != 0 || c.key_rope != KeyRope::pre ||
+        c.key.bits != c.value.bits)
+      continue;
+    series[axes_label(c)].push_back({r.bits_per_value, std::max(r.mean_kl, 1e-6), std::max(r.all.output_error, 1e-6)});
+  }
+  const char* colors[] = {"#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02"};
+  const double W = 460, H = 320, left = 60, top = 40, pw = 380, ph = 230;
+  std::string svg = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" "
+      "font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      "<text x=\"{}\" y=\"20\" font-size=\"14\">{}</text>\n",
+      2 * W, H + 40, left, title);
+  double max_bits = 1;
+  for (auto& [name, pts] : series) {
+    std::sort(pts.begin(), pts.end(), [](auto& a, auto& b) { return a.bits < b.bits; });
+    for (auto& p : pts) max_bits = std::max(max_bits, p.bits);
+  }
+  max_bits = std::ceil(max_bits);
+  for (int panel = 0; panel < 2; ++panel) {
+    const double x0 = left + panel * W;
+    double lo = 1e9, hi = 1e-9;
+    for (auto& [name, pts] : series)
+      for (auto& p : pts) {
+        const double y = panel == 0 ? p.kl : p.output_error;
+        lo = std::min(lo, y);
+        hi = std::max(hi, y);
+      }
+    if (lo > hi) lo = 1e-3, hi = 1;
+    const double llo = std::floor(std::log10(lo)), lhi = std::ceil(std::log10(hi)) + (lo == hi ? 1 : 0);
+    auto X = [&](double bits) { return x0 + pw * bits / max_bits; };
+    auto Y = [&](double v) { return top + ph * (lhi - std::log10(v)) / (lhi - llo); };
+    svg += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#444\"/>\n", x0, top,
+                       pw, ph);
+    for (double e = llo; e <= lhi; e += 1)
+      svg += fmt::format(
+          "<line x1=\"{0}\" x2=\"{1}\" y1=\"{2}\" y2=\"{2}\" stroke=\"#ddd\"/><text x=\"{3}\" y=\"{4}\" "
+          "text-anchor=\"end\">1e{5}</text>\n",
+          x0, x0 + pw, Y(std::pow(10.0, e)), x0 - 4, Y(std::pow(10.0, e)) + 4, int(e));
+    for (double b = 0; b <= max_bits; b += 2)
+      svg += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", X(b), top + ph + 16, int(b));
+    svg += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">bits per value (all metadata counted)</text>\n",
+                       x0 + pw / 2, top + ph + 34);
+    svg += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", x0, top - 6,
+                       panel == 0 ? "next-token KL divergence (nats, log)" : "attention-output error (relative L2, log)");
+    int color = 0;
+    for (auto& [name, pts] : series) {
+      std::string path;
+      for (auto& p : pts) path += fmt::format("{},{} ", X(p.bits), Y(panel == 0 ? p.kl : p.output_error));
+      const char* col = colors[color++ % 6];
+      svg += fmt::format("<polyline points=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"2\"/>\n", path, col);
+      for (auto& p : pts)
+        svg += fmt::format("<circle cx=\"{}\" cy=\"{}\" r=\"3\" fill=\"{}\"/>\n", X(p.bits),
+                           Y(panel == 0 ? p.kl : p.output_error), col);
+      if (panel == 1)
+        svg += fmt::format("<text x=\"{}\" y=\"{}\" fill=\"{}\">{}</text>\n", x0 + pw - 110, top + 16 * color, col, name);
+    }
+  }
+  return svg + "</svg>\n";
+}
+
+}  // namespace kvq::eval

@@ -1,0 +1,195 @@
+#pragma once
+// Decode attention over the packed cache: all query heads of one new position attend to sink
+// tokens, packed groups and the full-precision window without a dequantized copy of the cache.
+//
+//   q (heads, d) --rotate (pre-RoPE) & scale 1/sqrt(d)--> tasks (KV head x context chunk)
+//     --kernel per task: online softmax over tiles, each K/V tile read once for the GQA group-->
+//   partial (max, sum, acc) per task --merge in chunk order--> out (heads, d)
+//
+// Chunks are a fixed number of tiles (DecodeOptions::chunk_tokens), never derived from the
+// thread count, and partials merge in a fixed order: the result is bit-identical for every
+// executor and thread count. Different chunk sizes agree to floating-point rounding (~1e-7).
+//
+// Pre-RoPE keys: the kernels dequantize a key row, rotate it at its position (cos/sin from the
+// cache's table) and dot it with every query head of the group. The pairwise form
+// sum cos*(qa ka + qb kb) + sin*(qb ka - qa kb) costs three products per channel and head; rotating
+// the row once costs about two per channel shared by the whole GQA group, so rotation wins for
+// GQA >= 2. Post-RoPE keys fold the per-channel scales into the query instead (one scaled query
+// per key block, q.zero as a per-block bias) and never dequantize.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvq/attention/reference.hpp"
+#include "kvq/cache/kv_cache.hpp"
+#include "kvq/error.hpp"
+#include "kvq/isa.hpp"
+#include "kvq/kernels/attention/reference.hpp"
+#if defined(KVQ_HAVE_X86_KERNELS)
+#include "kvq/kernels/attention/avx512.hpp"
+#endif
+#include "kvq/parallel/executor.hpp"
+
+namespace kvq::inline v0 {
+
+/// Scratch reused across calls so the hot path never allocates once warmed up.
+class DecodeWorkspace {
+ public:
+  std::vector<float> queries;  // (heads, head_dim) rotated and scaled
+  std::vector<float> partial;  // (tasks, group, head_dim + 2)
+};
+
+struct DecodeOptions {
+  Tier tier = Tier::exact;
+  /// Context positions per work item, rounded up to whole tiles (key blocks). Fixed, never
+  /// derived from the thread count, so results are identical for every executor.
+  std::size_t chunk_tokens = 4096;
+  /// nullptr: run on the calling thread.
+  Executor* executor = nullptr;
+  /// nullptr: a per-thread workspace of the library's own.
+  DecodeWorkspace* workspace = nullptr;
+  /// Use the scalar reference kernel whatever the CPU supports (tests, bisecting).
+  bool reference_kernel = false;
+};
+
+namespace kernels::attention {
+
+/// Which kernel decode_attention uses for this cache on this CPU.
+enum class Path : unsigned char { reference, avx512 };
+
+constexpr const char* to_string(Path p) noexcept { return p == Path::reference ? "reference" : "avx512"; }
+
+inline Path select_path(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope) noexcept {
+#if defined(KVQ_HAVE_X86_KERNELS)
+  if (avx512::supported() && avx512::supports(keys, values, group, rope)) return Path::avx512;
+#else
+  (void)keys, (void)values, (void)group, (void)rope;
+#endif
+  return Path::reference;
+}
+
+inline void run(Path path, const DecodeTask& task) noexcept {
+#if defined(KVQ_HAVE_X86_KERNELS)
+  if (path == Path::avx512) return avx512::decode_task(task);
+#endif
+  (void)path;
+  decode_task(task);
+}
+
+}  // namespace kernels::attention
+
+namespace detail {
+
+struct DecodePlan {
+  std::size_t dim = 0, heads = 0, group = 0, kv_heads = 0, tokens = 0, chunk = 0, chunks = 0;
+};
+
+inline DecodePlan plan_decode(const BasicKVCache& cache, std::size_t layer, std::size_t position, std::size_t q_size,
+                              std::size_t out_size, const DecodeOptions& options) {
+  check_attention_args(cache, layer, position, 1, q_size, out_size);
+  DecodePlan p;
+  p.dim = cache.shape().head_dim;
+  p.kv_heads = cache.shape().kv_heads;
+  p.heads = q_size / p.dim;
+  p.group = p.heads / p.kv_heads;
+  if (p.group > kernels::attention::max_group)
+    throw Error(ErrorCode::unsupported, "decode attention: " + std::to_string(p.group) +
+                                            " query heads per KV head exceed " +
+                                            std::to_string(kernels::attention::max_group));
+  if (p.dim > max_head_dim)
+    throw Error(ErrorCode::unsupported, "decode attention: head_dim " + std::to_string(p.dim) + " exceeds " +
+                                            std::to_string(max_head_dim));
+  p.tokens = position + 1;
+  const std::size_t tile = kernels::attention::tile_tokens(cache.keys(layer, 0));
+  p.chunk = std::max<std::size_t>(1, (options.chunk_tokens + tile - 1) / tile) * tile;
+  const std::size_t sinks = cache.config().sinks;
+  // Chunk j covers [start(j), start(j + 1)) with start(j) = sinks + j * chunk (chunk 0 from 0).
+  p.chunks = p.tokens <= sinks ? 1 : (p.tokens - sinks + p.chunk - 1) / p.chunk;
+  return p;
+}
+
+}  // namespace detail
+
+/// Decode attention for one position: q, out (heads, head_dim); queries follow the cache's
+/// key_rope (pre-RoPE queries are rotated to `position` here). Query head h reads KV head
+/// h / (heads / kv_heads). Attends to positions [0, position]. Throws kvq::Error on bad shapes,
+/// a layer outside the cache or a position the layer does not hold yet.
+inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::size_t position,
+                             std::span<const float> q, std::span<float> out, const DecodeOptions& options = {}) {
+  const detail::DecodePlan plan = detail::plan_decode(cache, layer, position, q.size(), out.size(), options);
+  thread_local DecodeWorkspace own;
+  DecodeWorkspace& ws = options.workspace != nullptr ? *options.workspace : own;
+  const std::size_t dim = plan.dim, stride = plan.group * (dim + 2);
+  ws.queries.resize(plan.heads * dim);
+  ws.partial.resize(plan.kv_heads * plan.chunks * stride);
+
+  const bool pre = cache.config().key_rope == KeyRope::pre;
+  const float scale = 1.0f / std::sqrt(float(dim));
+  std::copy(q.begin(), q.end(), ws.queries.begin());
+  for (std::size_t h = 0; h < plan.heads; ++h) {
+    float* x = ws.queries.data() + h * dim;
+    if (pre) cache.rope().rotate(x, position);
+    for (std::size_t c = 0; c < dim; ++c) x[c] *= scale;
+  }
+
+  const RopeTable* rope = pre ? &cache.rope() : nullptr;
+  const kernels::attention::Path path =
+      options.reference_kernel ? kernels::attention::Path::reference
+                               : kernels::attention::select_path(cache.keys(layer, 0), cache.values(layer, 0), plan.group, rope);
+  const std::size_t sinks = cache.config().sinks;
+  auto task_at = [&](std::size_t i) {
+    const std::size_t kvh = i / plan.chunks, j = i % plan.chunks;
+    kernels::attention::DecodeTask t;
+    t.keys = cache.keys(layer, kvh);
+    t.values = cache.values(layer, kvh);
+    t.rope = rope;
+    t.queries = ws.queries.data() + kvh * plan.group * dim;
+    t.group = plan.group;
+    t.begin = j == 0 ? 0 : sinks + j * plan.chunk;
+    t.end = std::min(plan.tokens, sinks + (j + 1) * plan.chunk);
+    t.tier = options.tier;
+    float* base = ws.partial.data() + i * stride;
+    t.max = base;
+    t.sum = base + plan.group;
+    t.acc = base + 2 * plan.group;
+    kernels::attention::run(path, t);
+  };
+  const std::size_t n = plan.kv_heads * plan.chunks;
+  if (options.executor != nullptr && n > 1) options.executor->parallel_for(n, task_at);
+  else for (std::size_t i = 0; i < n; ++i) task_at(i);
+
+  // Exact merge in chunk order.
+  for (std::size_t kvh = 0; kvh < plan.kv_heads; ++kvh) {
+    for (std::size_t g = 0; g < plan.group; ++g) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (std::size_t j = 0; j < plan.chunks; ++j) m = std::max(m, ws.partial[(kvh * plan.chunks + j) * stride + g]);
+      float* o = out.data() + (kvh * plan.group + g) * dim;
+      std::fill(o, o + dim, 0.0f);
+      float sum = 0.0f;
+      for (std::size_t j = 0; j < plan.chunks; ++j) {
+        const float* base = ws.partial.data() + (kvh * plan.chunks + j) * stride;
+        if (base[g] == -std::numeric_limits<float>::infinity()) continue;
+        const float w = std::exp(base[g] - m);
+        sum += w * base[plan.group + g];
+        const float* acc = base + 2 * plan.group + g * dim;
+        for (std::size_t c = 0; c < dim; ++c) o[c] += w * acc[c];
+      }
+      const float inv = 1.0f / sum;
+      for (std::size_t c = 0; c < dim; ++c) o[c] *= inv;
+    }
+  }
+}
+
+/// The kernel decode_attention picks for this cache and query layout on this CPU.
+inline kernels::attention::Path decode_path(const BasicKVCache& cache, std::size_t heads) {
+  const std::size_t group = heads / cache.shape().kv_heads;
+  return kernels::attention::select_path(cache.keys(0, 0), cache.values(0, 0), group,
+                                         cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr);
+}
+
+}  // namespace kvq::inline v0

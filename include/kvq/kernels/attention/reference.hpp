@@ -1,0 +1,228 @@
+#pragma once
+// Scalar reference of decode attention over one KV head and a range of positions: the partial
+// online-softmax state (running max, running sum, unnormalised output) of every query head that
+// shares the KV head. decode.hpp splits the context into such tasks and merges them exactly.
+//
+// Positions are walked in tiles: sinks in tiles of up to 32, then tiles aligned to the key
+// blocks (per-channel groups), so a quantized key tile shares one set of scales and zero points.
+// Two tiers, both defined here for every configuration:
+//   exact:   fp32/fp64 arithmetic on dequantized (and, pre-RoPE, rotated) rows.
+//   integer: for a tile of per-channel quantized post-RoPE keys, score = q.z + a * sum(qi * code)
+//            where q~ = q * scale (scale folded into the query), a = max|q~| / 127 and
+//            qi = rne(q~ / a) in [-127, 127]; for per-token quantized values, the weights
+//            w = p * scale are quantized per tile and head to wq = rne(w / b) in [0, W]
+//            (W = 255 for codes of up to 7 bits, 127 for 8-bit codes) and the output gains
+//            b * sum(wq * code) + sum(p * zero). Everything else is computed as in the exact tier.
+// The AVX-512 kernels implement the same definitions (up to exp() rounding and rounding ties).
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "kvq/cache/stream_view.hpp"
+#include "kvq/pack/bitpack.hpp"
+#include "kvq/rope/rope.hpp"
+
+namespace kvq::inline v0 {
+
+/// Accuracy tier of decode attention.
+enum class Tier : unsigned char {
+  exact,    // fp32 arithmetic; within 1e-5 relative of reference_attention
+  integer,  // int8 query and attention weights against the codes (vpdpbusd); within 5e-3
+};
+
+constexpr const char* to_string(Tier t) noexcept { return t == Tier::exact ? "exact" : "integer"; }
+
+}  // namespace kvq::inline v0
+
+namespace kvq::inline v0::kernels::attention {
+
+/// Longest tile of positions a kernel works on at once; bounds the stack scratch.
+inline constexpr std::size_t max_tile = 128;
+/// Most query heads per KV head (GQA ratio) the kernels accept.
+inline constexpr std::size_t max_group = 64;
+
+/// One unit of decode work: the query heads of one KV head over positions [begin, end).
+struct DecodeTask {
+  StreamView keys, values;
+  const RopeTable* rope = nullptr;  // non-null: keys are stored pre-RoPE and rotated to their position
+  const float* queries = nullptr;   // (group, head_dim): rotated to the query position, times 1/sqrt(head_dim)
+  std::size_t group = 1;            // query heads sharing the KV head
+  std::size_t begin = 0, end = 0;
+  Tier tier = Tier::exact;
+  // Output: the online-softmax state over [begin, end).
+  float* max = nullptr;  // (group) running maximum score (-inf if the range is empty)
+  float* sum = nullptr;  // (group) sum of exp(score - max)
+  float* acc = nullptr;  // (group, head_dim) sum of exp(score - max) * value
+};
+
+/// Tile length: the key block when keys are quantized per channel (and it fits), else 32.
+inline std::size_t tile_tokens(const StreamView& keys) noexcept {
+  if (keys.quantized && keys.spec.axis == Axis::per_channel && keys.spec.group <= max_tile) return keys.spec.group;
+  return 32;
+}
+
+/// End of the tile starting at p: sinks in tiles of up to 32, then tiles aligned to first_quantized.
+inline std::size_t tile_end(const StreamView& keys, std::size_t p, std::size_t end) noexcept {
+  const std::size_t s = keys.first_quantized;
+  if (p < s) return std::min({s, p + 32, end});
+  const std::size_t t = tile_tokens(keys);
+  return std::min(end, s + ((p - s) / t + 1) * t);
+}
+
+/// True when the whole tile [a, b) holds quantized per-channel keys of one block.
+inline bool quantized_key_block(const StreamView& k, std::size_t a, std::size_t b) noexcept {
+  return k.quantized && k.spec.axis == Axis::per_channel && a >= k.first_quantized && b <= k.end_quantized &&
+         (a - k.first_quantized) / k.spec.group == (b - 1 - k.first_quantized) / k.spec.group;
+}
+
+/// Quantized per-token value rows of the tile: [first, last).
+inline std::pair<std::size_t, std::size_t> quantized_value_rows(const StreamView& v, std::size_t a, std::size_t b) noexcept {
+  if (!v.quantized || v.spec.axis != Axis::per_token) return {a, a};
+  const std::size_t first = std::max(a, v.first_quantized), last = std::min(b, v.end_quantized);
+  return first < last ? std::pair{first, last} : std::pair{a, a};
+}
+
+/// The largest integer weight for codes of `bits`: u8 weights when codes fit a signed byte.
+constexpr float weight_levels(int bits) noexcept { return bits <= 7 ? 255.0f : 127.0f; }
+
+/// Online-softmax update of one head with a tile's scores; scores become exp(score - new max).
+inline void softmax_update(float* scores, std::size_t n, float& max, float& sum, float* acc, std::size_t dim) noexcept {
+  float m = max;
+  for (std::size_t t = 0; t < n; ++t) m = std::max(m, scores[t]);
+  const float correction = max == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(max - m);
+  if (correction != 1.0f) {
+    sum *= correction;
+    for (std::size_t c = 0; c < dim; ++c) acc[c] *= correction;
+  }
+  max = m;
+  for (std::size_t t = 0; t < n; ++t) {
+    scores[t] = std::exp(scores[t] - m);
+    sum += scores[t];
+  }
+}
+
+namespace detail {
+
+/// Unpacks the codes of row p of a quantized stream: out (dim).
+inline void codes_of(const StreamView& s, std::size_t p, std::uint8_t* out) noexcept {
+  unpack_codes(s.code_row(p), s.head_dim, s.spec.bits, out);
+}
+
+inline float param(const StreamView& s, const std::uint8_t* base, std::size_t i) noexcept {
+  return load_scalar(s.spec.param, base, i);
+}
+
+/// Integer-tier key scores of one tile (a quantized per-channel block, post-RoPE).
+inline void integer_key_scores(const DecodeTask& task, std::size_t a, std::size_t b, float (*scores)[max_tile]) noexcept {
+  const StreamView& k = task.keys;
+  const std::size_t dim = k.head_dim, pi = k.param_index(a);
+  float scale[max_head_dim], zero[max_head_dim];
+  for (std::size_t c = 0; c < dim; ++c) {
+    const auto gp = reference::load_params(k.spec, k.scales + pi * size_of(k.spec.param),
+                                           k.zeros == nullptr ? nullptr : k.zeros + pi * size_of(k.spec.param), c);
+    scale[c] = gp.scale;
+    zero[c] = gp.zero;
+  }
+  std::int8_t qi[max_head_dim];
+  std::uint8_t codes[max_head_dim];
+  for (std::size_t h = 0; h < task.group; ++h) {
+    const float* q = task.queries + h * dim;
+    float amax = 0.0f, bias = 0.0f;
+    for (std::size_t c = 0; c < dim; ++c) {
+      amax = std::max(amax, std::fabs(q[c] * scale[c]));
+      bias += q[c] * zero[c];
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, alpha = amax / 127.0f;
+    for (std::size_t c = 0; c < dim; ++c) qi[c] = std::int8_t(std::nearbyint(q[c] * scale[c] * inv));
+    for (std::size_t p = a; p < b; ++p) {
+      codes_of(k, p, codes);
+      std::int32_t dot = 0;
+      for (std::size_t c = 0; c < dim; ++c) dot += std::int32_t(qi[c]) * std::int32_t(codes[c]);
+      scores[h][p - a] = bias + alpha * float(dot);
+    }
+  }
+}
+
+/// Integer-tier value accumulation of rows [a, b) (quantized per token) with weights p (exp'd scores).
+inline void integer_values(const DecodeTask& task, std::size_t tile_begin, std::size_t a, std::size_t b,
+                           float (*weights)[max_tile]) noexcept {
+  const StreamView& v = task.values;
+  const std::size_t dim = v.head_dim, groups = groups_per_row(v.spec, dim), psize = size_of(v.spec.param);
+  const float levels = weight_levels(v.spec.bits);
+  std::uint8_t codes[max_head_dim];
+  for (std::size_t h = 0; h < task.group; ++h) {
+    float* acc = task.acc + h * dim;
+    float wmax = 0.0f;
+    for (std::size_t p = a; p < b; ++p)
+      for (std::size_t g = 0; g < groups; ++g)
+        wmax = std::max(wmax, weights[h][p - tile_begin] * param(v, v.scales, v.param_index(p) + g));
+    const float inv = wmax > 0.0f ? levels / wmax : 0.0f, beta = wmax / levels;
+    std::int32_t dots[max_head_dim] = {};
+    float zsum[max_head_dim] = {};
+    for (std::size_t p = a; p < b; ++p) {
+      codes_of(v, p, codes);
+      const float w = weights[h][p - tile_begin];
+      for (std::size_t g = 0; g < groups; ++g) {
+        const auto gp = reference::load_params(v.spec, v.scales + v.param_index(p) * psize,
+                                               v.zeros == nullptr ? nullptr : v.zeros + v.param_index(p) * psize, g);
+        const auto wq = std::int32_t(std::nearbyint(w * gp.scale * inv));
+        for (std::size_t c = g * v.spec.group; c < std::min(dim, (g + 1) * v.spec.group); ++c) {
+          dots[c] += wq * std::int32_t(codes[c]);
+          zsum[c] += w * gp.zero;
+        }
+      }
+    }
+    for (std::size_t c = 0; c < dim; ++c) acc[c] += beta * float(dots[c]) + zsum[c];
+  }
+}
+
+}  // namespace detail
+
+/// The reference kernel: any width, group, axis, parameter and residual type, any head_dim.
+inline void decode_task(const DecodeTask& task) noexcept {
+  const StreamView &k = task.keys, &v = task.values;
+  const std::size_t dim = k.head_dim;
+  for (std::size_t h = 0; h < task.group; ++h) {
+    task.max[h] = -std::numeric_limits<float>::infinity();
+    task.sum[h] = 0.0f;
+    std::fill(task.acc + h * dim, task.acc + (h + 1) * dim, 0.0f);
+  }
+  float scores[max_group][max_tile];
+  float row[max_head_dim];
+  for (std::size_t a = task.begin; a < task.end;) {
+    const std::size_t b = tile_end(k, a, task.end), n = b - a;
+    if (task.tier == Tier::integer && task.rope == nullptr && quantized_key_block(k, a, b)) {
+      detail::integer_key_scores(task, a, b, scores);
+    } else {
+      for (std::size_t p = a; p < b; ++p) {
+        k.read_row(p, row);
+        if (task.rope != nullptr) task.rope->rotate(row, p);
+        for (std::size_t h = 0; h < task.group; ++h) {
+          const float* q = task.queries + h * dim;
+          double s = 0.0;
+          for (std::size_t c = 0; c < dim; ++c) s += double(q[c]) * double(row[c]);
+          scores[h][p - a] = float(s);
+        }
+      }
+    }
+    for (std::size_t h = 0; h < task.group; ++h)
+      softmax_update(scores[h], n, task.max[h], task.sum[h], task.acc + h * dim, dim);
+    auto [qa, qb] = task.tier == Tier::integer ? quantized_value_rows(v, a, b) : std::pair{a, a};
+    if (qa < qb) detail::integer_values(task, a, qa, qb, scores);
+    for (std::size_t p = a; p < b; ++p) {
+      if (p >= qa && p < qb) continue;
+      v.read_row(p, row);
+      for (std::size_t h = 0; h < task.group; ++h) {
+        float* acc = task.acc + h * dim;
+        const float w = scores[h][p - a];
+        for (std::size_t c = 0; c < dim; ++c) acc[c] += w * row[c];
+      }
+    }
+    a = b;
+  }
+}
+
+}  // namespace kvq::inline v0::kernels::attention

@@ -1,0 +1,224 @@
+// QuantizerSpec / CacheConfig strings, validation, and the compiled policies and presets.
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kvq/cache/cache_config.hpp"
+#include "kvq/error.hpp"
+#include "kvq/quant/kv_policy.hpp"
+#include "kvq/quant/policies.hpp"
+#include "kvq/quant/spec.hpp"
+
+namespace {
+
+using kvq::Axis;
+using kvq::CacheConfig;
+using kvq::KeyRope;
+using kvq::Mode;
+using kvq::QuantizerSpec;
+using kvq::Scalar;
+
+// ---------------------------------------------------------------------------------------------
+// Compiled policies and presets
+
+static_assert(kvq::Quantizer<kvq::PerChannel<2, 32>>);
+static_assert(kvq::Quantizer<kvq::PerToken<8, 128, Mode::symmetric, float>>);
+static_assert(!kvq::Quantizer<int>);
+static_assert(!kvq::Quantizer<CacheConfig>);
+static_assert(kvq::KVCachePolicy<kvq::K2V2> && kvq::KVCachePolicy<kvq::K4V2> && kvq::KVCachePolicy<kvq::K8V4> &&
+              kvq::KVCachePolicy<kvq::K4V4> && kvq::KVCachePolicy<kvq::K2V4> && kvq::KVCachePolicy<kvq::K8V8> &&
+              kvq::KVCachePolicy<kvq::K2V2KeysPerToken> && kvq::KVCachePolicy<kvq::K2V2ValuesPerChannel> &&
+              kvq::KVCachePolicy<kvq::K2V2WrongAxes> && kvq::KVCachePolicy<kvq::K4V4KeysPostRope>);
+static_assert(!kvq::KVCachePolicy<kvq::PerChannel<2, 32>>);
+static_assert(!kvq::KVCachePolicy<int>);
+
+template <class P, int KeyBits, Axis KeyAxis, int ValueBits, Axis ValueAxis>
+constexpr bool preset_is() {
+  using K = typename P::key_quantizer;
+  using V = typename P::value_quantizer;
+  return K::bits == KeyBits && K::axis == KeyAxis && V::bits == ValueBits && V::axis == ValueAxis &&
+         K::group_size == 32 && V::group_size == 32 && K::mode == Mode::asymmetric && V::mode == Mode::asymmetric &&
+         P::window == 128 && P::sinks == 0;
+}
+// The right axes (KIVI): keys per channel, values per token.
+static_assert(preset_is<kvq::K2V2, 2, Axis::per_channel, 2, Axis::per_token>(), "K2V2 is KIVI-2");
+static_assert(preset_is<kvq::K4V4, 4, Axis::per_channel, 4, Axis::per_token>());
+static_assert(preset_is<kvq::K4V2, 4, Axis::per_channel, 2, Axis::per_token>());
+static_assert(preset_is<kvq::K2V4, 2, Axis::per_channel, 4, Axis::per_token>());
+static_assert(preset_is<kvq::K8V4, 8, Axis::per_channel, 4, Axis::per_token>());
+static_assert(preset_is<kvq::K8V8, 8, Axis::per_channel, 8, Axis::per_token>());
+// The deliberately wrong-axis ablations.
+static_assert(preset_is<kvq::K2V2KeysPerToken, 2, Axis::per_token, 2, Axis::per_token>());
+static_assert(preset_is<kvq::K2V2ValuesPerChannel, 2, Axis::per_channel, 2, Axis::per_channel>());
+static_assert(preset_is<kvq::K2V2WrongAxes, 2, Axis::per_token, 2, Axis::per_channel>());
+static_assert(preset_is<kvq::K4V4KeysPostRope, 4, Axis::per_channel, 4, Axis::per_token>());
+static_assert(kvq::K4V4KeysPostRope::key_rope == KeyRope::post && kvq::K4V2::key_rope == KeyRope::pre);
+// Policies' specs agree with their knobs, parameter types included.
+static_assert(kvq::PerChannel<3, 64>::spec == QuantizerSpec{3, 64, Axis::per_channel, Mode::asymmetric, Scalar::f16});
+static_assert(kvq::PerToken<5, 16, Mode::symmetric, kvq::bf16>::spec ==
+              QuantizerSpec{5, 16, Axis::per_token, Mode::symmetric, Scalar::bf16});
+static_assert(kvq::PerToken<1, 1, Mode::asymmetric, float>::spec.param == Scalar::f32);
+static_assert(std::is_empty_v<kvq::PerChannel<2, 32>> && std::is_empty_v<kvq::K4V2>, "policies carry no state");
+
+TEST(Policies, PresetConfigsMatchTheirStrings) {
+  EXPECT_EQ(kvq::K4V2::config(), kvq::parse_cache_config("k4c32-v2t32-r128-s0"));
+  EXPECT_EQ(kvq::K2V2::config(), kvq::parse_cache_config("k2c32-v2t32-r128-s0"));
+  EXPECT_EQ(kvq::K8V4::config(), kvq::parse_cache_config("k8c32-v4t32-r128-s0"));
+  EXPECT_EQ(kvq::K2V2WrongAxes::config(), kvq::parse_cache_config("k2t32-v2c32-r128-s0"));
+  EXPECT_EQ(kvq::K4V4KeysPostRope::config(), kvq::parse_cache_config("k4c32-v4t32-r128-s0-post"));
+  EXPECT_EQ(kvq::to_string(kvq::K4V2::config()), "k4c32-v2t32-r128-s0");
+  using Custom = kvq::KVPolicy<kvq::PerChannel<3, 64, Mode::symmetric, kvq::bf16>, kvq::PerToken<6, 16, Mode::asymmetric, float>,
+                               64, 4, KeyRope::post, float>;
+  EXPECT_EQ(kvq::to_string(Custom::config()), "k3c64s.bf16-v6t16.f32-r64-s4-post-f32");
+  EXPECT_EQ(Custom::config(), kvq::parse_cache_config("k3c64s.bf16-v6t16.f32-r64-s4-post-f32"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// String round trips
+
+std::vector<QuantizerSpec> spec_grid() {
+  std::vector<QuantizerSpec> grid;
+  for (int bits = 1; bits <= 8; ++bits)
+    for (const Axis axis : {Axis::per_channel, Axis::per_token})
+      for (const std::size_t group : {1, 16, 32, 128, 1024, 99999})
+        for (const Mode mode : {Mode::asymmetric, Mode::symmetric})
+          for (const Scalar param : {Scalar::f16, Scalar::bf16, Scalar::f32})
+            grid.push_back(QuantizerSpec{bits, group, axis, mode, param});
+  return grid;
+}
+
+TEST(Spec, QuantizerStringRoundTrip) {
+  for (const QuantizerSpec& spec : spec_grid())
+    for (const char tensor : {'k', 'v'}) {
+      const std::string text = kvq::to_string(spec, tensor);
+      ASSERT_EQ(text.front(), tensor);
+      ASSERT_EQ(kvq::parse_quantizer(text, tensor), spec) << text;
+      ASSERT_EQ(kvq::to_string(kvq::parse_quantizer(text, tensor), tensor), text);
+    }
+  // Hand-written forms, including the explicit default suffix.
+  EXPECT_EQ(kvq::to_string(QuantizerSpec{4, 32, Axis::per_channel, Mode::asymmetric, Scalar::f16}, 'k'), "k4c32");
+  EXPECT_EQ(kvq::to_string(QuantizerSpec{2, 64, Axis::per_token, Mode::symmetric, Scalar::f16}, 'v'), "v2t64s");
+  EXPECT_EQ(kvq::to_string(QuantizerSpec{8, 128, Axis::per_token, Mode::asymmetric, Scalar::bf16}, 'v'), "v8t128.bf16");
+  EXPECT_EQ(kvq::parse_quantizer("k4c32.f16", 'k'), (QuantizerSpec{4, 32, Axis::per_channel, Mode::asymmetric, Scalar::f16}));
+  EXPECT_EQ(kvq::parse_quantizer("v3t8s.f32", 'v'), (QuantizerSpec{3, 8, Axis::per_token, Mode::symmetric, Scalar::f32}));
+}
+
+TEST(Spec, CacheConfigStringRoundTrip) {
+  const std::vector<QuantizerSpec> keys = {QuantizerSpec{2, 32, Axis::per_channel},
+                                           QuantizerSpec{4, 128, Axis::per_token, Mode::symmetric, Scalar::bf16},
+                                           QuantizerSpec{8, 1, Axis::per_channel, Mode::asymmetric, Scalar::f32}};
+  const std::vector<QuantizerSpec> values = {QuantizerSpec{2, 32, Axis::per_token},
+                                             QuantizerSpec{1, 64, Axis::per_channel, Mode::symmetric, Scalar::f32},
+                                             QuantizerSpec{5, 16, Axis::per_token, Mode::asymmetric, Scalar::bf16}};
+  int checked = 0;
+  for (const bool quantize_keys : {true, false})
+    for (const bool quantize_values : {true, false})
+      for (const QuantizerSpec& k : keys)
+        for (const QuantizerSpec& v : values)
+          for (const std::size_t window : {0, 32, 128, 4096})
+            for (const std::size_t sinks : {0, 1, 4})
+              for (const KeyRope rope : {KeyRope::pre, KeyRope::post})
+                for (const Scalar residual : {Scalar::f16, Scalar::bf16, Scalar::f32}) {
+                  CacheConfig c;
+                  c.quantize_keys = quantize_keys;
+                  c.quantize_values = quantize_values;
+                  // An unquantized tensor's spec is not written; the parser leaves the default.
+                  c.key = quantize_keys ? k : CacheConfig{}.key;
+                  c.value = quantize_values ? v : CacheConfig{}.value;
+                  c.window = window;
+                  c.sinks = sinks;
+                  c.key_rope = rope;
+                  c.residual = residual;
+                  const std::string text = kvq::to_string(c);
+                  ASSERT_EQ(kvq::parse_cache_config(text), c) << text;
+                  ASSERT_EQ(kvq::to_string(kvq::parse_cache_config(text)), text);
+                  ++checked;
+                }
+  EXPECT_EQ(checked, 2 * 2 * 3 * 3 * 4 * 3 * 2 * 3);
+  // Hand-written forms.
+  const CacheConfig c = kvq::parse_cache_config("k2c32-v16-r64-s2-post-bf16");
+  EXPECT_TRUE(c.quantize_keys);
+  EXPECT_FALSE(c.quantize_values);
+  EXPECT_EQ(c.key, (QuantizerSpec{2, 32, Axis::per_channel, Mode::asymmetric, Scalar::f16}));
+  EXPECT_EQ(c.window, 64u);
+  EXPECT_EQ(c.sinks, 2u);
+  EXPECT_EQ(c.key_rope, KeyRope::post);
+  EXPECT_EQ(c.residual, Scalar::bf16);
+  EXPECT_EQ(kvq::parse_cache_config("k4c32-v2t32-pre-f16-r128-s0"), kvq::K4V2::config());  // explicit defaults
+  EXPECT_EQ(kvq::to_string(kvq::full_precision_config()), "k16-v16-r0-s0-f32");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad strings and bad specs
+
+// Runs f, expects a kvq::Error whose message contains every one of `needles`.
+template <class F>
+void expect_error(F&& f, std::initializer_list<std::string> needles, kvq::ErrorCode code = kvq::ErrorCode::invalid_argument) {
+  try {
+    f();
+    ADD_FAILURE() << "no kvq::Error thrown; expected one mentioning '" << *needles.begin() << "'";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), code);
+    const std::string what = e.what();
+    for (const std::string& n : needles) EXPECT_NE(what.find(n), std::string::npos) << "'" << what << "' lacks '" << n << "'";
+  }
+}
+
+TEST(Spec, InvalidQuantizerStringsThrowNamingTheText) {
+  for (const char* text : {"k0c32", "k9c32", "k4x32", "k4c0", "k4c32-", "k4c32.f64", "k4c32ss", "k4c", "k4", "kc32",
+                           "K4c32", "k4c32 ", "k-4c32", "k10c32", "k4c32.bf16.f32"}) {
+    SCOPED_TRACE(text);
+    expect_error([&] { (void)kvq::parse_quantizer(text, 'k'); }, {std::string("'") + text + "'"});
+  }
+  expect_error([] { (void)kvq::parse_quantizer("", 'k'); }, {"''", "must start with 'k'"});
+  expect_error([] { (void)kvq::parse_quantizer("v4t32", 'k'); }, {"'v4t32'", "must start with 'k'"});
+  expect_error([] { (void)kvq::parse_quantizer("k4c32", 'v'); }, {"'k4c32'", "must start with 'v'"});
+  expect_error([] { (void)kvq::parse_quantizer("k9c32", 'k'); }, {"'k9c32'", "bits"});
+  expect_error([] { (void)kvq::parse_quantizer("k4x32", 'k'); }, {"'k4x32'", "axis"});
+  expect_error([] { (void)kvq::parse_quantizer("k4c0", 'k'); }, {"'k4c0'", "group"});
+  expect_error([] { (void)kvq::parse_quantizer("k4c32.f64", 'k'); }, {"'k4c32.f64'", "'.f64'"});
+}
+
+TEST(Spec, InvalidCacheConfigStringsThrowNamingTheText) {
+  for (const char* text : {"", "k4c32", "k4c32-", "v2t32-k4c32", "k4c32-v2t32-rfoo", "k4c32-v2t32-r", "k4c32-v2t32-s1x",
+                           "k4c32-v2t32-r128-foo", "k4c32-v9t32", "k0c32-v2t32", "k4c32-v2t32-f64", "k4c32-k2t32",
+                           "k4c32-v2t32--r128", "-k4c32-v2t32", "k4c32-v2t32-r-5"}) {
+    SCOPED_TRACE(text);
+    try {
+      (void)kvq::parse_cache_config(text);
+      ADD_FAILURE() << "accepted '" << text << "'";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::invalid_argument);
+      EXPECT_FALSE(std::string(e.what()).empty());
+    }
+  }
+  expect_error([] { (void)kvq::parse_cache_config("k4c32-v2t32-rfoo"); }, {"'k4c32-v2t32-rfoo'", "rfoo"});
+  expect_error([] { (void)kvq::parse_cache_config("k4c32-v2t32-r128-xyz"); }, {"xyz"});
+  expect_error([] { (void)kvq::parse_cache_config("k4c32-v9t32"); }, {"'v9t32'"});
+  expect_error([] { (void)kvq::parse_cache_config("v4t32-v2t32"); }, {"'v4t32'", "must start with 'k'"});
+  expect_error([] { (void)kvq::parse_cache_config(""); }, {"''"});
+}
+
+TEST(Spec, ValidateRejectsWhatTheKernelsCannotRun) {
+  const QuantizerSpec ok{4, 32, Axis::per_token};
+  EXPECT_NO_THROW(kvq::validate(ok, 32, "value quantizer"));
+  EXPECT_NO_THROW(kvq::validate(ok, 1024, "value quantizer"));
+  EXPECT_NO_THROW(kvq::validate(QuantizerSpec{4, 100, Axis::per_token}, 128, "v"));  // a shorter last group is fine
+  EXPECT_NO_THROW(kvq::validate(QuantizerSpec{4, 512, Axis::per_channel}, 64, "k"));  // per-channel groups run over tokens
+  expect_error([&] { kvq::validate(ok, 16, "value quantizer"); }, {"value quantizer", "32", "16"});
+  expect_error([&] { kvq::validate(ok, 0, "key quantizer"); }, {"key quantizer", "head_dim"});
+  expect_error([&] { kvq::validate(ok, kvq::max_head_dim + 1, "key quantizer"); }, {"key quantizer", "1025"});
+  expect_error([&] { kvq::validate(QuantizerSpec{0, 32, Axis::per_token}, 64, "v"); }, {"bits"});
+  expect_error([&] { kvq::validate(QuantizerSpec{9, 32, Axis::per_token}, 64, "v"); }, {"bits", "9"});
+  expect_error([&] { kvq::validate(QuantizerSpec{4, 0, Axis::per_channel}, 64, "k"); }, {"group"});
+  EXPECT_EQ(kvq::groups_per_row(QuantizerSpec{4, 32, Axis::per_token}, 128), 4u);
+  EXPECT_EQ(kvq::groups_per_row(QuantizerSpec{4, 32, Axis::per_token}, 136), 5u);
+  EXPECT_EQ(kvq::groups_per_row(QuantizerSpec{4, 128, Axis::per_token}, 100), 1u);
+  EXPECT_EQ((QuantizerSpec{3, 32}.levels()), 8);
+  EXPECT_FALSE((QuantizerSpec{3, 32, Axis::per_token, Mode::symmetric}.has_zero_point()));
+}
+
+}  // namespace
