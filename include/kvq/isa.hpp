@@ -5,6 +5,11 @@
 
 #include "kvq/config.hpp"
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(KVQ_FORCE_REFERENCE)
+#define KVQ_HAVE_X86_KERNELS 1
+#include <cpuid.h>
+#endif
+
 namespace kvq::inline v0::isa {
 
 struct Scalar {};
@@ -17,8 +22,12 @@ constexpr const char* to_string(Level l) noexcept {
   return l == Level::scalar ? "scalar" : l == Level::avx2 ? "avx2" : "avx512";
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(KVQ_FORCE_REFERENCE)
-#define KVQ_HAVE_X86_KERNELS 1
+#if defined(KVQ_HAVE_X86_KERNELS)
+// clang 14 knows no "f16c" for __builtin_cpu_supports; ask cpuid directly.
+inline bool has_f16c() noexcept {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+}
 #endif
 
 /// The best level this CPU supports (computed once).
@@ -28,10 +37,10 @@ inline Level detected() noexcept {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("f16c") &&
+        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("bmi2") && has_f16c() &&
         __builtin_cpu_supports("fma"))
       return Level::avx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Level::avx2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c()) return Level::avx2;
     return Level::scalar;
   }();
   return level;

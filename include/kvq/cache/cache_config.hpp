@@ -61,6 +61,7 @@ inline CacheConfig parse_cache_config(std::string_view text) {
                 "cache configuration '" + original + "': " + why + " (expected e.g. k4c32-v2t32-r128-s1[-post][-f32])");
   };
   std::vector<std::string_view> parts;
+  if (!text.empty() && text.back() == '-') return fail("trailing '-'");
   while (!text.empty()) {
     const auto dash = text.find('-');
     parts.push_back(text.substr(0, dash));
@@ -74,6 +75,7 @@ inline CacheConfig parse_cache_config(std::string_view text) {
   else c.value = parse_quantizer(parts[1], 'v');
   for (std::size_t i = 2; i < parts.size(); ++i) {
     std::string_view p = parts[i];
+    if (p.empty()) return fail("empty part");
     if (p == "post") c.key_rope = KeyRope::post;
     else if (p == "pre") c.key_rope = KeyRope::pre;
     else if (p == "f32") c.residual = Scalar::f32;

@@ -1,0 +1,570 @@
+#pragma once
+// AVX-512 decode attention (F/BW/VL/DQ + VNNI + VBMI + F16C): the definitions of reference.hpp,
+// 16 channels per vector, for head_dim 64 and 128. Packed codes of 2, 4 and 8 bits unpack to
+// bytes in channel order with vpermb + vpmultishiftqb; other widths and axes read rows through
+// StreamView::read_row (still no dequantized copy: one row on the stack).
+//
+// Keys, per 16-token sub-tile: each row is produced once in registers and dotted with every
+// query head of the GQA group; the 16 partial vectors per head are reduced together (a
+// transposing add tree) into one vector of 16 scores.
+//   exact, post-RoPE: codes as floats against q~ = q * scale, plus the bias q.zero.
+//   exact, pre-RoPE: zero + scale * code, rotated in registers, against the rotated query.
+//   integer, post-RoPE: vpdpbusd of the codes (u8) with q~ quantized to int8 per block.
+// Values: exact rows accumulate in registers over a tile (64 channels x 4 heads at a time);
+// integer tier: 4 token rows are interleaved byte-wise so that vpdpbusd multiplies them with
+// 4 quantized weights per channel group at once.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "kvq/isa.hpp"
+#include "kvq/kernels/attention/reference.hpp"
+
+#define KVQ_TARGET_AVX512_ATTENTION \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,bmi2,f16c,fma")))
+
+// GCC 12 warns on its own intrinsic headers (_mm512_undefined_* placeholders) when inlined
+// through target attributes; the warning is about GCC's code, not ours.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+namespace kvq::inline v0::kernels::attention::avx512 {
+
+/// This CPU runs these kernels (AVX-512 level plus VBMI for the code unpacking).
+inline bool supported() noexcept {
+  static const bool ok = [] {
+    if (isa::detected() != isa::Level::avx512) return false;
+    __builtin_cpu_init();
+    return bool(__builtin_cpu_supports("avx512vbmi"));
+  }();
+  return ok;
+}
+
+inline bool fast_bits(int bits) noexcept { return bits == 2 || bits == 4 || bits == 8; }
+
+/// Shapes the kernels take; anything else runs on the reference kernel.
+inline bool supports(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope) noexcept {
+  const std::size_t d = keys.head_dim;
+  if ((d != 64 && d != 128) || values.head_dim != d || group == 0 || group > max_group) return false;
+  if (rope != nullptr && rope->config().dims() != d) return false;
+  return true;
+}
+
+namespace detail {
+
+using DecodeTask = attention::DecodeTask;
+
+/// Codes of one stream unpack this fast way: width 2/4/8, per-channel or whole 16-channel groups.
+inline bool fast_codes(const StreamView& s) noexcept {
+  return s.quantized && fast_bits(s.spec.bits) && s.spec.group % 16 == 0;
+}
+
+KVQ_TARGET_AVX512_ATTENTION inline float param_at(Scalar s, const std::uint8_t* base, std::size_t i) noexcept {
+  if (s == Scalar::f16) {
+    std::uint16_t bits;
+    std::memcpy(&bits, base + 2 * i, 2);
+    return _cvtsh_ss(bits);
+  }
+  return load_scalar(s, base, i);
+}
+
+/// 16 values of type s at element index i as floats.
+KVQ_TARGET_AVX512_ATTENTION inline __m512 load16(Scalar s, const std::uint8_t* base, std::size_t i) noexcept {
+  if (s == Scalar::f32) return _mm512_loadu_ps(base + 4 * i);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 2 * i));
+  if (s == Scalar::f16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/// Up to 16 values (n of them; the rest 0) of type s as floats.
+KVQ_TARGET_AVX512_ATTENTION inline __m512 load_n(Scalar s, const std::uint8_t* base, std::size_t i, std::size_t n) noexcept {
+  const __mmask16 m = n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u);
+  if (s == Scalar::f32) return _mm512_maskz_loadu_ps(m, base + 4 * i);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, base + 2 * i);
+  if (s == Scalar::f16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/// Unpacks 64 channels [64u, 64u + 64) of a packed row into bytes in channel order.
+struct Unpacker {
+  int bits = 8;
+  std::size_t row_bytes = 0;
+  __m512i index[2];  // vpermb source bytes per output qword, per u
+  __m512i shifts;    // vpmultishiftqb bit offsets
+  __m512i mask;
+
+  KVQ_TARGET_AVX512_ATTENTION void init(int b, std::size_t rb) noexcept {
+    bits = b;
+    row_bytes = rb;
+    alignas(64) std::uint8_t idx[2][64], sh[64];
+    const unsigned per_qword = unsigned(b);  // source bytes per 8 codes
+    for (unsigned u = 0; u < 2; ++u)
+      for (unsigned q = 0; q < 8; ++q)
+        for (unsigned j = 0; j < 8; ++j) idx[u][8 * q + j] = std::uint8_t((u * 8 + q) * per_qword + (j < per_qword ? j : 0));
+    for (unsigned j = 0; j < 64; ++j) sh[j] = std::uint8_t((j % 8) * unsigned(b));
+    index[0] = _mm512_load_si512(idx[0]);
+    index[1] = _mm512_load_si512(idx[1]);
+    shifts = _mm512_load_si512(sh);
+    mask = _mm512_set1_epi8(char((1u << b) - 1u));
+  }
+  /// The packed row (at most 64 bytes are used when bits < 8).
+  KVQ_TARGET_AVX512_ATTENTION __m512i load(const std::uint8_t* row) const noexcept {
+    if (bits == 8) return _mm512_setzero_si512();
+    const std::size_t n = row_bytes < 64 ? row_bytes : 64;
+    return _mm512_maskz_loadu_epi8(n >= 64 ? ~__mmask64(0) : (__mmask64(1) << n) - 1, row);
+  }
+  KVQ_TARGET_AVX512_ATTENTION __m512i codes(const std::uint8_t* row, __m512i packed, unsigned u) const noexcept {
+    if (bits == 8) return _mm512_loadu_si512(row + 64 * u);
+    const __m512i bytes = _mm512_permutexvar_epi8(index[u], packed);
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, bytes), mask);
+  }
+};
+
+/// 16 vectors v[t] -> one vector whose lane t is the sum of v[t]'s lanes.
+KVQ_TARGET_AVX512_ATTENTION inline __m512 reduce16(const float* v) noexcept {
+  alignas(64) static constexpr int even[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  alignas(64) static constexpr int odd[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  const __m512i e = _mm512_load_si512(even), o = _mm512_load_si512(odd);
+  __m512 x[16];
+  for (int t = 0; t < 16; ++t) x[t] = _mm512_load_ps(v + 16 * t);
+  for (int n = 16; n > 1; n /= 2)
+    for (int i = 0; i < n / 2; ++i)
+      x[i] = _mm512_add_ps(_mm512_permutex2var_ps(x[2 * i], e, x[2 * i + 1]), _mm512_permutex2var_ps(x[2 * i], o, x[2 * i + 1]));
+  return x[0];
+}
+
+KVQ_TARGET_AVX512_ATTENTION inline __m512i reduce16_epi32(const float* v) noexcept {
+  alignas(64) static constexpr int even[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  alignas(64) static constexpr int odd[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  const __m512i e = _mm512_load_si512(even), o = _mm512_load_si512(odd);
+  __m512i x[16];
+  for (int t = 0; t < 16; ++t) x[t] = _mm512_load_si512(v + 16 * t);
+  for (int n = 16; n > 1; n /= 2)
+    for (int i = 0; i < n / 2; ++i)
+      x[i] = _mm512_add_epi32(_mm512_permutex2var_epi32(x[2 * i], e, x[2 * i + 1]),
+                              _mm512_permutex2var_epi32(x[2 * i], o, x[2 * i + 1]));
+  return x[0];
+}
+
+/// exp(x) for x <= 0 (about 1 ulp); lanes below -87 give a tiny positive number.
+KVQ_TARGET_AVX512_ATTENTION inline __m512 exp_ps(__m512 x) noexcept {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <int NV>
+struct Kernel {
+  static constexpr std::size_t dim = 16 * NV;
+  static constexpr unsigned NU = NV / 4;  // 64-channel code vectors per row
+
+  const DecodeTask& task;
+  const StreamView &k, &v;
+  Unpacker ku, vu;
+  bool key_fast, value_fast;
+
+  alignas(64) float scores[max_group][max_tile];
+  alignas(64) float part[max_group][16][16];
+  alignas(64) float kscale[dim], kzero[dim];
+  alignas(64) float qt[max_group][dim];  // folded queries of the current key block
+  alignas(64) std::int8_t qi[max_group][dim];
+  float bias[max_group], alpha[max_group];
+
+  KVQ_TARGET_AVX512_ATTENTION explicit Kernel(const DecodeTask& t) noexcept : task(t), k(t.keys), v(t.values) {
+    key_fast = detail::fast_codes(k) && k.spec.axis == Axis::per_channel;
+    value_fast = detail::fast_codes(v) && v.spec.axis == Axis::per_token && 16 % groups_per_row(v.spec, dim) == 0;
+    if (key_fast) ku.init(k.spec.bits, k.row_bytes);
+    if (value_fast) vu.init(v.spec.bits, v.row_bytes);
+  }
+
+  // ---- keys ---------------------------------------------------------------------------------
+
+  KVQ_TARGET_AVX512_ATTENTION void rotate(__m512* x, std::size_t p) const noexcept {
+    const float* c = task.rope->cos_row(p);
+    const float* s = task.rope->sin_row(p);
+    if (task.rope->config().style == RopeStyle::half_split) {
+      for (int i = 0; i < NV / 2; ++i) {
+        const __m512 cv = _mm512_loadu_ps(c + 16 * i), sv = _mm512_loadu_ps(s + 16 * i);
+        const __m512 a = x[i], b = x[i + NV / 2];
+        x[i] = _mm512_fmsub_ps(a, cv, _mm512_mul_ps(b, sv));
+        x[i + NV / 2] = _mm512_fmadd_ps(a, sv, _mm512_mul_ps(b, cv));
+      }
+      return;
+    }
+    const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    for (int i = 0; i < NV; ++i) {
+      const __m512 cv = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(c + 8 * i)));
+      const __m512 sv = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(s + 8 * i)));
+      const __m512 t = _mm512_mul_ps(_mm512_permute_ps(x[i], 0xB1), sv);
+      x[i] = _mm512_fmaddsub_ps(x[i], cv, t);
+    }
+  }
+
+  /// A full-precision or generically stored key row in registers (rotated when pre-RoPE).
+  KVQ_TARGET_AVX512_ATTENTION void load_key_row(std::size_t p, __m512* x) const noexcept {
+    if (p < k.first_quantized || p >= k.end_quantized) {
+      const std::uint8_t* row = p < k.first_quantized ? k.sink_row(p) : k.pending_row(p);
+      for (int i = 0; i < NV; ++i) x[i] = load16(k.residual, row, 16 * std::size_t(i));
+    } else {
+      alignas(64) float buf[dim];
+      k.read_row(p, buf);
+      for (int i = 0; i < NV; ++i) x[i] = _mm512_load_ps(buf + 16 * i);
+    }
+    if (task.rope != nullptr) rotate(x, p);
+  }
+
+  KVQ_TARGET_AVX512_ATTENTION void dot_heads(const __m512* x, const float* queries, std::size_t t) noexcept {
+    for (std::size_t h = 0; h < task.group; ++h) {
+      const float* q = queries + h * dim;
+      __m512 acc = _mm512_mul_ps(x[0], _mm512_loadu_ps(q));
+      for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(x[i], _mm512_loadu_ps(q + 16 * i), acc);
+      _mm512_store_ps(part[h][t], acc);
+    }
+  }
+
+  /// Block parameters of the key block holding position a.
+  KVQ_TARGET_AVX512_ATTENTION void load_key_block(std::size_t a) noexcept {
+    const std::size_t pi = k.param_index(a);
+    const float mid = reference::mid_code(k.spec);
+    for (int i = 0; i < NV; ++i) {
+      const __m512 s = load16(k.spec.param, k.scales, pi + 16 * std::size_t(i));
+      _mm512_store_ps(kscale + 16 * i, s);
+      _mm512_store_ps(kzero + 16 * i, k.zeros != nullptr ? load16(k.spec.param, k.zeros, pi + 16 * std::size_t(i))
+                                                         : _mm512_mul_ps(s, _mm512_set1_ps(-mid)));
+    }
+  }
+
+  /// Folds the block's scales into the queries: qt = q * scale, bias = q.zero (and int8 qi, alpha).
+  KVQ_TARGET_AVX512_ATTENTION void fold_queries(bool integer) noexcept {
+    for (std::size_t h = 0; h < task.group; ++h) {
+      const float* q = task.queries + h * dim;
+      __m512 b = _mm512_setzero_ps(), amax = _mm512_setzero_ps();
+      for (int i = 0; i < NV; ++i) {
+        const __m512 qv = _mm512_loadu_ps(q + 16 * i);
+        const __m512 t = _mm512_mul_ps(qv, _mm512_load_ps(kscale + 16 * i));
+        _mm512_store_ps(qt[h] + 16 * i, t);
+        b = _mm512_fmadd_ps(qv, _mm512_load_ps(kzero + 16 * i), b);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(t));
+      }
+      bias[h] = _mm512_reduce_add_ps(b);
+      if (!integer) continue;
+      const float m = _mm512_reduce_max_ps(amax);
+      const __m512 inv = _mm512_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+      alpha[h] = m / 127.0f;
+      for (int i = 0; i < NV; ++i) {
+        const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_load_ps(qt[h] + 16 * i), inv),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_store_si128(reinterpret_cast<__m128i*>(qi[h] + 16 * i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
+      }
+    }
+  }
+
+  KVQ_TARGET_AVX512_ATTENTION static void code_floats(__m512i c, __m512* x) noexcept {
+    x[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(c)));
+    x[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 1)));
+    x[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 2)));
+    x[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 3)));
+  }
+
+  /// Scores of tile [a, b) into scores[h][0 .. b - a).
+  KVQ_TARGET_AVX512_ATTENTION void key_scores(std::size_t a, std::size_t b) noexcept {
+    const bool block = key_fast && quantized_key_block(k, a, b);
+    const bool folded = block && task.rope == nullptr;
+    const bool integer = folded && task.tier == Tier::integer;
+    if (block) load_key_block(a);
+    if (folded) fold_queries(integer);
+    for (std::size_t s0 = a; s0 < b; s0 += 16) {
+      const std::size_t n = b - s0 < 16 ? b - s0 : 16;
+      for (std::size_t t = 0; t < n; ++t) {
+        const std::size_t p = s0 + t;
+        __m512 x[NV];
+        if (!block) {
+          load_key_row(p, x);
+          dot_heads(x, task.queries, t);
+          continue;
+        }
+        const std::uint8_t* row = k.code_row(p);
+        const __m512i packed = ku.load(row);
+        __m512i c[NU];
+        for (unsigned u = 0; u < NU; ++u) c[u] = ku.codes(row, packed, u);
+        if (integer) {
+          for (std::size_t h = 0; h < task.group; ++h) {
+            __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], _mm512_load_si512(qi[h]));
+            for (unsigned u = 1; u < NU; ++u) acc = _mm512_dpbusd_epi32(acc, c[u], _mm512_load_si512(qi[h] + 64 * u));
+            _mm512_store_si512(part[h][t], acc);
+          }
+          continue;
+        }
+        for (unsigned u = 0; u < NU; ++u) code_floats(c[u], x + 4 * u);
+        if (folded) {
+          for (std::size_t h = 0; h < task.group; ++h) {
+            __m512 acc = _mm512_mul_ps(x[0], _mm512_load_ps(qt[h]));
+            for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(x[i], _mm512_load_ps(qt[h] + 16 * i), acc);
+            _mm512_store_ps(part[h][t], acc);
+          }
+          continue;
+        }
+        for (int i = 0; i < NV; ++i) x[i] = _mm512_fmadd_ps(x[i], _mm512_load_ps(kscale + 16 * i), _mm512_load_ps(kzero + 16 * i));
+        rotate(x, p);
+        dot_heads(x, task.queries, t);
+      }
+      for (std::size_t h = 0; h < task.group; ++h) {
+        for (std::size_t t = n; t < 16; ++t) _mm512_store_ps(part[h][t], _mm512_setzero_ps());
+        __m512 s;
+        if (integer) s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(reduce16_epi32(part[h][0])), _mm512_set1_ps(alpha[h]), _mm512_set1_ps(bias[h]));
+        else if (folded) s = _mm512_add_ps(reduce16(part[h][0]), _mm512_set1_ps(bias[h]));
+        else s = reduce16(part[h][0]);
+        _mm512_mask_storeu_ps(scores[h] + (s0 - a), __mmask16((1u << n) - 1u), s);
+      }
+    }
+  }
+
+  /// Online-softmax update; scores become the weights exp(score - max).
+  KVQ_TARGET_AVX512_ATTENTION void softmax(std::size_t n) noexcept {
+    for (std::size_t h = 0; h < task.group; ++h) {
+      __m512 m = _mm512_set1_ps(task.max[h]);
+      for (std::size_t t = 0; t < n; t += 16) {
+        const __mmask16 mk = n - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - t)) - 1u);
+        m = _mm512_mask_max_ps(m, mk, m, _mm512_maskz_loadu_ps(mk, scores[h] + t));
+      }
+      const float mx = _mm512_reduce_max_ps(m), old = task.max[h];
+      const __m512 mv = _mm512_set1_ps(mx);
+      if (old != mx) {
+        const float corr = old == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(old - mx);
+        task.sum[h] *= corr;
+        float* acc = task.acc + h * dim;
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), cv));
+        task.max[h] = mx;
+      }
+      __m512 sum = _mm512_setzero_ps();
+      for (std::size_t t = 0; t < n; t += 16) {
+        const __mmask16 mk = n - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - t)) - 1u);
+        const __m512 p = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores[h] + t), mv)));
+        _mm512_storeu_ps(scores[h] + t, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      task.sum[h] += _mm512_reduce_add_ps(sum);
+    }
+  }
+
+  // ---- values -------------------------------------------------------------------------------
+
+  /// Channels [64u, 64u + 64) of value row p as 4 vectors (residual or fast-packed rows).
+  KVQ_TARGET_AVX512_ATTENTION void value_quarter(std::size_t p, unsigned u, __m512* x) const noexcept {
+    if (p < v.first_quantized || p >= v.end_quantized) {
+      const std::uint8_t* row = p < v.first_quantized ? v.sink_row(p) : v.pending_row(p);
+      for (unsigned i = 0; i < 4; ++i) x[i] = load16(v.residual, row, 64 * u + 16 * i);
+      return;
+    }
+    const std::uint8_t* row = v.code_row(p);
+    code_floats(vu.codes(row, vu.load(row), u), x);
+    const std::size_t pi = v.param_index(p), psize = size_of(v.spec.param);
+    const float mid = reference::mid_code(v.spec);
+    for (unsigned i = 0; i < 4; ++i) {
+      const std::size_t g = (64 * u + 16 * i) / v.spec.group;
+      const float s = param_at(v.spec.param, v.scales, pi + g);
+      const float z = v.zeros != nullptr ? param_at(v.spec.param, v.zeros + 0 * psize, pi + g) : -mid * s;
+      x[i] = _mm512_fmadd_ps(x[i], _mm512_set1_ps(s), _mm512_set1_ps(z));
+    }
+  }
+
+  /// acc += weights * rows for rows [a, b) of the tile starting at `tile`, HB heads at a time.
+  template <int HB>
+  KVQ_TARGET_AVX512_ATTENTION void value_rows_heads(std::size_t tile, std::size_t a, std::size_t b, std::size_t h0,
+                                                    std::size_t skip_a, std::size_t skip_b) noexcept {
+    for (unsigned u = 0; u < NU; ++u) {
+      __m512 acc[HB][4];
+      for (int h = 0; h < HB; ++h)
+        for (int i = 0; i < 4; ++i) acc[h][i] = _mm512_loadu_ps(task.acc + (h0 + std::size_t(h)) * dim + 64 * u + 16 * std::size_t(i));
+      for (std::size_t p = a; p < b; ++p) {
+        if (p >= skip_a && p < skip_b) continue;
+        __m512 x[4];
+        value_quarter(p, u, x);
+        for (int h = 0; h < HB; ++h) {
+          const __m512 w = _mm512_set1_ps(scores[h0 + std::size_t(h)][p - tile]);
+          for (int i = 0; i < 4; ++i) acc[h][i] = _mm512_fmadd_ps(x[i], w, acc[h][i]);
+        }
+      }
+      for (int h = 0; h < HB; ++h)
+        for (int i = 0; i < 4; ++i) _mm512_storeu_ps(task.acc + (h0 + std::size_t(h)) * dim + 64 * u + 16 * std::size_t(i), acc[h][i]);
+    }
+  }
+
+  KVQ_TARGET_AVX512_ATTENTION void value_rows(std::size_t tile, std::size_t a, std::size_t b, std::size_t skip_a,
+                                              std::size_t skip_b) noexcept {
+    std::size_t h = 0;
+    for (; h + 4 <= task.group; h += 4) value_rows_heads<4>(tile, a, b, h, skip_a, skip_b);
+    switch (task.group - h) {
+      case 3: value_rows_heads<3>(tile, a, b, h, skip_a, skip_b); break;
+      case 2: value_rows_heads<2>(tile, a, b, h, skip_a, skip_b); break;
+      case 1: value_rows_heads<1>(tile, a, b, h, skip_a, skip_b); break;
+      default: break;
+    }
+  }
+
+  /// Integer tier: rows [a, b) hold fast-packed per-token values.
+  KVQ_TARGET_AVX512_ATTENTION void integer_values(std::size_t tile, std::size_t a, std::size_t b) noexcept {
+    const std::size_t G = groups_per_row(v.spec, dim), rows = b - a, quads = (rows + 3) / 4;
+    const std::size_t per_vec = 16 / G;  // rows per 16 parameters
+    const bool wide = v.spec.bits == 8;  // 8-bit codes need the unsigned side: weights become s8
+    const float levels = weight_levels(v.spec.bits);
+    const float mid = reference::mid_code(v.spec);
+    alignas(64) float sv[max_tile * 16], zv[max_tile * 16];
+    const std::size_t pi = v.param_index(a), np = rows * G;
+    for (std::size_t i = 0; i < np; i += 16) {
+      const std::size_t n = np - i < 16 ? np - i : 16;
+      const __m512 s = load_n(v.spec.param, v.scales, pi + i, n);
+      _mm512_store_ps(sv + i, s);
+      _mm512_store_ps(zv + i, v.zeros != nullptr ? load_n(v.spec.param, v.zeros, pi + i, n) : _mm512_mul_ps(s, _mm512_set1_ps(-mid)));
+    }
+    // Lane i of a parameter vector belongs to row i / G of its 16 / G rows.
+    alignas(64) int tok[16], gidx[2][16], tr[64];
+    for (int i = 0; i < 16; ++i) tok[i] = i / int(G);
+    // Interleaved lane (L, j) of quarter u holds channel 64u + 16L + 4k + j: group (64u + 16L) / group.
+    for (unsigned u = 0; u < 2; ++u)
+      for (int i = 0; i < 16; ++i) gidx[u][i] = int((64 * u + 16 * unsigned(i / 4)) / v.spec.group);
+    alignas(64) std::uint8_t trb[64];
+    for (std::size_t g = 0; g < 16; ++g)
+      for (std::size_t j = 0; j < 4; ++j) trb[4 * g + j] = std::uint8_t(g < G ? j * G + g : 0);
+    (void)tr;
+    const __m512i tokv = _mm512_load_si512(tok), trv = _mm512_load_si512(trb);
+    alignas(64) static constexpr std::uint8_t zero_row[128] = {};
+    alignas(64) std::uint8_t wq[max_tile * 16 + 64];
+    alignas(64) float zs[16];
+
+    for (std::size_t h = 0; h < task.group; ++h) {
+      const float* p = scores[h] + (a - tile);
+      // weights w = p * scale per (row, group); their maximum sets the quantization step
+      __m512 wmax = _mm512_setzero_ps();
+      for (std::size_t i = 0; i < np; i += 16) {
+        const __mmask16 m = np - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (np - i)) - 1u);
+        const __m512 pv = _mm512_permutexvar_ps(tokv, _mm512_maskz_loadu_ps(__mmask16((1u << per_vec) - 1u), p + i / G));
+        wmax = _mm512_max_ps(wmax, _mm512_maskz_mul_ps(m, pv, _mm512_load_ps(sv + i)));
+      }
+      const float wm = _mm512_reduce_max_ps(wmax);
+      const __m512 inv = _mm512_set1_ps(wm > 0.0f ? levels / wm : 0.0f);
+      __m512 zacc = _mm512_setzero_ps();
+      for (std::size_t i = 0; i < np; i += 16) {
+        const __mmask16 m = np - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (np - i)) - 1u);
+        const __m512 pv = _mm512_maskz_permutexvar_ps(m, tokv, _mm512_maskz_loadu_ps(__mmask16((1u << per_vec) - 1u), p + i / G));
+        const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_mul_ps(pv, _mm512_load_ps(sv + i)), inv),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + i), _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(r)));
+        zacc = _mm512_fmadd_ps(pv, _mm512_load_ps(zv + i), zacc);
+      }
+      std::memset(wq + np, 0, 16 * 4);  // padding rows of the last quad weigh nothing
+      _mm512_store_ps(zs, zacc);
+      float zsum[16] = {};
+      for (std::size_t i = 0; i < 16; ++i) zsum[i % G] += zs[i];
+
+      float* acc = task.acc + h * dim;
+      for (unsigned u = 0; u < NU; ++u) {
+        const __m512i gv = _mm512_load_si512(gidx[u]);
+        __m512i ai[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (std::size_t qd = 0; qd < quads; ++qd) {
+          __m512i r[4];
+          for (std::size_t j = 0; j < 4; ++j) {
+            const std::size_t row = a + 4 * qd + j;
+            const std::uint8_t* src = row < b ? v.code_row(row) : zero_row;
+            r[j] = vu.codes(src, vu.load(src), u);
+          }
+          const __m512i lo01 = _mm512_unpacklo_epi8(r[0], r[1]), hi01 = _mm512_unpackhi_epi8(r[0], r[1]);
+          const __m512i lo23 = _mm512_unpacklo_epi8(r[2], r[3]), hi23 = _mm512_unpackhi_epi8(r[2], r[3]);
+          const __m512i x[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
+                                _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
+          const __m512i W = _mm512_permutexvar_epi8(trv, _mm512_maskz_loadu_epi8((__mmask64(1) << (4 * G)) - 1, wq + 4 * qd * G));
+          const __m512i wv = _mm512_permutexvar_epi32(gv, W);
+          for (int kk = 0; kk < 4; ++kk)
+            ai[kk] = wide ? _mm512_dpbusd_epi32(ai[kk], x[kk], wv) : _mm512_dpbusd_epi32(ai[kk], wv, x[kk]);
+        }
+        // ai[k] lane (L, j) = channel 64u + 16L + 4k + j: transpose the 128-bit blocks back.
+        const __m512 beta = _mm512_set1_ps(wm / levels);
+        __m512 f[4];
+        for (int kk = 0; kk < 4; ++kk) f[kk] = _mm512_cvtepi32_ps(ai[kk]);
+        const __m512 t0 = _mm512_shuffle_f32x4(f[0], f[1], 0x44), t1 = _mm512_shuffle_f32x4(f[0], f[1], 0xEE);
+        const __m512 t2 = _mm512_shuffle_f32x4(f[2], f[3], 0x44), t3 = _mm512_shuffle_f32x4(f[2], f[3], 0xEE);
+        const __m512 n[4] = {_mm512_shuffle_f32x4(t0, t2, 0x88), _mm512_shuffle_f32x4(t0, t2, 0xDD),
+                             _mm512_shuffle_f32x4(t1, t3, 0x88), _mm512_shuffle_f32x4(t1, t3, 0xDD)};
+        for (unsigned L = 0; L < 4; ++L) {
+          float* o = acc + 64 * u + 16 * L;
+          const __m512 z = _mm512_set1_ps(zsum[(64 * u + 16 * L) / v.spec.group]);
+          _mm512_storeu_ps(o, _mm512_add_ps(_mm512_fmadd_ps(n[L], beta, _mm512_loadu_ps(o)), z));
+        }
+      }
+    }
+  }
+
+  KVQ_TARGET_AVX512_ATTENTION void run() noexcept {
+    for (std::size_t h = 0; h < task.group; ++h) {
+      task.max[h] = -std::numeric_limits<float>::infinity();
+      task.sum[h] = 0.0f;
+      for (std::size_t c = 0; c < dim; ++c) task.acc[h * dim + c] = 0.0f;
+    }
+    for (std::size_t a = task.begin; a < task.end;) {
+      const std::size_t b = tile_end(k, a, task.end);
+      key_scores(a, b);
+      softmax(b - a);
+      // Values: fast-packed quantized rows (integer tier), register-blocked rows, generic rows.
+      std::size_t qa = a, qb = a;  // quantized value rows of the tile, whatever their axis
+      if (v.quantized && std::max(a, v.first_quantized) < std::min(b, v.end_quantized)) {
+        qa = std::max(a, v.first_quantized);
+        qb = std::min(b, v.end_quantized);
+      }
+      const bool generic = qa < qb && !value_fast;
+      if (generic) {
+        alignas(64) float row[dim];
+        for (std::size_t p = qa; p < qb; ++p) {
+          v.read_row(p, row);
+          for (std::size_t h = 0; h < task.group; ++h) {
+            const __m512 w = _mm512_set1_ps(scores[h][p - a]);
+            float* acc = task.acc + h * dim;
+            for (int i = 0; i < NV; ++i)
+              _mm512_storeu_ps(acc + 16 * i, _mm512_fmadd_ps(_mm512_load_ps(row + 16 * i), w, _mm512_loadu_ps(acc + 16 * i)));
+          }
+        }
+        value_rows(a, a, b, qa, qb);
+      } else if (qa < qb && task.tier == Tier::integer) {
+        integer_values(a, qa, qb);
+        value_rows(a, a, b, qa, qb);
+      } else {
+        value_rows(a, a, b, b, b);
+      }
+      a = b;
+    }
+  }
+};
+
+}  // namespace detail
+
+KVQ_TARGET_AVX512_ATTENTION inline void decode_task(const DecodeTask& task) noexcept {
+  if (task.keys.head_dim == 64) {
+    detail::Kernel<4> kernel(task);
+    kernel.run();
+  } else {
+    detail::Kernel<8> kernel(task);
+    kernel.run();
+  }
+}
+
+}  // namespace kvq::inline v0::kernels::attention::avx512
+
+#pragma GCC diagnostic pop

@@ -1,0 +1,150 @@
+// kvq-eval: the thesis on synthetic data, the orderings the real model shows, the exactness of
+// the cache integration, and clear failures on bad input.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "eval/cli.hpp"
+#include "llama/llama_test_support.hpp"
+
+namespace {
+
+using kvq::eval::SyntheticSpec;
+using kvq::eval::synthetic_errors;
+
+kvq::AttentionErrors synthetic(const char* config) { return synthetic_errors(SyntheticSpec{}, kvq::parse_cache_config(config)); }
+
+// KIVI's error table, row by row: per-token vs per-channel.
+TEST(EvalSynthetic, ReproducesTheDirectionOfEveryRowOfKivisErrorTable) {
+  const auto token = synthetic("k2t32-v2t32-r0"), channel = synthetic("k2c32-v2c32-r0");
+  EXPECT_GT(token.key_error, channel.key_error);                      // 13.67 > 4.55
+  EXPECT_GT(token.score_error, channel.score_error);                  // 47.00 > 9.60
+  EXPECT_GT(token.value_error, channel.value_error);                  // 4.57 > 3.73: reconstruction lies
+  EXPECT_LT(token.output_error_values, channel.output_error_values);  // 3.55 < 49.89
+}
+
+TEST(EvalSynthetic, PerChannelValuesCollapseWhenSinksDominate) {
+  const auto right = synthetic("k2c32-v2t32-r0"), wrong_values = synthetic("k2c32-v2c32-r0");
+  const auto keys_per_token = synthetic("k2t32-v2t32-r0"), both_wrong = synthetic("k2t32-v2c32-r0");
+  EXPECT_GT(wrong_values.output_error_values, 1.5 * right.output_error_values);
+  EXPECT_LT(right.output_error, wrong_values.output_error);
+  EXPECT_LT(right.output_error, keys_per_token.output_error);
+  EXPECT_LT(right.output_error, both_wrong.output_error);
+  // Without a sink the per-channel penalty on values shrinks: the sink is what collapses it.
+  SyntheticSpec no_sink;
+  no_sink.sink_logit = 0.0f;
+  const double ratio_no_sink = synthetic_errors(no_sink, kvq::parse_cache_config("k2c32-v2c32-r0")).output_error_values /
+                               synthetic_errors(no_sink, kvq::parse_cache_config("k2c32-v2t32-r0")).output_error_values;
+  EXPECT_LT(ratio_no_sink, wrong_values.output_error_values / right.output_error_values);
+}
+
+TEST(EvalSynthetic, ModeSaysItIsSynthetic) {
+  std::ostringstream out, err;
+  EXPECT_EQ(kvq::eval::run_eval({"--synthetic"}, out, err), 0);
+  EXPECT_NE(out.str().find("SYNTHETIC"), std::string::npos);
+}
+
+class EvalModel : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!std::filesystem::exists(kvq::llama::default_model_path())) return;
+    file_ = new kvq::llama::GgufFile(kvq::llama::GgufFile::load(kvq::llama::default_model_path()));
+    model_ = new kvq::llama::Model(*file_);
+    const kvq::llama::Tokenizer tok(*file_);
+    const std::string text = kvq::eval::read_file(kvq::llama::data_dir() / "text" / "tinystories_valid_excerpt.txt", "text");
+    eval_ = new kvq::eval::ModelEvaluation(*model_, kvq::eval::tokenize_stories(text, tok, 160, 4), 2);
+  }
+  static void TearDownTestSuite() {
+    delete eval_;
+    delete model_;
+    delete file_;
+  }
+  void SetUp() override { KVQ_REQUIRE_LLAMA_DATA(); }
+
+  kvq::eval::ConfigResult run(const char* config) { return eval_->evaluate(kvq::parse_cache_config(config)); }
+
+  static inline kvq::llama::GgufFile* file_ = nullptr;
+  static inline kvq::llama::Model* model_ = nullptr;
+  static inline kvq::eval::ModelEvaluation* eval_ = nullptr;
+};
+
+TEST_F(EvalModel, PerChannelPreRopeKeysBeatPostRopeWhichBeatPerTokenKeys) {
+  for (const char* b : {"2", "4"}) {
+    const std::string s(b);
+    const auto pre = run(("k" + s + "c32-v8t8-r0").c_str()), post = run(("k" + s + "c32-v8t8-r0-post").c_str());
+    const auto token = run(("k" + s + "t8-v8t8-r0").c_str());
+    EXPECT_LT(pre.mean_kl, post.mean_kl) << b << " bits";
+    EXPECT_LT(post.mean_kl, token.mean_kl) << b << " bits";
+    EXPECT_LT(pre.all.score_error, post.all.score_error) << b << " bits";
+    EXPECT_LT(post.all.score_error, token.all.score_error) << b << " bits";
+  }
+}
+
+TEST_F(EvalModel, EightBitsAreNearlyLossless) {
+  const auto r = run("k8c32-v8t8-r0");
+  EXPECT_LT(r.mean_kl, 1e-4);  // measured 1e-5 on the whole excerpt
+  EXPECT_GT(r.top1, 0.99);
+  EXPECT_LT(std::abs(r.mean_nll - eval_->baseline_nll()), 2e-3);
+  EXPECT_LT(r.all.output_error, 0.02);
+}
+
+TEST_F(EvalModel, FullPrecisionCacheReproducesTheBaselineAndWindowsHelp) {
+  const auto exact = run("k16-v16-r0-f32");
+  EXPECT_LT(exact.mean_kl, 1e-7);  // double vs float accumulation only
+  EXPECT_EQ(exact.top1, 1.0);
+  const auto no_window = run("k2c32-v2t8-r0"), window = run("k2c32-v2t8-r64");
+  EXPECT_LT(window.mean_kl, no_window.mean_kl);
+  EXPECT_GT(window.bits_per_value, no_window.bits_per_value);
+}
+
+TEST_F(EvalModel, GreedyDecodingThroughTheCacheReproducesTheGoldenTokens) {
+  const auto golden = kvq::llama::testing::read_golden();
+  kvq::eval::CacheBackend kv(*model_, kvq::full_precision_config(), golden.tokens.size());
+  const auto tokens = kvq::llama::greedy_generate(*model_, kv, golden.tokens.size() - 1);
+  EXPECT_EQ(tokens, golden.tokens);
+}
+
+// Bad input: one clear message and a non-zero exit, never a crash.
+int run_cli(std::vector<std::string> args, std::string& message) {
+  std::ostringstream out, err;
+  const int rc = kvq::eval::run_eval(args, out, err);
+  message = err.str();
+  return rc;
+}
+
+TEST(EvalCli, BadInputGivesOneClearMessage) {
+  const auto dir = std::filesystem::temp_directory_path() / "kvq_eval_test";
+  std::filesystem::create_directories(dir);
+  std::string msg;
+  EXPECT_EQ(run_cli({"--model", (dir / "missing.gguf").string()}, msg), 1);
+  EXPECT_NE(msg.find("missing.gguf"), std::string::npos) << msg;
+  EXPECT_EQ(run_cli({"--configs", "k4x32-v2t8"}, msg), 1);
+  EXPECT_NE(msg.find("k4x32"), std::string::npos) << msg;
+  EXPECT_EQ(run_cli({"--frobnicate"}, msg), 1);
+  EXPECT_NE(msg.find("--frobnicate"), std::string::npos) << msg;
+  EXPECT_EQ(run_cli({"--stories", "-3"}, msg), 1);
+  EXPECT_EQ(run_cli({"--set", "everything"}, msg), 1);
+
+  // A GGUF of another architecture, and a truncated one.
+  kvq::llama::testing::GgufWriter w;
+  w.str("general.architecture", "gpt2");
+  const auto bytes = w.bytes();
+  std::ofstream(dir / "gpt2.gguf", std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), long(bytes.size()));
+  EXPECT_EQ(run_cli({"--model", (dir / "gpt2.gguf").string()}, msg), 1);
+  EXPECT_NE(msg.find("gpt2"), std::string::npos) << msg;
+  std::ofstream(dir / "short.gguf", std::ios::binary).write("GGUF\3\0\0\0", 8);
+  EXPECT_EQ(run_cli({"--model", (dir / "short.gguf").string()}, msg), 1);
+  EXPECT_NE(msg.find("short.gguf"), std::string::npos) << msg;
+
+  if (std::filesystem::exists(kvq::llama::default_model_path())) {
+    EXPECT_EQ(run_cli({"--text", (dir / "no-such-text.txt").string()}, msg), 1);
+    EXPECT_NE(msg.find("no-such-text.txt"), std::string::npos) << msg;
+  }
+  std::ostringstream out, err;
+  EXPECT_EQ(kvq::eval::run_eval({"--help"}, out, err), 0);
+  EXPECT_NE(out.str().find("usage"), std::string::npos);
+}
+
+}  // namespace
