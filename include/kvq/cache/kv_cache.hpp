@@ -172,8 +172,11 @@ class BasicKVCache {
   /// same tokens compare equal here, however the tokens arrived.
   std::span<const std::uint8_t> raw_storage() const noexcept { return {storage_.data(), storage_.size()}; }
 
-  /// Bytes reserved up front for the whole capacity.
-  std::size_t allocated_bytes() const noexcept { return storage_.size() + scratch_.size() * sizeof(float); }
+  /// Bytes reserved up front for the whole capacity: storage, RoPE table and quantization scratch.
+  /// Appends allocate nothing beyond this.
+  std::size_t allocated_bytes() const noexcept {
+    return storage_.size() + rope_.bytes() + scratch_.size() * sizeof(float);
+  }
 
  private:
   static constexpr std::size_t index(Tensor t) noexcept { return t == Tensor::keys ? 0 : 1; }

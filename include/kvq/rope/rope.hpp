@@ -72,6 +72,7 @@ class RopeTable {
   const RopeConfig& config() const noexcept { return config_; }
   std::size_t max_positions() const noexcept { return max_positions_; }
   std::size_t pairs() const noexcept { return config_.dims() / 2; }
+  std::size_t bytes() const noexcept { return (cos_.size() + sin_.size()) * sizeof(float); }
   const float* cos_row(std::size_t position) const noexcept { return cos_.data() + position * pairs(); }
   const float* sin_row(std::size_t position) const noexcept { return sin_.data() + position * pairs(); }
 

@@ -264,8 +264,13 @@ struct Kernel {
         b = _mm512_fmadd_ps(qv, _mm512_load_ps(kzero + 16 * i), b);
         amax = _mm512_max_ps(amax, _mm512_abs_ps(t));
       }
-      bias[h] = _mm512_reduce_add_ps(b);
-      if (!integer) continue;
+      if (!integer) {
+        bias[h] = _mm512_reduce_add_ps(b);
+        continue;
+      }
+      // Centred codes (reference.hpp): bias q.(zero + mid * scale), codes counted from mid.
+      const float mid = reference::mid_code(k.spec);
+      __m512 qs = _mm512_setzero_ps();
       const float m = _mm512_reduce_max_ps(amax);
       const __m512 inv = _mm512_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
       alpha[h] = m / 127.0f;
@@ -273,7 +278,10 @@ struct Kernel {
         const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_load_ps(qt[h] + 16 * i), inv),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         _mm_store_si128(reinterpret_cast<__m128i*>(qi[h] + 16 * i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
+        qs = _mm512_add_ps(qs, r);
+        b = _mm512_fmadd_ps(_mm512_load_ps(qt[h] + 16 * i), _mm512_set1_ps(mid), b);
       }
+      bias[h] = _mm512_reduce_add_ps(b) - alpha[h] * mid * _mm512_reduce_add_ps(qs);
     }
   }
 
@@ -434,7 +442,9 @@ struct Kernel {
       const std::size_t n = np - i < 16 ? np - i : 16;
       const __m512 s = load_n(v.spec.param, v.scales, pi + i, n);
       _mm512_store_ps(sv + i, s);
-      _mm512_store_ps(zv + i, v.zeros != nullptr ? load_n(v.spec.param, v.zeros, pi + i, n) : _mm512_mul_ps(s, _mm512_set1_ps(-mid)));
+      // zero + mid * scale: the value of the centre code (see reference.hpp)
+      _mm512_store_ps(zv + i, v.zeros != nullptr ? _mm512_fmadd_ps(s, _mm512_set1_ps(mid), load_n(v.spec.param, v.zeros, pi + i, n))
+                                                 : _mm512_setzero_ps());
     }
     // Lane i of a parameter vector belongs to row i / G of its 16 / G rows.
     alignas(64) int tok[16], gidx[2][16], tr[64];
@@ -462,19 +472,23 @@ struct Kernel {
       }
       const float wm = _mm512_reduce_max_ps(wmax);
       const __m512 inv = _mm512_set1_ps(wm > 0.0f ? levels / wm : 0.0f);
-      __m512 zacc = _mm512_setzero_ps();
+      __m512 zacc = _mm512_setzero_ps(), wacc = _mm512_setzero_ps();
       for (std::size_t i = 0; i < np; i += 16) {
         const __mmask16 m = np - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (np - i)) - 1u);
         const __m512 pv = _mm512_maskz_permutexvar_ps(m, tokv, _mm512_maskz_loadu_ps(__mmask16((1u << per_vec) - 1u), p + i / G));
         const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_mul_ps(pv, _mm512_load_ps(sv + i)), inv),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + i), _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(r)));
+        wacc = _mm512_add_ps(wacc, r);
         zacc = _mm512_fmadd_ps(pv, _mm512_load_ps(zv + i), zacc);
       }
       std::memset(wq + np, 0, 16 * 4);  // padding rows of the last quad weigh nothing
+      // per group: sum p * (zero + mid * scale) - beta * mid * sum wq, so codes count centred
+      alignas(64) float ws[16];
       _mm512_store_ps(zs, zacc);
+      _mm512_store_ps(ws, wacc);
       float zsum[16] = {};
-      for (std::size_t i = 0; i < 16; ++i) zsum[i % G] += zs[i];
+      for (std::size_t i = 0; i < 16; ++i) zsum[i % G] += zs[i] - wm / levels * mid * ws[i];
 
       float* acc = task.acc + h * dim;
       for (unsigned u = 0; u < NU; ++u) {

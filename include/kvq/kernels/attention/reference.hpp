@@ -7,12 +7,13 @@
 // blocks (per-channel groups), so a quantized key tile shares one set of scales and zero points.
 // Two tiers, both defined here for every configuration:
 //   exact:   fp32/fp64 arithmetic on dequantized (and, pre-RoPE, rotated) rows.
-//   integer: for a tile of per-channel quantized post-RoPE keys, score = q.z + a * sum(qi * code)
+//   integer: for a tile of per-channel quantized post-RoPE keys,
+//            score = q.(z + mid * scale) + a * sum(qi * (code - mid)), mid = (2^bits - 1) / 2,
 //            where q~ = q * scale (scale folded into the query), a = max|q~| / 127 and
 //            qi = rne(q~ / a) in [-127, 127]; for per-token quantized values, the weights
 //            w = p * scale are quantized per tile and head to wq = rne(w / b) in [0, W]
 //            (W = 255 for codes of up to 7 bits, 127 for 8-bit codes) and the output gains
-//            b * sum(wq * code) + sum(p * zero). Everything else is computed as in the exact tier.
+//            b * sum(wq * (code - mid)) + sum(p * (zero + mid * scale)), mid = (2^bits - 1) / 2. Everything else is computed as in the exact tier.
 // The AVX-512 kernels implement the same definitions (up to exp() rounding and rounding ties).
 
 #include <algorithm>
@@ -130,18 +131,24 @@ inline void integer_key_scores(const DecodeTask& task, std::size_t a, std::size_
   std::uint8_t codes[max_head_dim];
   for (std::size_t h = 0; h < task.group; ++h) {
     const float* q = task.queries + h * dim;
+    // Centred as for values: the bias is q.(zero + mid * scale) and the codes count from mid.
+    const float mid = reference::mid_code(k.spec);
     float amax = 0.0f, bias = 0.0f;
     for (std::size_t c = 0; c < dim; ++c) {
       amax = std::max(amax, std::fabs(q[c] * scale[c]));
-      bias += q[c] * zero[c];
+      bias += q[c] * (zero[c] + mid * scale[c]);
     }
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, alpha = amax / 127.0f;
-    for (std::size_t c = 0; c < dim; ++c) qi[c] = std::int8_t(std::nearbyint(q[c] * scale[c] * inv));
+    std::int32_t qsum = 0;
+    for (std::size_t c = 0; c < dim; ++c) {
+      qi[c] = std::int8_t(std::nearbyint(q[c] * scale[c] * inv));
+      qsum += qi[c];
+    }
     for (std::size_t p = a; p < b; ++p) {
       codes_of(k, p, codes);
       std::int32_t dot = 0;
       for (std::size_t c = 0; c < dim; ++c) dot += std::int32_t(qi[c]) * std::int32_t(codes[c]);
-      scores[h][p - a] = bias + alpha * float(dot);
+      scores[h][p - a] = bias + alpha * (float(dot) - mid * float(qsum));
     }
   }
 }
@@ -160,7 +167,10 @@ inline void integer_values(const DecodeTask& task, std::size_t tile_begin, std::
       for (std::size_t g = 0; g < groups; ++g)
         wmax = std::max(wmax, weights[h][p - tile_begin] * param(v, v.scales, v.param_index(p) + g));
     const float inv = wmax > 0.0f ? levels / wmax : 0.0f, beta = wmax / levels;
-    std::int32_t dots[max_head_dim] = {};
+    // Centred codes: value = (zero + mid * scale) + scale * (code - mid), so the weights' rounding
+    // error multiplies code - mid (small) and the large zero term uses the exact weights.
+    const float mid = reference::mid_code(v.spec);
+    std::int32_t dots[max_head_dim] = {}, wsum[max_head_dim] = {};
     float zsum[max_head_dim] = {};
     for (std::size_t p = a; p < b; ++p) {
       codes_of(v, p, codes);
@@ -171,11 +181,12 @@ inline void integer_values(const DecodeTask& task, std::size_t tile_begin, std::
         const auto wq = std::int32_t(std::nearbyint(w * gp.scale * inv));
         for (std::size_t c = g * v.spec.group; c < std::min(dim, (g + 1) * v.spec.group); ++c) {
           dots[c] += wq * std::int32_t(codes[c]);
-          zsum[c] += w * gp.zero;
+          wsum[c] += wq;
+          zsum[c] += w * (gp.zero + mid * gp.scale);
         }
       }
     }
-    for (std::size_t c = 0; c < dim; ++c) acc[c] += beta * float(dots[c]) + zsum[c];
+    for (std::size_t c = 0; c < dim; ++c) acc[c] += beta * (float(dots[c]) - mid * float(wsum[c])) + zsum[c];
   }
 }
 

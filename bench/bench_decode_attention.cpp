@@ -1,0 +1,149 @@
+// One decode step (head_dim 128, 32 query heads, 8 KV heads) over the packed cache, against an
+// fp32 and an fp16 cache read by the same AVX-512 kernel (GQA-shared loads, F16C), plus the
+// machine's streaming read bandwidth measured in the same run. Layers rotate so that the caches
+// touched (>= 160 MB) cannot sit in the 32 MiB L3. Names: decode/<cache>/<tier>/<context>/threads:<n>.
+#include <benchmark/benchmark.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvq/attention/decode.hpp"
+#include "kvq/kvq.hpp"
+
+namespace {
+
+constexpr std::size_t kDim = 128, kHeads = 32, kKvHeads = 8;
+
+struct Built {
+  std::unique_ptr<kvq::BasicKVCache> cache;
+  std::size_t layers = 0;
+  double layer_bytes = 0;
+};
+
+Built& cache_for(const std::string& config, std::size_t context) {
+  static std::map<std::pair<std::string, std::size_t>, Built> built;
+  auto key = std::pair{config, context};
+  if (auto it = built.find(key); it != built.end()) return it->second;
+  built.clear();  // one cache at a time keeps memory bounded
+  const kvq::CacheConfig c = kvq::parse_cache_config(config);
+  kvq::BasicKVCache probe(kvq::CacheShape{1, kKvHeads, kDim, context}, c);
+  const double bytes = double(probe.planned_memory(context).total_bytes());
+  const std::size_t layers = std::max<std::size_t>(2, std::size_t(160e6 / bytes) + 1);
+  Built b;
+  b.cache = std::make_unique<kvq::BasicKVCache>(kvq::CacheShape{layers, kKvHeads, kDim, context}, c);
+  b.layers = layers;
+  b.layer_bytes = bytes;
+  constexpr std::size_t block = 512;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal;
+  std::vector<float> k(block * kKvHeads * kDim), v(k.size());
+  for (auto& x : k) x = normal(rng);
+  for (auto& x : v) x = normal(rng);
+  for (std::size_t l = 0; l < layers; ++l)
+    for (std::size_t p = 0; p < context; p += block) {
+      const std::size_t n = std::min(block, context - p) * kKvHeads * kDim;
+      b.cache->append(l, p, std::span(k).first(n), std::span(v).first(n));
+    }
+  return built.emplace(key, std::move(b)).first->second;
+}
+
+kvq::Executor* pool(std::size_t threads) {
+  static kvq::ThreadPool one(1), two(2);
+  return threads == 1 ? static_cast<kvq::Executor*>(&one) : &two;
+}
+
+void decode_step(benchmark::State& state, std::string config, kvq::Tier tier, std::size_t context, std::size_t threads) {
+  Built& b = cache_for(config, context);
+  std::vector<float> q(kHeads * kDim), out(q.size());
+  std::mt19937 rng(2);
+  std::normal_distribution<float> normal;
+  for (auto& x : q) x = normal(rng);
+  kvq::DecodeOptions o;
+  o.tier = tier;
+  o.executor = pool(threads);
+  std::size_t layer = 0;
+  for (auto _ : state) {
+    kvq::decode_attention(*b.cache, layer, context - 1, q, out, o);
+    benchmark::DoNotOptimize(out.data());
+    layer = (layer + 1) % b.layers;
+  }
+  state.counters["bytes_per_step"] = b.layer_bytes;
+  state.counters["GB/s"] = benchmark::Counter(b.layer_bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["layers"] = double(b.layers);
+  state.SetLabel(kvq::kernels::attention::to_string(kvq::decode_path(*b.cache, kHeads)));
+}
+
+// Streaming read of a 1 GiB huge-page buffer: the memory ceiling the decode figures compare to.
+__attribute__((target("avx512f"))) std::uint64_t read_range(const std::uint8_t* p, std::size_t n) {
+  __m512i a = _mm512_setzero_si512(), b = a, c = a, d = a;
+  for (std::size_t i = 0; i + 256 <= n; i += 256) {
+    a = _mm512_add_epi64(a, _mm512_load_si512(p + i));
+    b = _mm512_add_epi64(b, _mm512_load_si512(p + i + 64));
+    c = _mm512_add_epi64(c, _mm512_load_si512(p + i + 128));
+    d = _mm512_add_epi64(d, _mm512_load_si512(p + i + 192));
+  }
+  alignas(64) std::uint64_t lanes[8];
+  _mm512_store_si512(lanes, _mm512_add_epi64(_mm512_add_epi64(a, b), _mm512_add_epi64(c, d)));
+  std::uint64_t s = 0;
+  for (const std::uint64_t x : lanes) s += x;
+  return s;
+}
+
+void read_bandwidth(benchmark::State& state, std::size_t threads) {
+  static kvq::AlignedBuffer buffer = [] {
+    kvq::AlignedBuffer b(std::size_t(1) << 30);
+    std::memset(b.data(), 1, b.size());
+    return b;
+  }();
+  const std::size_t n = buffer.size(), part = n / threads;
+  std::uint64_t sums[2] = {};
+  auto task = [&](std::size_t i) { sums[i] = read_range(buffer.data() + i * part, part); };
+  for (auto _ : state) {
+    pool(threads)->parallel_for(threads, task);
+    benchmark::DoNotOptimize(sums);
+  }
+  state.counters["GB/s"] = benchmark::Counter(double(n) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+struct Named {
+  const char* name;
+  const char* config;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (std::size_t threads : {1, 2})
+    benchmark::RegisterBenchmark(("read_bandwidth/threads:" + std::to_string(threads)).c_str(), read_bandwidth, threads)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  const Named caches[] = {
+      {"fp32", "k16-v16-r0-s0-post-f32"},      {"fp16", "k16-v16-r0-s0-post"},
+      {"K8V8-post", "k8c32-v8t32-r128-s0-post"}, {"K4V4-post", "k4c32-v4t32-r128-s0-post"},
+      {"K4V2-post", "k4c32-v2t32-r128-s0-post"}, {"K2V2-post", "k2c32-v2t32-r128-s0-post"},
+      {"K8V8-pre", "k8c32-v8t32-r128-s0"},       {"K4V4-pre", "k4c32-v4t32-r128-s0"},
+      {"K4V2-pre", "k4c32-v2t32-r128-s0"},       {"K2V2-pre", "k2c32-v2t32-r128-s0"},
+  };
+  for (std::size_t context : {1024, 4096, 16384, 32768, 65536})
+    for (const Named& c : caches)
+      for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
+        const bool unquantized = std::string(c.name).rfind("fp", 0) == 0;
+        if (unquantized && tier == kvq::Tier::integer) continue;  // nothing to quantize: one tier
+        for (std::size_t threads : {1, 2})
+          benchmark::RegisterBenchmark(("decode/" + std::string(c.name) + "/" + kvq::to_string(tier) + "/" +
+                                        std::to_string(context) + "/threads:" + std::to_string(threads))
+                                           .c_str(),
+                                       decode_step, std::string(c.config), tier, context, threads)
+              ->Unit(benchmark::kMillisecond)
+              ->UseRealTime();
+      }
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+}
