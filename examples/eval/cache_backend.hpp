@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <functional>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvq/kvq.hpp"
@@ -20,6 +22,25 @@ using AttentionFn = std::function<void(const BasicKVCache&, std::size_t layer, s
 inline AttentionFn reference_attention_fn() {
   return [](const BasicKVCache& c, std::size_t layer, std::size_t position, std::span<const float> q,
             std::span<float> out) { reference_attention(c, layer, position, q, out); };
+}
+
+/// decode_attention over the packed cache, in the given accuracy tier.
+inline AttentionFn decode_attention_fn(Tier tier) {
+  return [tier](const BasicKVCache& c, std::size_t layer, std::size_t position, std::span<const float> q,
+                std::span<float> out) {
+    DecodeOptions options;
+    options.tier = tier;
+    decode_attention(c, layer, position, q, out, options);
+  };
+}
+
+/// "reference", "exact" or "integer".
+inline AttentionFn attention_fn(std::string_view name) {
+  if (name == "reference") return reference_attention_fn();
+  if (name == "exact") return decode_attention_fn(Tier::exact);
+  if (name == "integer") return decode_attention_fn(Tier::integer);
+  throw Error(ErrorCode::invalid_argument,
+              "unknown attention '" + std::string(name) + "': expected reference, exact or integer");
 }
 
 inline CacheShape cache_shape(const llama::Model& model, std::size_t capacity) {

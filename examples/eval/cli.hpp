@@ -43,6 +43,9 @@ usage: kvq-eval [options]
   --stories N          evaluate the first N stories (default: all)
   --context N          truncate each story to N tokens (default: 512)
   --metric-stories N   stories that feed the per-layer attention metrics (default: 3)
+  --attention NAME     what reads the quantized cache: exact (decode attention, fp32),
+                       integer (decode attention on int8 dot products) or reference
+                       (dequantize, then Eigen in double) (default: exact)
   --out DIR            where kvq-eval.csv and kvq-eval.svg go (default: kvq-eval-results)
   --synthetic          run the synthetic mode (no model needed)
   --help               this text
@@ -55,7 +58,7 @@ Configuration strings: k<bits><c|t><group>[s][.bf16|.f32]-v...-r<window>-s<sinks
 struct EvalOptions {
   std::filesystem::path model, text, out = "kvq-eval-results";
   bool model_given = false, synthetic = false, help = false;
-  std::string set = "default";
+  std::string set = "default", attention = "exact";
   std::vector<std::string> configs;
   std::size_t stories = 0, context = 512, metric_stories = 3;
 };
@@ -85,6 +88,7 @@ inline EvalOptions parse_options(const std::vector<std::string>& args) {
     if (a == "--model") o.model = value(), o.model_given = true;
     else if (a == "--text") o.text = value();
     else if (a == "--set") o.set = value();
+    else if (a == "--attention") o.attention = value();
     else if (a == "--out") o.out = value();
     else if (a == "--stories") o.stories = parse_count(a, value());
     else if (a == "--context") o.context = parse_count(a, value());
@@ -101,6 +105,7 @@ inline EvalOptions parse_options(const std::vector<std::string>& args) {
   }
   if (o.set != "default" && o.set != "axes" && o.set != "full")
     throw Error(ErrorCode::invalid_argument, "unknown --set '" + o.set + "': expected default, axes or full");
+  (void)attention_fn(o.attention);  // rejects unknown names here
   if (o.context < 2) throw Error(ErrorCode::invalid_argument, "--context must be at least 2 tokens");
   return o;
 }
@@ -254,13 +259,14 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
     for (const std::string& c : o.configs) configs.push_back(parse_cache_config(c));
     if (configs.empty()) configs = config_set(o.set, model.config().head_dim);
 
-    ModelEvaluation evaluation(model, stories, o.metric_stories);
+    ModelEvaluation evaluation(model, stories, o.metric_stories, attention_fn(o.attention));
     const double base = evaluation.baseline_nll();
     out << fmt::format("model {} ({} layers, {} heads, {} KV heads, head_dim {}), text {}: {} stories, {} predictions\n",
                        o.model.filename().string(), model.config().layers, model.config().heads,
                        model.config().kv_heads, model.config().head_dim, o.text.filename().string(), stories.size(),
                        evaluation.predictions());
-    out << fmt::format("full-precision (fp32) cache: {:.4f} nats/token, perplexity {:.4f}\n\n", base, std::exp(base));
+    out << fmt::format("full-precision (fp32) cache: {:.4f} nats/token, perplexity {:.4f}; quantized caches read by {} attention\n\n",
+                       base, std::exp(base), o.attention);
     const std::vector<ConfigResult> results = evaluate_all(evaluation, configs, err);
     print_table(out, results, base);
     out << "\nbits/value counts codes, scales, zero points and full-precision tokens at each story's length;\n"

@@ -95,7 +95,7 @@ class ModelEvaluation {
     r.mean_kl = kl / double(r.predictions);
     r.top1 = agree / double(r.predictions);
     r.bits_per_value = 8.0 * double(r.cache_bytes) / double(values);
-    attention_metrics(config, r);
+    if (metric_stories_ > 0) attention_metrics(config, r);
     return r;
   }
 

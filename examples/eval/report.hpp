@@ -28,10 +28,14 @@ inline void print_table(std::ostream& out, const std::vector<ConfigResult>& resu
   out << fmt::format("{:<28} {:<16} {:>6} {:>8} {:>9} {:>7} {:>8} {:>8} {:>8} {:>8}\n", "", "", "/value", "", "nats",
                      "", "", "", "err", "err");
   const double base_ppl = std::exp(baseline_nll);
-  for (const ConfigResult& r : results)
-    out << fmt::format("{:<28} {:<16} {:>6.2f} {:>+8.4f} {:>9.5f} {:>7.4f} {:>8.4f} {:>8.4f} {:>8.4f} {:>8.4f}\n",
-                       to_string(r.config), axes_label(r.config), r.bits_per_value, r.perplexity - base_ppl, r.mean_kl,
-                       r.top1, r.all.key_error, r.all.value_error, r.all.score_error, r.all.output_error);
+  for (const ConfigResult& r : results) {
+    const bool measured = !r.layers.empty();  // --metric-stories 0 skips the attention metrics
+    auto metric = [&](double v) { return measured ? fmt::format("{:>8.4f}", v) : fmt::format("{:>8}", "-"); };
+    out << fmt::format("{:<28} {:<16} {:>6.2f} {:>+8.4f} {:>9.5f} {:>7.4f} {} {} {} {}\n", to_string(r.config),
+                       axes_label(r.config), r.bits_per_value, r.perplexity - base_ppl, r.mean_kl, r.top1,
+                       metric(r.all.key_error), metric(r.all.value_error), metric(r.all.score_error),
+                       metric(r.all.output_error));
+  }
 }
 
 inline void write_csv(std::FILE* f, const std::vector<ConfigResult>& results, double baseline_nll) {

@@ -54,7 +54,8 @@ class EvalModel : public ::testing::Test {
     model_ = new kvq::llama::Model(*file_);
     const kvq::llama::Tokenizer tok(*file_);
     const std::string text = kvq::eval::read_file(kvq::llama::data_dir() / "text" / "tinystories_valid_excerpt.txt", "text");
-    eval_ = new kvq::eval::ModelEvaluation(*model_, kvq::eval::tokenize_stories(text, tok, 160, 4), 2);
+    eval_stories_ = kvq::eval::tokenize_stories(text, tok, 160, 4);
+    eval_ = new kvq::eval::ModelEvaluation(*model_, eval_stories_, 2);
   }
   static void TearDownTestSuite() {
     delete eval_;
@@ -68,6 +69,7 @@ class EvalModel : public ::testing::Test {
   static inline kvq::llama::GgufFile* file_ = nullptr;
   static inline kvq::llama::Model* model_ = nullptr;
   static inline kvq::eval::ModelEvaluation* eval_ = nullptr;
+  static inline std::vector<std::vector<int>> eval_stories_;
 };
 
 TEST_F(EvalModel, PerChannelPreRopeKeysBeatPostRopeWhichBeatPerTokenKeys) {
@@ -99,6 +101,19 @@ TEST_F(EvalModel, FullPrecisionCacheReproducesTheBaselineAndWindowsHelp) {
   EXPECT_GT(window.bits_per_value, no_window.bits_per_value);
 }
 
+// Decode attention replaces the reference without changing what the model measures.
+TEST_F(EvalModel, DecodeAttentionTiersLeaveModelQualityUnchanged) {
+  const auto config = kvq::parse_cache_config("k4c32-v2t8-r16-s1");
+  const auto reference = eval_->evaluate(config);
+  const kvq::eval::ModelEvaluation exact_eval(*model_, eval_stories_, 0, kvq::eval::attention_fn("exact"));
+  const kvq::eval::ModelEvaluation integer_eval(*model_, eval_stories_, 0, kvq::eval::attention_fn("integer"));
+  const auto exact = exact_eval.evaluate(config), integer = integer_eval.evaluate(config);
+  EXPECT_NEAR(exact.mean_kl, reference.mean_kl, 1e-6);
+  EXPECT_NEAR(exact.mean_nll, reference.mean_nll, 1e-4);  // fp32 vs double accumulation: measured 8e-6
+  EXPECT_NEAR(integer.mean_kl, reference.mean_kl, 0.1 * reference.mean_kl);  // integer tier: measured change
+  EXPECT_GT(integer.top1, reference.top1 - 0.02);
+}
+
 TEST_F(EvalModel, GreedyDecodingThroughTheCacheReproducesTheGoldenTokens) {
   const auto golden = kvq::llama::testing::read_golden();
   kvq::eval::CacheBackend kv(*model_, kvq::full_precision_config(), golden.tokens.size());
@@ -126,6 +141,8 @@ TEST(EvalCli, BadInputGivesOneClearMessage) {
   EXPECT_NE(msg.find("--frobnicate"), std::string::npos) << msg;
   EXPECT_EQ(run_cli({"--stories", "-3"}, msg), 1);
   EXPECT_EQ(run_cli({"--set", "everything"}, msg), 1);
+  EXPECT_EQ(run_cli({"--attention", "fast"}, msg), 1);
+  EXPECT_NE(msg.find("fast"), std::string::npos) << msg;
 
   // A GGUF of another architecture, and a truncated one.
   kvq::llama::testing::GgufWriter w;

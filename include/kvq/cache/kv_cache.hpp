@@ -22,6 +22,7 @@
 #include "kvq/cache/stream_layout.hpp"
 #include "kvq/cache/stream_view.hpp"
 #include "kvq/core/aligned_buffer.hpp"
+#include "kvq/core/convert.hpp"
 #include "kvq/error.hpp"
 #include "kvq/kernels/quantize/quantize.hpp"
 #include "kvq/quant/kv_policy.hpp"
@@ -83,8 +84,8 @@ class BasicKVCache {
       const std::size_t p = position + t;
       for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
         const std::size_t offset = (t * shape_.kv_heads + h) * shape_.head_dim;
-        store_row(Tensor::keys, layer, h, p, keys.data() + offset);
-        store_row(Tensor::values, layer, h, p, values.data() + offset);
+        write_row(Tensor::keys, layer, h, p, keys.data() + offset);
+        write_row(Tensor::values, layer, h, p, values.data() + offset);
       }
       quantize_due(Tensor::keys, layer, p + 1);
       quantize_due(Tensor::values, layer, p + 1);
@@ -225,17 +226,20 @@ class BasicKVCache {
                                                     std::to_string(tokens) + " tokens to " +
                                                     std::to_string(lengths_[layer]) + " exceeds the capacity of " +
                                                     std::to_string(shape_.capacity));
-    const float limit = max_finite(config_.residual);
+    const float limit = overflow_threshold(config_.residual);
     for (const Tensor t : {Tensor::keys, Tensor::values}) {
       const std::span<const float> data = t == Tensor::keys ? keys : values;
-      for (std::size_t i = 0; i < data.size(); ++i) {
-        const float x = data[i];
-        if (std::isfinite(x) && std::isfinite(round_to(config_.residual, x))) continue;
-        const std::size_t token = i / row, head = i % row / shape_.head_dim, channel = i % shape_.head_dim;
-        throw Error(std::isfinite(x) ? ErrorCode::unrepresentable : ErrorCode::non_finite_input,
-                    where(t, layer, head, position + token) + ", channel " + std::to_string(channel) + ": value " +
-                        std::to_string(x) + (std::isfinite(x) ? " exceeds the residual type's range of " + std::to_string(limit)
-                                                              : " is not finite"));
+      if (!all_below(data.data(), data.size(), limit)) {
+        for (std::size_t i = 0; i < data.size(); ++i) {
+          const float x = data[i];
+          if (std::fabs(x) < limit) continue;
+          const std::size_t token = i / row, head = i % row / shape_.head_dim, channel = i % shape_.head_dim;
+          throw Error(std::isfinite(x) ? ErrorCode::unrepresentable : ErrorCode::non_finite_input,
+                      where(t, layer, head, position + token) + ", channel " + std::to_string(channel) + ": value " +
+                          std::to_string(x) +
+                          (std::isfinite(x) ? std::string(" exceeds the range of the residual type ") + to_string(config_.residual)
+                                            : std::string(" is not finite")));
+        }
       }
       check_groups(t, layer, position, tokens, data);
     }
@@ -247,15 +251,19 @@ class BasicKVCache {
     const StreamLayout& lay = layouts_[index(t)];
     const std::size_t begin = quantized_end(t, layer), end = std::max(begin, lay.quantized_end(position + tokens));
     if (begin == end) return;
-    const std::size_t dim = shape_.head_dim;
     const QuantizerSpec& spec = lay.spec;
-    float row[max_head_dim];
+    // Every value reaching a group is stored in the residual type first, so a group spanning
+    // that type's whole range bounds them all (true for f16 storage with 2+ bit f16 params).
+    const float most = max_finite(lay.residual);
+    if (kernels::reference::representable(kernels::reference::make_params(spec, -most, most))) return;
+    const std::size_t dim = shape_.head_dim;
+    float row[max_head_dim], scratch[max_head_dim];
     for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
       const StreamView stored = view(t, layer, h);
       auto load = [&](std::size_t p) {  // the row as it will sit in the ring
         if (p < position) return stored.read_row(p, row);
-        const float* x = input.data() + ((p - position) * shape_.kv_heads + h) * dim;
-        for (std::size_t c = 0; c < dim; ++c) row[c] = round_to(lay.residual, x[c]);
+        store_row(lay.residual, input.data() + ((p - position) * shape_.kv_heads + h) * dim, dim, scratch);
+        load_row(lay.residual, scratch, dim, row);
       };
       auto check = [&](float lo, float hi, std::size_t p, std::size_t channel) {
         if (kernels::reference::representable(kernels::reference::make_params(spec, lo, hi))) return;
@@ -290,13 +298,13 @@ class BasicKVCache {
 
   // The commit half of append: noexcept, since check_append has validated everything.
 
-  void store_row(Tensor t, std::size_t layer, std::size_t head, std::size_t p, const float* x) noexcept {
+  void write_row(Tensor t, std::size_t layer, std::size_t head, std::size_t p, const float* x) noexcept {
     const StreamLayout& lay = layouts_[index(t)];
     std::uint8_t* base = stream_base(t, layer, head);
     const std::size_t row_bytes = shape_.head_dim * size_of(lay.residual);
     std::uint8_t* dest = p < lay.sinks ? base + lay.sink_offset + p * row_bytes
                                        : base + lay.ring_offset + (p - lay.sinks) % lay.ring_rows * row_bytes;
-    for (std::size_t c = 0; c < shape_.head_dim; ++c) store_scalar(lay.residual, dest, c, x[c]);
+    store_row(lay.residual, x, shape_.head_dim, dest);
   }
 
   /// Quantizes, in every head, whatever the rule makes due once the layer holds `length` tokens.
@@ -315,7 +323,7 @@ class BasicKVCache {
       float* rows = scratch_.data();  // the due rows as floats; they may wrap around the ring's end
       for (std::size_t q = begin; q < end; ++q) {
         const std::uint8_t* src = base + lay.ring_offset + (q - lay.sinks) % lay.ring_rows * row_bytes;
-        for (std::size_t c = 0; c < dim; ++c) rows[(q - begin) * dim + c] = load_scalar(lay.residual, src, c);
+        load_row(lay.residual, src, dim, rows + (q - begin) * dim);
       }
       std::uint8_t* codes = base + lay.code_offset + row0 * lay.row_bytes;
       void* scales = base + lay.scale_offset + param0;

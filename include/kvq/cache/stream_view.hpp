@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kvq/core/convert.hpp"
 #include "kvq/kernels/quantize/reference.hpp"
 #include "kvq/quant/spec.hpp"
 
@@ -55,7 +56,7 @@ struct StreamView {
     if (position < sinks_stored) residual_row = sink_row(position);
     else if (position >= end_quantized) residual_row = pending_row(position);
     if (residual_row != nullptr) {
-      for (std::size_t c = 0; c < head_dim; ++c) out[c] = load_scalar(residual, residual_row, c);
+      load_row(residual, residual_row, head_dim, out);
       return;
     }
     const std::size_t p = param_index(position);

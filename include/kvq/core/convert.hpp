@@ -1,0 +1,117 @@
+#pragma once
+// Bulk conversion between float and the storage types (fp16, bf16, f32), with the same bits as
+// the scalar conversions in half.hpp: F16C rounds to nearest even exactly as to_fp16 does.
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "kvq/core/half.hpp"
+#include "kvq/isa.hpp"
+
+#if defined(KVQ_HAVE_X86_KERNELS)
+#include <immintrin.h>
+#endif
+
+namespace kvq::inline v0 {
+
+/// The smallest magnitude that overflows to infinity when stored as `s`.
+constexpr float overflow_threshold(Scalar s) noexcept {
+  return s == Scalar::f16    ? 65520.0f                                // 65504 + half an ulp, ties to even
+         : s == Scalar::bf16 ? std::bit_cast<float>(0x7f7f8000u)   // bf16 max + half an ulp
+                             : std::numeric_limits<float>::infinity();
+}
+
+namespace detail {
+
+#if defined(KVQ_HAVE_X86_KERNELS)
+#pragma GCC diagnostic push
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void store_f16_avx512(const float* src, std::size_t n,
+                                                                                     std::uint16_t* dst) noexcept {
+  std::size_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  if (i < n) {
+    const __mmask16 m = __mmask16((1u << (n - i)) - 1u);
+    _mm256_mask_storeu_epi16(dst + i, m,
+                             _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void load_f16_avx512(const std::uint16_t* src, std::size_t n,
+                                                                                    float* dst) noexcept {
+  std::size_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  if (i < n) {
+    const __mmask16 m = __mmask16((1u << (n - i)) - 1u);
+    _mm512_mask_storeu_ps(dst + i, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + i)));
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline bool all_below_avx512(const float* x, std::size_t n,
+                                                                                  float limit) noexcept {
+  const __m512 lim = _mm512_set1_ps(limit);
+  __mmask16 ok = 0xffff;
+  std::size_t i = 0;
+  for (; i + 16 <= n; i += 16) ok &= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(x + i)), lim, _CMP_LT_OQ);
+  if (i < n) {
+    const __mmask16 m = __mmask16((1u << (n - i)) - 1u);
+    ok &= __mmask16(_mm512_mask_cmp_ps_mask(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + i)), lim, _CMP_LT_OQ) | ~m);
+  }
+  return ok == 0xffff;
+}
+#pragma GCC diagnostic pop
+#endif
+
+}  // namespace detail
+
+/// True when every |x[i]| < limit (NaN fails).
+inline bool all_below(const float* x, std::size_t n, float limit) noexcept {
+#if defined(KVQ_HAVE_X86_KERNELS)
+  if (isa::detected() == isa::Level::avx512) return detail::all_below_avx512(x, n, limit);
+#endif
+  bool ok = true;
+  for (std::size_t i = 0; i < n; ++i) ok &= std::fabs(x[i]) < limit;
+  return ok;
+}
+
+/// src (n floats) -> dst (n values of type s).
+inline void store_row(Scalar s, const float* src, std::size_t n, void* dst) noexcept {
+  if (s == Scalar::f32) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+#if defined(KVQ_HAVE_X86_KERNELS)
+  if (s == Scalar::f16 && isa::detected() == isa::Level::avx512)
+    return detail::store_f16_avx512(src, n, static_cast<std::uint16_t*>(dst));
+#endif
+  for (std::size_t i = 0; i < n; ++i) store_scalar(s, dst, i, src[i]);
+}
+
+/// src (n values of type s) -> dst (n floats).
+inline void load_row(Scalar s, const void* src, std::size_t n, float* dst) noexcept {
+  if (s == Scalar::f32) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+#if defined(KVQ_HAVE_X86_KERNELS)
+  if (s == Scalar::f16 && isa::detected() == isa::Level::avx512)
+    return detail::load_f16_avx512(static_cast<const std::uint16_t*>(src), n, dst);
+#endif
+  if (s == Scalar::bf16) {  // a shift: vectorises as it stands
+    const auto* b = static_cast<const std::uint16_t*>(src);
+    for (std::size_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(std::uint32_t(b[i]) << 16);
+    return;
+  }
+  for (std::size_t i = 0; i < n; ++i) dst[i] = load_scalar(s, src, i);
+}
+
+}  // namespace kvq::inline v0
