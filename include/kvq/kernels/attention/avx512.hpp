@@ -171,6 +171,14 @@ KVQ_TARGET_AVX512_ATTENTION inline __m512 exp_ps(__m512 x) noexcept {
   return _mm512_scalef_ps(p, n);
 }
 
+}  // namespace detail
+}  // namespace kvq::inline v0::kernels::attention::avx512
+
+#include "kvq/kernels/attention/avx512_int.hpp"
+
+namespace kvq::inline v0::kernels::attention::avx512 {
+namespace detail {
+
 template <int NV>
 struct Kernel {
   static constexpr std::size_t dim = 16 * NV;
@@ -272,7 +280,7 @@ struct Kernel {
       const float mid = reference::mid_code(k.spec);
       __m512 qs = _mm512_setzero_ps();
       const float m = _mm512_reduce_max_ps(amax);
-      const __m512 inv = _mm512_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+      const __m512 inv = _mm512_set1_ps(m >= std::numeric_limits<float>::min() ? 127.0f / m : 0.0f);
       alpha[h] = m / 127.0f;
       for (int i = 0; i < NV; ++i) {
         const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_load_ps(qt[h] + 16 * i), inv),
@@ -294,13 +302,18 @@ struct Kernel {
 
   /// Scores of tile [a, b) into scores[h][0 .. b - a).
   KVQ_TARGET_AVX512_ATTENTION void key_scores(std::size_t a, std::size_t b) noexcept {
-    const bool block = key_fast && quantized_key_block(k, a, b);
-    const bool folded = block && task.rope == nullptr;
-    const bool integer = folded && task.tier == Tier::integer;
-    if (block) load_key_block(a);
-    if (folded) fold_queries(integer);
+    std::size_t loaded = ~std::size_t(0);  // key block whose parameters are loaded
     for (std::size_t s0 = a; s0 < b; s0 += 16) {
       const std::size_t n = b - s0 < 16 ? b - s0 : 16;
+      // A tile holds whole key blocks of a multiple of 16 positions (tile_tokens), or none.
+      const bool block = key_fast && quantized_key_block(k, s0, s0 + n);
+      const bool folded = block && task.rope == nullptr;
+      const bool integer = folded && task.tier == Tier::integer;
+      if (block && (s0 - k.first_quantized) / k.spec.group != loaded) {
+        loaded = (s0 - k.first_quantized) / k.spec.group;
+        load_key_block(s0);
+        if (folded) fold_queries(integer);
+      }
       for (std::size_t t = 0; t < n; ++t) {
         const std::size_t p = s0 + t;
         __m512 x[NV];
@@ -471,7 +484,7 @@ struct Kernel {
         wmax = _mm512_max_ps(wmax, _mm512_maskz_mul_ps(m, pv, _mm512_load_ps(sv + i)));
       }
       const float wm = _mm512_reduce_max_ps(wmax);
-      const __m512 inv = _mm512_set1_ps(wm > 0.0f ? levels / wm : 0.0f);
+      const __m512 inv = _mm512_set1_ps(wm >= std::numeric_limits<float>::min() ? levels / wm : 0.0f);
       __m512 zacc = _mm512_setzero_ps(), wacc = _mm512_setzero_ps();
       for (std::size_t i = 0; i < np; i += 16) {
         const __mmask16 m = np - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (np - i)) - 1u);
@@ -533,8 +546,25 @@ struct Kernel {
       task.sum[h] = 0.0f;
       for (std::size_t c = 0; c < dim; ++c) task.acc[h * dim + c] = 0.0f;
     }
-    for (std::size_t a = task.begin; a < task.end;) {
-      const std::size_t b = tile_end(k, a, task.end);
+    if (int_supported(task)) {
+      // Packed span on the integer kernel; sinks and the window here.
+      // Whole 16-position steps only: an older query position can end the range inside a block.
+      const std::size_t qa = std::max(task.begin, k.first_quantized);
+      const std::size_t qe = std::min(task.end, k.end_quantized);
+      const std::size_t qb = qe > qa ? qa + (qe - qa) / 16 * 16 : qa;
+      if (qa < qb) {
+        run_range(task.begin, qa);
+        int_span<NV>(task, qa, qb);
+        run_range(qb, task.end);
+        return;
+      }
+    }
+    run_range(task.begin, task.end);
+  }
+
+  KVQ_TARGET_AVX512_ATTENTION void run_range(std::size_t begin, std::size_t end) noexcept {
+    for (std::size_t a = begin; a < end;) {
+      const std::size_t b = tile_end(k, a, end);
       key_scores(a, b);
       softmax(b - a);
       // Values: fast-packed quantized rows (integer tier), register-blocked rows, generic rows.

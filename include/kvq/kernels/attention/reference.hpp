@@ -3,13 +3,14 @@
 // online-softmax state (running max, running sum, unnormalised output) of every query head that
 // shares the KV head. decode.hpp splits the context into such tasks and merges them exactly.
 //
-// Positions are walked in tiles: sinks in tiles of up to 32, then tiles aligned to the key
-// blocks (per-channel groups), so a quantized key tile shares one set of scales and zero points.
+// Positions are walked in tiles: sinks in tiles of up to 32, then tiles of whole key blocks
+// (per-channel groups, at least 64 positions) aligned to the first quantized position; each key
+// block folds its own scales and zero points into the query.
 // Two tiers, both defined here for every configuration:
 //   exact:   fp32/fp64 arithmetic on dequantized (and, pre-RoPE, rotated) rows.
 //   integer: for a tile of per-channel quantized post-RoPE keys,
 //            score = q.(z + mid * scale) + a * sum(qi * (code - mid)), mid = (2^bits - 1) / 2,
-//            where q~ = q * scale (scale folded into the query), a = max|q~| / 127 and
+//            where q~ = q * scale (scale folded into the query, per key block), a = max|q~| / 127 and
 //            qi = rne(q~ / a) in [-127, 127]; for per-token quantized values, the weights
 //            w = p * scale are quantized per tile and head to wq = rne(w / b) in [0, W]
 //            (W = 255 for codes of up to 7 bits, 127 for 8-bit codes) and the output gains
@@ -59,9 +60,13 @@ struct DecodeTask {
   float* acc = nullptr;  // (group, head_dim) sum of exp(score - max) * value
 };
 
-/// Tile length: the key block when keys are quantized per channel (and it fits), else 32.
+/// Tile length: whole key blocks of at least 64 positions when keys are quantized per channel
+/// (and a block fits), else 32. Tiles start at first_quantized and chunks are whole tiles, so
+/// tile boundaries (and with them the integer tier's per-tile weight quantization) do not
+/// depend on the chunk size.
 inline std::size_t tile_tokens(const StreamView& keys) noexcept {
-  if (keys.quantized && keys.spec.axis == Axis::per_channel && keys.spec.group <= max_tile) return keys.spec.group;
+  if (keys.quantized && keys.spec.axis == Axis::per_channel && keys.spec.group <= max_tile)
+    return keys.spec.group * std::max<std::size_t>(1, 64 / keys.spec.group);
   return 32;
 }
 
@@ -116,8 +121,10 @@ inline float param(const StreamView& s, const std::uint8_t* base, std::size_t i)
   return load_scalar(s.spec.param, base, i);
 }
 
-/// Integer-tier key scores of one tile (a quantized per-channel block, post-RoPE).
-inline void integer_key_scores(const DecodeTask& task, std::size_t a, std::size_t b, float (*scores)[max_tile]) noexcept {
+/// Integer-tier key scores of rows [a, b) (one quantized per-channel block, post-RoPE) of the
+/// tile starting at `tile`.
+inline void integer_key_scores(const DecodeTask& task, std::size_t a, std::size_t b, std::size_t tile,
+                               float (*scores)[max_tile]) noexcept {
   const StreamView& k = task.keys;
   const std::size_t dim = k.head_dim, pi = k.param_index(a);
   float scale[max_head_dim], zero[max_head_dim];
@@ -138,7 +145,8 @@ inline void integer_key_scores(const DecodeTask& task, std::size_t a, std::size_
       amax = std::max(amax, std::fabs(q[c] * scale[c]));
       bias += q[c] * (zero[c] + mid * scale[c]);
     }
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, alpha = amax / 127.0f;
+    // A subnormal maximum would give an infinite inverse (and an undefined int conversion).
+    const float inv = amax >= std::numeric_limits<float>::min() ? 127.0f / amax : 0.0f, alpha = amax / 127.0f;
     std::int32_t qsum = 0;
     for (std::size_t c = 0; c < dim; ++c) {
       qi[c] = std::int8_t(std::nearbyint(q[c] * scale[c] * inv));
@@ -148,7 +156,7 @@ inline void integer_key_scores(const DecodeTask& task, std::size_t a, std::size_
       codes_of(k, p, codes);
       std::int32_t dot = 0;
       for (std::size_t c = 0; c < dim; ++c) dot += std::int32_t(qi[c]) * std::int32_t(codes[c]);
-      scores[h][p - a] = bias + alpha * (float(dot) - mid * float(qsum));
+      scores[h][p - tile] = bias + alpha * (float(dot) - mid * float(qsum));
     }
   }
 }
@@ -166,7 +174,7 @@ inline void integer_values(const DecodeTask& task, std::size_t tile_begin, std::
     for (std::size_t p = a; p < b; ++p)
       for (std::size_t g = 0; g < groups; ++g)
         wmax = std::max(wmax, weights[h][p - tile_begin] * param(v, v.scales, v.param_index(p) + g));
-    const float inv = wmax > 0.0f ? levels / wmax : 0.0f, beta = wmax / levels;
+    const float inv = wmax >= std::numeric_limits<float>::min() ? levels / wmax : 0.0f, beta = wmax / levels;
     // Centred codes: value = (zero + mid * scale) + scale * (code - mid), so the weights' rounding
     // error multiplies code - mid (small) and the large zero term uses the exact weights.
     const float mid = reference::mid_code(v.spec);
@@ -205,19 +213,26 @@ inline void decode_task(const DecodeTask& task) noexcept {
   float row[max_head_dim];
   for (std::size_t a = task.begin; a < task.end;) {
     const std::size_t b = tile_end(k, a, task.end), n = b - a;
-    if (task.tier == Tier::integer && task.rope == nullptr && quantized_key_block(k, a, b)) {
-      detail::integer_key_scores(task, a, b, scores);
-    } else {
-      for (std::size_t p = a; p < b; ++p) {
-        k.read_row(p, row);
-        if (task.rope != nullptr) task.rope->rotate(row, p);
-        for (std::size_t h = 0; h < task.group; ++h) {
-          const float* q = task.queries + h * dim;
-          double s = 0.0;
-          for (std::size_t c = 0; c < dim; ++c) s += double(q[c]) * double(row[c]);
-          scores[h][p - a] = float(s);
+    // Keys block by block (a tile holds whole key blocks when keys are quantized per channel).
+    for (std::size_t s0 = a; s0 < b;) {
+      std::size_t s1 = b;
+      if (k.quantized && k.spec.axis == Axis::per_channel && s0 >= k.first_quantized && s0 < k.end_quantized)
+        s1 = std::min(b, k.first_quantized + ((s0 - k.first_quantized) / k.spec.group + 1) * k.spec.group);
+      if (task.tier == Tier::integer && task.rope == nullptr && quantized_key_block(k, s0, s1)) {
+        detail::integer_key_scores(task, s0, s1, a, scores);
+      } else {
+        for (std::size_t p = s0; p < s1; ++p) {
+          k.read_row(p, row);
+          if (task.rope != nullptr) task.rope->rotate(row, p);
+          for (std::size_t h = 0; h < task.group; ++h) {
+            const float* q = task.queries + h * dim;
+            double s = 0.0;
+            for (std::size_t c = 0; c < dim; ++c) s += double(q[c]) * double(row[c]);
+            scores[h][p - a] = float(s);
+          }
         }
       }
+      s0 = s1;
     }
     for (std::size_t h = 0; h < task.group; ++h)
       softmax_update(scores[h], n, task.max[h], task.sum[h], task.acc + h * dim, dim);
