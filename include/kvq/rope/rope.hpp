@@ -57,12 +57,13 @@ class RopeTable {
     const std::size_t pairs = config.dims() / 2;
     cos_.resize(max_positions * pairs);
     sin_.resize(max_positions * pairs);
+    // float arithmetic as llama2.c computes it, so greedy decoding reproduces its tokens
+    std::vector<float> freq(pairs);
+    for (std::size_t i = 0; i < pairs; ++i) freq[i] = 1.0f / std::pow(config.theta, float(2 * i) / float(config.dims()));
     for (std::size_t p = 0; p < max_positions; ++p) {
-      // float arithmetic as llama2.c computes it, so greedy decoding reproduces its tokens
       const float position = static_cast<float>(static_cast<std::ptrdiff_t>(p) + config.position_offset);
       for (std::size_t i = 0; i < pairs; ++i) {
-        const float freq = 1.0f / std::pow(config.theta, float(2 * i) / float(config.dims()));
-        const float angle = position * freq;
+        const float angle = position * freq[i];
         cos_[p * pairs + i] = std::cos(angle);
         sin_[p * pairs + i] = std::sin(angle);
       }

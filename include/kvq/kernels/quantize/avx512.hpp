@@ -83,21 +83,47 @@ KVQ_TARGET_AVX512 inline __m128i encode(const Params16& p, __m512 x, __m512 top)
   return _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(clamped));
 }
 
-/// codes (dim bytes) -> packed row; identical to pack_codes.
+/// codes (dim bytes) -> packed row; identical to pack_codes. Widths 2 and 4 combine neighbouring
+/// bytes with multiply-adds (c0 + 16 c1, then c0 + 4 c1 + 16 c2 + 64 c3); the others by pext,
+/// 8 codes -> `bits` bytes, gathered in a 64-bit register so every store is a whole word.
 KVQ_TARGET_AVX512 inline void pack_row(const std::uint8_t* codes, std::size_t dim, int bits, std::uint8_t* out) noexcept {
   if (bits == 8) {
     std::memcpy(out, codes, dim);
     return;
   }
-  const std::uint64_t mask = 0x0101010101010101ull * ((1u << bits) - 1u);
-  const std::size_t whole = dim / 8;
-  for (std::size_t i = 0; i < whole; ++i) {
-    std::uint64_t word;
-    std::memcpy(&word, codes + 8 * i, 8);
-    const std::uint64_t packed = _pext_u64(word, mask);
-    std::memcpy(out + std::size_t(bits) * i, &packed, std::size_t(bits));
+  std::size_t i = 0;
+  if (bits == 4) {
+    for (; i + 64 <= dim; i += 64) {
+      const __m512i pairs = _mm512_maddubs_epi16(_mm512_loadu_si512(codes + i), _mm512_set1_epi16(0x1001));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i / 2), _mm512_cvtepi16_epi8(pairs));
+    }
+  } else if (bits == 2) {
+    for (; i + 64 <= dim; i += 64) {
+      const __m512i pairs = _mm512_maddubs_epi16(_mm512_loadu_si512(codes + i), _mm512_set1_epi16(0x0401));
+      const __m256i quads = _mm256_maddubs_epi16(_mm512_cvtepi16_epi8(pairs), _mm256_set1_epi16(0x1001));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 4), _mm256_cvtepi16_epi8(quads));
+    }
+  } else {
+    const std::uint64_t mask = 0x0101010101010101ull * ((1u << bits) - 1u);
+    std::uint64_t acc = 0;
+    int filled = 0;
+    std::uint8_t* o = out;
+    for (; i + 8 <= dim; i += 8) {
+      std::uint64_t word;
+      std::memcpy(&word, codes + i, 8);
+      const std::uint64_t packed = _pext_u64(word, mask);  // 8 * bits bits
+      acc |= packed << filled;
+      filled += 8 * bits;
+      if (filled >= 64) {
+        std::memcpy(o, &acc, 8);
+        o += 8;
+        filled -= 64;
+        acc = filled > 0 ? packed >> (8 * bits - filled) : 0;
+      }
+    }
+    for (; filled > 0; filled -= 8, acc >>= 8) *o++ = std::uint8_t(acc);
   }
-  if (dim % 8 != 0) pack_codes(codes + 8 * whole, dim % 8, bits, out + std::size_t(bits) * whole);
+  if (i < dim) pack_codes(codes + i, dim - i, bits, out + i * std::size_t(bits) / 8);
 }
 
 KVQ_TARGET_AVX512 inline __mmask16 tail_mask(std::size_t remaining) noexcept {
@@ -106,19 +132,33 @@ KVQ_TARGET_AVX512 inline __mmask16 tail_mask(std::size_t remaining) noexcept {
 
 KVQ_TARGET_AVX512 inline void quantize_row_per_token(const QuantizerSpec& spec, const float* x, std::size_t dim,
                                                      void* scales, void* zeros, std::uint8_t* out) noexcept {
-  alignas(64) std::uint8_t codes[max_head_dim + 16];
-  const __m512 top = _mm512_set1_ps(float(spec.levels() - 1));
-  for (std::size_t g = 0, begin = 0; begin < dim; ++g, begin += spec.group) {
+  constexpr std::size_t max_groups = max_head_dim / 16;  // supports() guarantees groups of 16k channels
+  alignas(64) float lo[max_groups + 16], hi[max_groups + 16], zero[max_groups + 16], inv[max_groups + 16];
+  const std::size_t groups = groups_per_row(spec, dim);
+  for (std::size_t g = 0, begin = 0; g < groups; ++g, begin += spec.group) {
     const std::size_t end = begin + spec.group < dim ? begin + spec.group : dim;
-    __m512 lo = _mm512_set1_ps(x[begin]), hi = lo;
+    __m512 l = _mm512_set1_ps(x[begin]), h = l;
     for (std::size_t c = begin; c < end; c += 16) {
       const __mmask16 m = tail_mask(end - c);
-      const __m512 v = _mm512_mask_loadu_ps(lo, m, x + c);  // masked lanes repeat a group member
-      lo = _mm512_min_ps(lo, v);
-      hi = _mm512_max_ps(hi, _mm512_mask_loadu_ps(hi, m, x + c));
+      l = _mm512_min_ps(l, _mm512_mask_loadu_ps(l, m, x + c));  // masked lanes repeat a group member
+      h = _mm512_max_ps(h, _mm512_mask_loadu_ps(h, m, x + c));
     }
-    const float lo1 = _mm512_reduce_min_ps(lo), hi1 = _mm512_reduce_max_ps(hi);
-    const Params16 p = make_params(spec, _mm512_set1_ps(lo1), _mm512_set1_ps(hi1), scales, zeros, g, 1);
+    lo[g] = _mm512_reduce_min_ps(l);
+    hi[g] = _mm512_reduce_max_ps(h);
+  }
+  // One vector of parameters covers 16 groups.
+  for (std::size_t g = 0; g < groups; g += 16) {
+    const __mmask16 m = tail_mask(groups - g);
+    const Params16 p = make_params(spec, _mm512_maskz_loadu_ps(m, lo + g), _mm512_maskz_loadu_ps(m, hi + g), scales,
+                                   zeros, g, m);
+    _mm512_storeu_ps(zero + g, p.zero);
+    _mm512_storeu_ps(inv + g, p.inv);
+  }
+  alignas(64) std::uint8_t codes[max_head_dim + 16];
+  const __m512 top = _mm512_set1_ps(float(spec.levels() - 1));
+  for (std::size_t g = 0, begin = 0; g < groups; ++g, begin += spec.group) {
+    const std::size_t end = begin + spec.group < dim ? begin + spec.group : dim;
+    const Params16 p{_mm512_set1_ps(zero[g]), _mm512_set1_ps(inv[g]), _mm512_setzero_ps()};
     for (std::size_t c = begin; c < end; c += 16) {
       const __mmask16 m = tail_mask(end - c);
       _mm_mask_storeu_epi8(codes + c, m, encode(p, _mm512_maskz_loadu_ps(m, x + c), top));
