@@ -1,6 +1,13 @@
 #pragma once
 // AVX-512 decode attention (F/BW/VL/DQ + VNNI + VBMI + F16C): the definitions of reference.hpp,
-// 16 channels per vector, for head_dim 64 and 128. Packed codes of 2, 4 and 8 bits unpack to
+// 16 channels per vector, for head_dim 64 and 128.
+//
+// Three specialised kernels take whole tasks or their packed span (Kernel::run picks):
+//   avx512_dense.hpp  unquantized fp16/fp32 caches (the baselines), post-RoPE;
+//   avx512_int.hpp    integer tier, post-RoPE keys per channel and values per token, 2/4/8 bits;
+//   avx512_exact.hpp  exact tier, same layouts.
+// The generic Kernel below handles everything else (pre-RoPE keys, other widths and axes) and
+// the sinks and full-precision window around the packed span. In it, packed codes of 2, 4 and 8 bits unpack to
 // bytes in channel order with vpermb + vpmultishiftqb; other widths and axes read rows through
 // StreamView::read_row (still no dequantized copy: one row on the stack).
 //
@@ -175,6 +182,8 @@ KVQ_TARGET_AVX512_ATTENTION inline __m512 exp_ps(__m512 x) noexcept {
 }  // namespace kvq::inline v0::kernels::attention::avx512
 
 #include "kvq/kernels/attention/avx512_int.hpp"
+#include "kvq/kernels/attention/avx512_dense.hpp"
+#include "kvq/kernels/attention/avx512_exact.hpp"
 
 namespace kvq::inline v0::kernels::attention::avx512 {
 namespace detail {
@@ -546,15 +555,21 @@ struct Kernel {
       task.sum[h] = 0.0f;
       for (std::size_t c = 0; c < dim; ++c) task.acc[h * dim + c] = 0.0f;
     }
-    if (int_supported(task)) {
-      // Packed span on the integer kernel; sinks and the window here.
+    if (dense_supported(task)) {
+      dense_span<NV>(task, task.begin, task.end);
+      return;
+    }
+    const bool int_path = int_supported(task), exact_path = !int_path && exact_supported(task);
+    if (int_path || exact_path) {
+      // Packed span on the integer or exact kernel; sinks and the window here.
       // Whole 16-position steps only: an older query position can end the range inside a block.
       const std::size_t qa = std::max(task.begin, k.first_quantized);
       const std::size_t qe = std::min(task.end, k.end_quantized);
       const std::size_t qb = qe > qa ? qa + (qe - qa) / 16 * 16 : qa;
       if (qa < qb) {
         run_range(task.begin, qa);
-        int_span<NV>(task, qa, qb);
+        if (int_path) int_span<NV>(task, qa, qb);
+        else exact_span<NV>(task, qa, qb);
         run_range(qb, task.end);
         return;
       }

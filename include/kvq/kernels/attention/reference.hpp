@@ -13,7 +13,9 @@
 //            where q~ = q * scale (scale folded into the query, per key block), a = max|q~| / 127 and
 //            qi = rne(q~ / a) in [-127, 127]; for per-token quantized values, the weights
 //            w = p * scale are quantized per tile and head to wq = rne(w / b) in [0, W]
-//            (W = 255 for codes of up to 7 bits, 127 for 8-bit codes) and the output gains
+//            (W = 255 for codes of up to 7 bits, 127 for 8-bit codes), b = B / W with the bound
+//            B = max_t p_t * max_t,g scale_t,g (up to 7 bits; the heads share the scale factor)
+//            or B = max_t,g w_t,g (8 bits), and the output gains
 //            b * sum(wq * (code - mid)) + sum(p * (zero + mid * scale)), mid = (2^bits - 1) / 2. Everything else is computed as in the exact tier.
 // The AVX-512 kernels implement the same definitions (up to exp() rounding and rounding ties).
 
@@ -170,10 +172,21 @@ inline void integer_values(const DecodeTask& task, std::size_t tile_begin, std::
   std::uint8_t codes[max_head_dim];
   for (std::size_t h = 0; h < task.group; ++h) {
     float* acc = task.acc + h * dim;
+    // The step: codes of up to 7 bits bound the weights by (largest weight of the rows) x (largest
+    // scale of the rows), which the heads share; 8-bit codes (127 levels) use the exact maximum.
     float wmax = 0.0f;
-    for (std::size_t p = a; p < b; ++p)
-      for (std::size_t g = 0; g < groups; ++g)
-        wmax = std::max(wmax, weights[h][p - tile_begin] * param(v, v.scales, v.param_index(p) + g));
+    if (v.spec.bits <= 7) {
+      float pmax = 0.0f, smax = 0.0f;
+      for (std::size_t p = a; p < b; ++p) {
+        pmax = std::max(pmax, weights[h][p - tile_begin]);
+        for (std::size_t g = 0; g < groups; ++g) smax = std::max(smax, param(v, v.scales, v.param_index(p) + g));
+      }
+      wmax = pmax * smax;
+    } else {
+      for (std::size_t p = a; p < b; ++p)
+        for (std::size_t g = 0; g < groups; ++g)
+          wmax = std::max(wmax, weights[h][p - tile_begin] * param(v, v.scales, v.param_index(p) + g));
+    }
     const float inv = wmax >= std::numeric_limits<float>::min() ? levels / wmax : 0.0f, beta = wmax / levels;
     // Centred codes: value = (zero + mid * scale) + scale * (code - mid), so the weights' rounding
     // error multiplies code - mid (small) and the large zero term uses the exact weights.

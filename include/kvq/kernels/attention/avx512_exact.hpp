@@ -1,0 +1,238 @@
+#pragma once
+// AVX-512 exact-tier kernel for the packed span of a task (post-RoPE keys quantized per channel,
+// 2/4/8 bits, blocks of a multiple of 16; values per token, 2/4/8 bits, groups of 32; head_dim
+// 64 or 128): the structure of the integer kernel (avx512_int.hpp) with fp32 arithmetic.
+//   keys: the transposed codes (one row per lane) are converted field by field to fp32 and
+//         multiplied with the block-folded query q~ = q * scale broadcast per channel, so the 16
+//         scores of a head accumulate in one vector; bias q.zero per block and head;
+//   values: each row is unpacked once per 64 channels, converted to fp32 and multiplied with the
+//           weights w = p * scale of 4 heads (registers over the tile); the zero points add
+//           sum p * zero per group.
+// Matches the reference attention to fp32 rounding.
+
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvq/kernels/attention/reference.hpp"
+
+#define KVQ_EXACT_INLINE KVQ_TARGET_AVX512_ATTENTION __attribute__((always_inline))
+
+namespace kvq::inline v0::kernels::attention::avx512::detail {
+
+struct ExactState {
+  alignas(64) float qf[max_tile / 16][int_heads][max_head_dim];  // folded queries per block slot
+  alignas(64) float bias[max_tile / 16][16];                       // lane 4h
+  alignas(64) float w[int_heads][max_tile * 4 + 16];               // p' * scale per (row, group)
+  alignas(64) float zs[int_heads][4];                              // sum p' * zero per group
+};
+
+inline bool exact_supported(const DecodeTask& t) noexcept {
+  const StreamView &k = t.keys, &v = t.values;
+  const std::size_t d = k.head_dim;
+  if (t.tier != Tier::exact || t.rope != nullptr || (d != 64 && d != 128) || v.head_dim != d) return false;
+  if (!k.quantized || k.spec.axis != Axis::per_channel || !fast_bits(k.spec.bits) || k.spec.group % 16 != 0 ||
+      k.spec.group > max_tile)
+    return false;
+  if (!v.quantized || v.spec.axis != Axis::per_token || !fast_bits(v.spec.bits) || v.spec.group != 32) return false;
+  return v.first_quantized == k.first_quantized && v.end_quantized >= k.end_quantized;
+}
+
+template <int NV, int NH>
+KVQ_EXACT_INLINE inline void exact_fold(const IntState& S, ExactState& E, std::size_t blk, std::size_t slot) noexcept {
+  const StreamView& k = S.task->keys;
+  const std::size_t pi = blk * S.dim;
+  const __m512i perm = _mm512_load_si512(S.kperm);
+  __m512 bs[4];
+  for (int h = 0; h < 4; ++h) bs[h] = _mm512_setzero_ps();
+  for (int i = 0; i < NV; ++i) {
+    const __m512 s = _mm512_permutexvar_ps(perm, load16(k.spec.param, k.scales, pi + 16 * std::size_t(i)));
+    const __m512 z = k.zeros != nullptr ? _mm512_permutexvar_ps(perm, load16(k.spec.param, k.zeros, pi + 16 * std::size_t(i)))
+                                        : _mm512_mul_ps(s, _mm512_set1_ps(-reference::mid_code(k.spec)));
+    for (int h = 0; h < NH; ++h) {
+      const __m512 q = _mm512_load_ps(S.qp[S.h0 + std::size_t(h)] + 16 * i);
+      _mm512_store_ps(E.qf[slot][h] + 16 * i, _mm512_mul_ps(q, s));
+      bs[h] = _mm512_fmadd_ps(q, z, bs[h]);
+    }
+  }
+  _mm512_store_ps(E.bias[slot], reduce4<false>(bs[0], bs[1], bs[2], bs[3]));
+}
+
+/// Scores of the 16 positions at s0 (exact): score[h][off ..].
+template <int NV, int KB, int NH>
+KVQ_EXACT_INLINE inline void exact_keys16(IntState& S, const ExactState& E, std::size_t s0, std::size_t off,
+                                          std::size_t slot) noexcept {
+  const StreamView& k = S.task->keys;
+  constexpr int F = 8 / KB, R = 2 * NV * KB, ND = R / 4;
+  const std::uint8_t* rows = k.code_row(s0);
+  for (int i = 0; i < R / 4; ++i)  // 16 rows = 4R bytes, into L2 (see avx512_int.hpp)
+    _mm_prefetch(reinterpret_cast<const char*>(rows + prefetch_bytes + 64 * std::size_t(i)), _MM_HINT_T1);
+  __m512 acc[NH];
+  for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi32((1 << KB) - 1);
+  const float* qbase = E.qf[slot][0];
+  __asm__("" : "+r"(qbase));
+#define KVQ_EXACT_DOTS(T, j)                                                                      \
+  _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {                                           \
+    _Pragma("GCC unroll 4") for (int f = 0; f < F; ++f) {                                         \
+      const int sh = 8 * i + KB * f;                                                              \
+      const __m512i ci = sh == 0 ? (T) : _mm512_srli_epi32((T), unsigned(sh));                    \
+      const __m512 c = _mm512_cvtepi32_ps(sh + KB == 32 ? ci : _mm512_and_si512(ci, mask));      \
+      _Pragma("GCC unroll 4") for (int h = 0; h < NH; ++h) acc[h] = _mm512_fmadd_ps(             \
+          c, _mm512_set1_ps(qbase[max_head_dim * std::size_t(h) + 4 * std::size_t((j) * F + f) + std::size_t(i)]), acc[h]); \
+    }                                                                                             \
+  }
+  if constexpr (ND <= 8) {
+    __m512i z[8];
+    const __mmask16 m = __mmask16((1u << ND) - 1u);
+    for (int t = 0; t < 4; ++t) {
+      z[t] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi32(__mmask8(m), rows + R * t)),
+                                _mm256_maskz_loadu_epi32(__mmask8(m), rows + R * (t + 4)), 1);
+      z[4 + t] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi32(__mmask8(m), rows + R * (t + 8))),
+                                    _mm256_maskz_loadu_epi32(__mmask8(m), rows + R * (t + 12)), 1);
+    }
+    transpose8x2(z);
+    for (int j = 0; j < ND; ++j) KVQ_EXACT_DOTS(z[j], j)
+  } else {
+    for (int half = 0; half < ND / 16; ++half) {
+      __m512i r[16];
+      for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(rows + R * t + 64 * half);
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) KVQ_EXACT_DOTS(r[j], 16 * half + j)
+    }
+  }
+#undef KVQ_EXACT_DOTS
+  for (int h = 0; h < NH; ++h)
+    _mm512_store_ps(S.score[h] + off, _mm512_add_ps(acc[h], _mm512_set1_ps(E.bias[slot][4 * h])));
+}
+
+/// P.V of the tile (exact): task.acc (natural channel order) = acc * corr + e * sum_t p'_t v_t.
+template <int NV, int VB, int NH>
+KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E, const Unpacker& vu, std::size_t a,
+                                                     std::size_t n) noexcept {
+  const StreamView& v = S.task->values;
+  constexpr int G = NV / 2;
+  constexpr std::size_t dim = 16 * NV;
+  const std::size_t pi = v.param_index(a);
+  // weights p' * scale per (row, group) and sum p' * zero per group; lanes (row, group)
+  alignas(64) static constexpr std::int32_t rowof2[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+  alignas(64) static constexpr std::int32_t rowof4[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+  const __m512i rowof = _mm512_load_si512(G == 4 ? rowof4 : rowof2);
+  const std::size_t nvec = n * G / 16;
+  __m512 zacc[NH];
+  for (int h = 0; h < NH; ++h) zacc[h] = _mm512_setzero_ps();
+  for (std::size_t i = 0; i < nvec; ++i) {
+    const __m512 sv = load16(v.spec.param, v.scales, pi + 16 * i);
+    const __m512 zv = v.zeros != nullptr ? load16(v.spec.param, v.zeros, pi + 16 * i)
+                                         : _mm512_mul_ps(sv, _mm512_set1_ps(-reference::mid_code(v.spec)));
+    for (int h = 0; h < NH; ++h) {
+      const __m512 pv = _mm512_permutexvar_ps(rowof, _mm512_loadu_ps(S.score[h] + i * 16 / G));
+      _mm512_store_ps(E.w[h] + 16 * i, _mm512_mul_ps(pv, sv));
+      zacc[h] = _mm512_fmadd_ps(pv, zv, zacc[h]);
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    __m512 c = _mm512_add_ps(zacc[h], _mm512_shuffle_f32x4(zacc[h], zacc[h], 0x4E));
+    c = _mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0xB1));
+    if constexpr (G == 2) c = _mm512_add_ps(c, _mm512_permute_ps(c, 0x4E));
+    _mm_store_ps(E.zs[h], _mm512_castps512_ps128(c));
+  }
+  const std::uint8_t* base = v.code_row(a);
+  for (unsigned u = 0; u < unsigned(NV / 4); ++u) {
+    __m512 acc[NH][4];
+    for (int h = 0; h < NH; ++h)
+      for (int i = 0; i < 4; ++i) acc[h][i] = _mm512_setzero_ps();
+    for (std::size_t t = 0; t < n; ++t) {
+      const std::uint8_t* row = base + t * v.row_bytes;
+      if (u == 0 && (t * v.row_bytes) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_bytes), _MM_HINT_T1);
+      const __m512i c = vu.codes(row, vu.load(row), u);
+      __m512 x[4];
+      x[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(c)));
+      x[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 1)));
+      x[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 2)));
+      x[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 3)));
+#pragma GCC unroll 4
+      for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+          acc[h][i] = _mm512_fmadd_ps(x[i], _mm512_set1_ps(E.w[h][t * G + (64 * u + 16 * unsigned(i)) / 32]), acc[h][i]);
+    }
+    for (int h = 0; h < NH; ++h) {
+      const __m512 cr = _mm512_set1_ps(S.corr[4 * h]), e = _mm512_set1_ps(S.scale[4 * h]);
+      float* o = S.task->acc + (S.h0 + std::size_t(h)) * dim + 64 * u;
+      for (int i = 0; i < 4; ++i) {
+        const __m512 tile = _mm512_add_ps(acc[h][i], _mm512_set1_ps(E.zs[h][(64 * u + 16 * unsigned(i)) / 32]));
+        _mm512_storeu_ps(o + 16 * i, _mm512_fmadd_ps(tile, e, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * i), cr)));
+      }
+    }
+  }
+}
+
+template <int NV, int KB, int VB, int NH>
+KVQ_TARGET_AVX512_ATTENTION void exact_tiles(IntState& S, ExactState& E, const Unpacker& vu, std::size_t a0,
+                                             std::size_t a1, std::size_t T) noexcept {
+  const StreamView& k = S.task->keys;
+  const std::size_t g = k.spec.group;
+  for (std::size_t a = a0; a < a1; a += T) {
+    const std::size_t n = a1 - a < T ? a1 - a : T;
+    const std::size_t b0 = (a - k.first_quantized) / g, b1 = (a + n - 1 - k.first_quantized) / g;
+    for (std::size_t b = b0; b <= b1; ++b) exact_fold<NV, NH>(S, E, b, b - b0);
+    for (std::size_t o = 0; o < n; o += 16) exact_keys16<NV, KB, NH>(S, E, a + o, o, (a + o - k.first_quantized) / g - b0);
+    int_softmax<NH>(S, n);
+    exact_values<NV, VB, NH>(S, E, vu, a, n);
+  }
+}
+
+template <int NV, int KB, int VB>
+KVQ_TARGET_AVX512_ATTENTION void exact_span_kb_vb(IntState& S, std::size_t a0, std::size_t a1) noexcept {
+  thread_local ExactState E;
+  const DecodeTask& t = *S.task;
+  const std::size_t T = tile_tokens(t.keys);
+  Unpacker vu;
+  vu.init(t.values.spec.bits, t.values.row_bytes);
+  for (std::size_t h0 = 0; h0 < t.group; h0 += int_heads) {
+    const std::size_t nh = t.group - h0 < int_heads ? t.group - h0 : int_heads;
+    S.h0 = h0;
+    S.nh = nh;
+    for (std::size_t h = 0; h < int_heads; ++h) S.mx[h] = S.sm[h] = 0.0f;
+    for (std::size_t h = 0; h < nh; ++h) {
+      S.mx[h] = t.max[h0 + h];
+      S.sm[h] = t.sum[h0 + h];
+    }
+    switch (nh) {
+      case 4: exact_tiles<NV, KB, VB, 4>(S, E, vu, a0, a1, T); break;
+      case 3: exact_tiles<NV, KB, VB, 3>(S, E, vu, a0, a1, T); break;
+      case 2: exact_tiles<NV, KB, VB, 2>(S, E, vu, a0, a1, T); break;
+      default: exact_tiles<NV, KB, VB, 1>(S, E, vu, a0, a1, T); break;
+    }
+    for (std::size_t h = 0; h < nh; ++h) {
+      t.max[h0 + h] = S.mx[h];
+      t.sum[h0 + h] = S.sm[h];
+    }
+  }
+}
+
+template <int NV, int KB>
+KVQ_TARGET_AVX512_ATTENTION void exact_span_kb(IntState& S, std::size_t a0, std::size_t a1) noexcept {
+  switch (S.vbits) {
+    case 2: return exact_span_kb_vb<NV, KB, 2>(S, a0, a1);
+    case 4: return exact_span_kb_vb<NV, KB, 4>(S, a0, a1);
+    default: return exact_span_kb_vb<NV, KB, 8>(S, a0, a1);
+  }
+}
+
+template <int NV>
+KVQ_TARGET_AVX512_ATTENTION void exact_span(const DecodeTask& t, std::size_t a0, std::size_t a1) noexcept {
+  thread_local IntState S;
+  int_init(S, t);
+  switch (S.kbits) {
+    case 2: return exact_span_kb<NV, 2>(S, a0, a1);
+    case 4: return exact_span_kb<NV, 4>(S, a0, a1);
+    default: return exact_span_kb<NV, 8>(S, a0, a1);
+  }
+}
+
+}  // namespace kvq::inline v0::kernels::attention::avx512::detail
+
+#undef KVQ_EXACT_INLINE
