@@ -1,0 +1,15 @@
+# The README's first code block must be examples/quickstart.cpp verbatim, so the snippet users
+# copy is the one the build compiles.
+file(READ "${README}" readme)
+file(READ "${SOURCE}" source)
+string(FIND "${readme}" "```cpp\n" begin)
+if(begin EQUAL -1)
+  message(FATAL_ERROR "README.md has no ```cpp block")
+endif()
+math(EXPR begin "${begin} + 7")
+string(SUBSTRING "${readme}" ${begin} -1 rest)
+string(FIND "${rest}" "```\n" end)
+string(SUBSTRING "${rest}" 0 ${end} snippet)
+if(NOT snippet STREQUAL source)
+  message(FATAL_ERROR "README.md's first code block differs from examples/quickstart.cpp; paste the file again")
+endif()
