@@ -85,6 +85,7 @@ inline bool all_below(const float* x, std::size_t n, float limit) noexcept {
 
 /// src (n floats) -> dst (n values of type s).
 inline void store_row(Scalar s, const float* src, std::size_t n, void* dst) noexcept {
+  if (n == 0) return;  // memcpy's pointers must be valid even for 0 bytes
   if (s == Scalar::f32) {
     std::memcpy(dst, src, n * sizeof(float));
     return;
@@ -98,6 +99,7 @@ inline void store_row(Scalar s, const float* src, std::size_t n, void* dst) noex
 
 /// src (n values of type s) -> dst (n floats).
 inline void load_row(Scalar s, const void* src, std::size_t n, float* dst) noexcept {
+  if (n == 0) return;
   if (s == Scalar::f32) {
     std::memcpy(dst, src, n * sizeof(float));
     return;
