@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "kvq/kvq.hpp"
@@ -109,6 +111,20 @@ TEST(ReferenceAttention, RejectsBadShapes) {
   EXPECT_THROW(kvq::reference_attention(cache, 0, 3, q4, out4), kvq::Error);  // position not appended
   EXPECT_THROW(kvq::reference_attention(cache, 1, 0, q4, out4), kvq::Error);  // layer
   EXPECT_NO_THROW(kvq::reference_attention(cache, 0, 2, q4, out4));
+  q4[13] = std::numeric_limits<float>::quiet_NaN();  // query head 1, channel 5
+  for (auto tier : {kvq::Tier::exact, kvq::Tier::integer}) {
+    kvq::DecodeOptions options;
+    options.tier = tier;
+    try {
+      kvq::decode_attention(cache, 0, 2, q4, out4, options);
+      ADD_FAILURE() << "a NaN query must be rejected";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::non_finite_input);
+      EXPECT_NE(std::string(e.what()).find("query head 1, channel 5"), std::string::npos) << e.what();
+    }
+  }
+  q4[13] = std::numeric_limits<float>::infinity();
+  EXPECT_THROW(kvq::reference_attention(cache, 0, 2, q4, out4), kvq::Error);
 }
 
 // The thesis on synthetic keys: one large, slowly varying outlier channel per head.

@@ -89,9 +89,10 @@ struct DecodePlan {
   std::size_t dim = 0, heads = 0, group = 0, kv_heads = 0, tokens = 0, chunk = 0, chunks = 0;
 };
 
-inline DecodePlan plan_decode(const BasicKVCache& cache, std::size_t layer, std::size_t position, std::size_t q_size,
-                              std::size_t out_size, const DecodeOptions& options) {
-  check_attention_args(cache, layer, position, 1, q_size, out_size);
+inline DecodePlan plan_decode(const BasicKVCache& cache, std::size_t layer, std::size_t position,
+                              std::span<const float> q, std::size_t out_size, const DecodeOptions& options) {
+  check_attention_args(cache, layer, position, 1, q, out_size);
+  const std::size_t q_size = q.size();
   DecodePlan p;
   p.dim = cache.shape().head_dim;
   p.kv_heads = cache.shape().kv_heads;
@@ -121,7 +122,7 @@ inline DecodePlan plan_decode(const BasicKVCache& cache, std::size_t layer, std:
 /// a layer outside the cache or a position the layer does not hold yet.
 inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::size_t position,
                              std::span<const float> q, std::span<float> out, const DecodeOptions& options = {}) {
-  const detail::DecodePlan plan = detail::plan_decode(cache, layer, position, q.size(), out.size(), options);
+  const detail::DecodePlan plan = detail::plan_decode(cache, layer, position, q, out.size(), options);
   thread_local DecodeWorkspace own;
   DecodeWorkspace& ws = options.workspace != nullptr ? *options.workspace : own;
   const std::size_t dim = plan.dim, stride = plan.group * (dim + 2);

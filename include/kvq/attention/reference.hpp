@@ -7,8 +7,10 @@
 
 #include <Eigen/Dense>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <span>
 #include <string>
 #include <vector>
@@ -67,8 +69,9 @@ inline MatrixD attend(const MatrixD& queries, const MatrixD& keys, const MatrixD
 
 namespace detail {
 inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, std::size_t first_position,
-                                 std::size_t tokens, std::size_t q_size, std::size_t out_size) {
+                                 std::size_t tokens, std::span<const float> q, std::size_t out_size) {
   const CacheShape& s = cache.shape();
+  const std::size_t q_size = q.size();
   if (layer >= s.layers)
     throw Error(ErrorCode::invalid_argument, "attention: layer " + std::to_string(layer) + " is outside the cache");
   const std::size_t per_token = tokens == 0 ? 0 : q_size / tokens;
@@ -85,6 +88,12 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
     throw Error(ErrorCode::invalid_argument, "attention: layer " + std::to_string(layer) + " holds " +
                                                  std::to_string(cache.length(layer)) + " tokens; query positions up to " +
                                                  std::to_string(first_position + tokens - 1) + " need them appended first");
+  if (!all_below(q.data(), q.size(), std::numeric_limits<float>::infinity())) {
+    const std::size_t at = std::size_t(std::find_if(q.begin(), q.end(), [](float x) { return !std::isfinite(x); }) - q.begin());
+    throw Error(ErrorCode::non_finite_input, "attention: layer " + std::to_string(layer) + ", query head " +
+                                                 std::to_string(at / s.head_dim % (q_size / tokens / s.head_dim)) +
+                                                 ", channel " + std::to_string(at % s.head_dim) + " is not finite");
+  }
 }
 }  // namespace detail
 
@@ -93,7 +102,7 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
 /// Query head h reads KV head h / (heads / kv_heads) (GQA; MQA when kv_heads is 1).
 inline void reference_attention_block(const BasicKVCache& cache, std::size_t layer, std::size_t first_position,
                                       std::size_t tokens, std::span<const float> q, std::span<float> out) {
-  detail::check_attention_args(cache, layer, first_position, tokens, q.size(), out.size());
+  detail::check_attention_args(cache, layer, first_position, tokens, q, out.size());
   const std::size_t dim = cache.shape().head_dim, heads = q.size() / tokens / dim;
   const std::size_t group = heads / cache.shape().kv_heads;
   std::vector<float> rotated(dim);
