@@ -20,7 +20,9 @@ TEST(AttentionErrors, ZeroWhenNothingChanges) {
   EXPECT_EQ(e.key_error, 0.0);
   EXPECT_EQ(e.output_error, 0.0);
   EXPECT_NEAR(e.attention_kl, 0.0, 1e-15);
-  EXPECT_GT(e.sparsity, 0.0 - 1e-12);
+  EXPECT_EQ(e.value_error, 0.0);
+  EXPECT_EQ(e.score_error, 0.0);
+  EXPECT_EQ(e.output_error_values, 0.0);
 }
 
 TEST(AttentionErrors, PartialErrorsIsolateTheirTensor) {
