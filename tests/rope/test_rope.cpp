@@ -74,6 +74,31 @@ TEST(Rope, PartialRotaryDimsAndOffsets) {
   EXPECT_EQ(a[9], x[9]);  // channels past rotary_dims are untouched
 }
 
+TEST(Rope, TableIsAccurateAtLongPositionsAndStepsCompose) {
+  // Kernels rotate by the row of a run's first position and then by a step from the step table;
+  // that agrees with the row of the position itself only if every entry is the exact cos/sin
+  // rounded once (a float angle is off by ~1e-3 rad near position 30000).
+  const std::size_t d = 128, n = 40000;
+  const kvq::RopeTable t({d, kvq::RopeStyle::half_split, 500000.0f, 0, 3}, n);
+  for (const std::size_t p : {std::size_t(0), std::size_t(31), std::size_t(20011), n - 1}) {
+    for (std::size_t i = 0; i < t.pairs(); ++i) {
+      const double angle = double(p + 3) * std::pow(500000.0, -double(2 * i) / double(d));
+      EXPECT_NEAR(t.cos_row(p)[i], std::cos(angle), 1e-7) << p << " " << i;
+      EXPECT_NEAR(t.sin_row(p)[i], std::sin(angle), 1e-7) << p << " " << i;
+    }
+  }
+  for (const std::size_t u : {std::size_t(0), std::size_t(32000), n - kvq::RopeTable::steps}) {
+    for (std::size_t s = 0; s < kvq::RopeTable::steps; ++s) {
+      for (std::size_t i = 0; i < t.pairs(); ++i) {
+        const double c = double(t.cos_row(u)[i]) * t.step_cos(i)[s] - double(t.sin_row(u)[i]) * t.step_sin(i)[s];
+        const double sn = double(t.sin_row(u)[i]) * t.step_cos(i)[s] + double(t.cos_row(u)[i]) * t.step_sin(i)[s];
+        EXPECT_NEAR(c, t.cos_row(u + s)[i], 3e-7) << u << "+" << s << " pair " << i;
+        EXPECT_NEAR(sn, t.sin_row(u + s)[i], 3e-7) << u << "+" << s << " pair " << i;
+      }
+    }
+  }
+}
+
 TEST(Rope, BadConfigurationsAreRejected) {
   EXPECT_THROW(kvq::RopeTable({7, kvq::RopeStyle::adjacent_pairs}, 4), kvq::Error);
   EXPECT_THROW(kvq::RopeTable({8, kvq::RopeStyle::adjacent_pairs, 10000.0f, 10}, 4), kvq::Error);

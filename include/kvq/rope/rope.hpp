@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvq/core/aligned_buffer.hpp"
 #include "kvq/error.hpp"
 
 namespace kvq::inline v0 {
@@ -55,27 +56,45 @@ class RopeTable {
   RopeTable(const RopeConfig& config, std::size_t max_positions) : config_(config), max_positions_(max_positions) {
     validate(config);
     const std::size_t pairs = config.dims() / 2;
-    cos_.resize(max_positions * pairs);
-    sin_.resize(max_positions * pairs);
-    // float arithmetic as llama2.c computes it, so greedy decoding reproduces its tokens
-    std::vector<float> freq(pairs);
-    for (std::size_t i = 0; i < pairs; ++i) freq[i] = 1.0f / std::pow(config.theta, float(2 * i) / float(config.dims()));
+    cos_ = Table(max_positions * pairs);
+    sin_ = Table(max_positions * pairs);
+    // Angles in double, rounded once: every entry is cos/sin of the exact angle to float rounding
+    // at any position (a float angle is off by up to 1e-3 rad at 32K), so kernels may compose
+    // rotations (position = tile start + step) and still agree with the table to ~1e-7.
+    std::vector<double> freq(pairs);
+    for (std::size_t i = 0; i < pairs; ++i) freq[i] = std::pow(double(config.theta), -double(2 * i) / double(config.dims()));
     for (std::size_t p = 0; p < max_positions; ++p) {
-      const float position = static_cast<float>(static_cast<std::ptrdiff_t>(p) + config.position_offset);
+      const double position = double(static_cast<std::ptrdiff_t>(p) + config.position_offset);
       for (std::size_t i = 0; i < pairs; ++i) {
-        const float angle = position * freq[i];
-        cos_[p * pairs + i] = std::cos(angle);
-        sin_[p * pairs + i] = std::sin(angle);
+        cos_[p * pairs + i] = float(std::cos(position * freq[i]));
+        sin_[p * pairs + i] = float(std::sin(position * freq[i]));
       }
     }
+    step_cos_ = Table(pairs * steps);
+    step_sin_ = Table(pairs * steps);
+    for (std::size_t i = 0; i < pairs; ++i)
+      for (std::size_t t = 0; t < steps; ++t) {
+        step_cos_[i * steps + t] = float(std::cos(double(t) * freq[i]));
+        step_sin_[i * steps + t] = float(std::sin(double(t) * freq[i]));
+      }
   }
+
+  /// Positions per row of the step tables.
+  static constexpr std::size_t steps = 32;
 
   const RopeConfig& config() const noexcept { return config_; }
   std::size_t max_positions() const noexcept { return max_positions_; }
   std::size_t pairs() const noexcept { return config_.dims() / 2; }
-  std::size_t bytes() const noexcept { return (cos_.size() + sin_.size()) * sizeof(float); }
+  std::size_t bytes() const noexcept {
+    return cos_.bytes() + sin_.bytes() + step_cos_.bytes() + step_sin_.bytes();
+  }
   const float* cos_row(std::size_t position) const noexcept { return cos_.data() + position * pairs(); }
   const float* sin_row(std::size_t position) const noexcept { return sin_.data() + position * pairs(); }
+  /// cos/sin of t * frequency of pair i for t in [0, steps): steps consecutive floats. A rotation
+  /// to position p0 + t is the table's rotation to p0 followed by step t (kernels rotate the query
+  /// back to p0 once per run of keys and each key by its step, from a table that stays in L1).
+  const float* step_cos(std::size_t pair) const noexcept { return step_cos_.data() + pair * steps; }
+  const float* step_sin(std::size_t pair) const noexcept { return step_sin_.data() + pair * steps; }
 
   /// Rotate one head vector in place: x (head_dim) at `position`.
   void rotate(float* x, std::size_t position) const { rotate_by(x, position, +1.0f); }
@@ -113,7 +132,21 @@ class RopeTable {
 
   RopeConfig config_{};
   std::size_t max_positions_ = 0;
-  std::vector<float> cos_, sin_;
+  // Cache-line aligned (kernels load 16 floats at a time; a split load costs two), huge pages
+  // for long tables (pre-RoPE kernels read a row every 16 or 32 positions, a page apart).
+  class Table {
+   public:
+    Table() = default;
+    explicit Table(std::size_t n) : buffer_(n * sizeof(float)) {}
+    float* data() noexcept { return reinterpret_cast<float*>(buffer_.data()); }
+    const float* data() const noexcept { return reinterpret_cast<const float*>(buffer_.data()); }
+    float& operator[](std::size_t i) noexcept { return data()[i]; }
+    std::size_t bytes() const noexcept { return buffer_.size(); }
+
+   private:
+    AlignedBuffer buffer_;
+  };
+  Table cos_, sin_, step_cos_, step_sin_;
 };
 
 }  // namespace kvq::inline v0

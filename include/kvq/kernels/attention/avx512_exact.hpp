@@ -1,5 +1,6 @@
 #pragma once
-// AVX-512 exact-tier kernel for the packed span of a task (post-RoPE keys quantized per channel,
+// AVX-512 exact-tier kernel for the packed span of a task (keys quantized per channel, pre-RoPE
+// keys through avx512_rope.hpp,
 // 2/4/8 bits, blocks of a multiple of 16; values per token, 2/4/8 bits, groups of 32; head_dim
 // 64 or 128): the structure of the integer kernel (avx512_int.hpp) with fp32 arithmetic.
 //   keys: the transposed codes (one row per lane) are converted field by field to fp32 and
@@ -31,7 +32,7 @@ struct ExactState {
 inline bool exact_supported(const DecodeTask& t) noexcept {
   const StreamView &k = t.keys, &v = t.values;
   const std::size_t d = k.head_dim;
-  if (t.tier != Tier::exact || t.rope != nullptr || (d != 64 && d != 128) || v.head_dim != d) return false;
+  if (t.tier != Tier::exact || (d != 64 && d != 128) || v.head_dim != d) return false;
   if (!k.quantized || k.spec.axis != Axis::per_channel || !fast_bits(k.spec.bits) || k.spec.group % 16 != 0 ||
       k.spec.group > max_tile)
     return false;
@@ -85,20 +86,12 @@ KVQ_EXACT_INLINE inline void exact_keys16(IntState& S, const ExactState& E, std:
   }
   if constexpr (ND <= 8) {
     __m512i z[8];
-    const __mmask16 m = __mmask16((1u << ND) - 1u);
-    for (int t = 0; t < 4; ++t) {
-      z[t] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi32(__mmask8(m), rows + R * t)),
-                                _mm256_maskz_loadu_epi32(__mmask8(m), rows + R * (t + 4)), 1);
-      z[4 + t] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi32(__mmask8(m), rows + R * (t + 8))),
-                                    _mm256_maskz_loadu_epi32(__mmask8(m), rows + R * (t + 12)), 1);
-    }
-    transpose8x2(z);
+    transposed_dwords<R>(rows, 0, z);
     for (int j = 0; j < ND; ++j) KVQ_EXACT_DOTS(z[j], j)
   } else {
     for (int half = 0; half < ND / 16; ++half) {
       __m512i r[16];
-      for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(rows + R * t + 64 * half);
-      transpose16(r);
+      transposed_dwords<R>(rows, half, r);
       for (int j = 0; j < 16; ++j) KVQ_EXACT_DOTS(r[j], 16 * half + j)
     }
   }
@@ -174,11 +167,16 @@ KVQ_TARGET_AVX512_ATTENTION void exact_tiles(IntState& S, ExactState& E, const U
                                              std::size_t a1, std::size_t T) noexcept {
   const StreamView& k = S.task->keys;
   const std::size_t g = k.spec.group;
+  RopeKeyState& P = rope_key_state(true);
   for (std::size_t a = a0; a < a1; a += T) {
     const std::size_t n = a1 - a < T ? a1 - a : T;
-    const std::size_t b0 = (a - k.first_quantized) / g, b1 = (a + n - 1 - k.first_quantized) / g;
-    for (std::size_t b = b0; b <= b1; ++b) exact_fold<NV, NH>(S, E, b, b - b0);
-    for (std::size_t o = 0; o < n; o += 16) exact_keys16<NV, KB, NH>(S, E, a + o, o, (a + o - k.first_quantized) / g - b0);
+    if (S.task->rope != nullptr) {
+      rope_keys<NV, KB, NH>(S, P, a, n);
+    } else {
+      const std::size_t b0 = (a - k.first_quantized) / g, b1 = (a + n - 1 - k.first_quantized) / g;
+      for (std::size_t b = b0; b <= b1; ++b) exact_fold<NV, NH>(S, E, b, b - b0);
+      for (std::size_t o = 0; o < n; o += 16) exact_keys16<NV, KB, NH>(S, E, a + o, o, (a + o - k.first_quantized) / g - b0);
+    }
     int_softmax<NH>(S, n);
     exact_values<NV, VB, NH>(S, E, vu, a, n);
   }

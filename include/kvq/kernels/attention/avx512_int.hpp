@@ -1,6 +1,7 @@
 #pragma once
-// AVX-512 VNNI integer-tier kernel for the packed span of a task: post-RoPE keys quantized per
-// channel (2, 4 or 8 bits, blocks of a multiple of 16 positions), values quantized per token
+// AVX-512 VNNI integer-tier kernel for the packed span of a task: keys quantized per channel
+// (2, 4 or 8 bits, blocks of a multiple of 16 positions; pre-RoPE keys take their fp32 scores from
+// avx512_rope.hpp), values quantized per token
 // (2, 4 or 8 bits, groups of 32 channels), head_dim 64 or 128. Included by avx512.hpp, which
 // runs the sinks and the full-precision window through its generic kernel.
 //
@@ -82,7 +83,7 @@ struct IntState {
 inline bool int_supported(const DecodeTask& t) noexcept {
   const StreamView &k = t.keys, &v = t.values;
   const std::size_t d = k.head_dim;
-  if (t.tier != Tier::integer || t.rope != nullptr || (d != 64 && d != 128) || v.head_dim != d) return false;
+  if (t.tier != Tier::integer || (d != 64 && d != 128) || v.head_dim != d) return false;
   if (!k.quantized || k.spec.axis != Axis::per_channel || !fast_bits(k.spec.bits) || k.spec.group % 16 != 0 ||
       k.spec.group > max_tile)
     return false;
@@ -131,6 +132,26 @@ KVQ_INT_INLINE inline void transpose8x2(__m512i* z) noexcept {
   for (int m = 0; m < 4; ++m) {
     z[m] = _mm512_shuffle_i32x4(s[m], s[4 + m], 0x88);
     z[4 + m] = _mm512_shuffle_i32x4(s[m], s[4 + m], 0xDD);
+  }
+}
+
+/// 16 rows of R bytes from `rows`, as dwords transposed: out[j] lane t = dword (16 * half + j) of
+/// row t, for j < 16 (rows of at least 64 bytes, in halves of 64) or j < R / 4 (shorter rows, half 0).
+template <int R>
+KVQ_INT_INLINE inline void transposed_dwords(const std::uint8_t* rows, int half, __m512i* out) noexcept {
+  constexpr int ND = R / 4;
+  if constexpr (ND <= 8) {
+    const __mmask8 m = __mmask8((1u << ND) - 1u);
+    for (int t = 0; t < 4; ++t) {
+      out[t] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi32(m, rows + R * t)),
+                                  _mm256_maskz_loadu_epi32(m, rows + R * (t + 4)), 1);
+      out[4 + t] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi32(m, rows + R * (t + 8))),
+                                      _mm256_maskz_loadu_epi32(m, rows + R * (t + 12)), 1);
+    }
+    transpose8x2(out);
+  } else {
+    for (int t = 0; t < 16; ++t) out[t] = _mm512_loadu_si512(rows + R * t + 64 * half);
+    transpose16(out);
   }
 }
 
@@ -292,21 +313,13 @@ KVQ_INT_INLINE inline void int_keys16(IntState& S, std::size_t s0, std::size_t o
   }
   if constexpr (ND <= 8) {
     __m512i z[8];
-    const __mmask16 m = __mmask16((1u << ND) - 1u);
-    for (int t = 0; t < 4; ++t) {
-      z[t] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi32(__mmask8(m), rows + R * t)),
-                                _mm256_maskz_loadu_epi32(__mmask8(m), rows + R * (t + 4)), 1);
-      z[4 + t] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi32(__mmask8(m), rows + R * (t + 8))),
-                                    _mm256_maskz_loadu_epi32(__mmask8(m), rows + R * (t + 12)), 1);
-    }
-    transpose8x2(z);
+    transposed_dwords<R>(rows, 0, z);
 #pragma GCC unroll 8
     for (int j = 0; j < ND; ++j) KVQ_INT_DOTS(z[j], j)
   } else {
     for (int half = 0; half < ND / 16; ++half) {
       __m512i r[16];
-      for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(rows + R * t + 64 * half);
-      transpose16(r);
+      transposed_dwords<R>(rows, half, r);
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) KVQ_INT_DOTS(r[j], 16 * half + j)
     }
@@ -511,11 +524,19 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_values(IntState& S, std::size_t a, s
   }
 }
 
+// Pre-RoPE keys (avx512_rope.hpp): fp32 scores in both tiers.
+struct RopeKeyState;
+template <int NV, int KB, int NH>
+KVQ_TARGET_AVX512_ATTENTION inline void rope_keys(IntState& S, RopeKeyState& P, std::size_t a, std::size_t n) noexcept;
+inline RopeKeyState& rope_key_state(bool reset) noexcept;
+
 template <int NV, int KB, int VB, int NH>
 KVQ_TARGET_AVX512_ATTENTION void int_tiles(IntState& S, std::size_t a0, std::size_t a1, std::size_t T) noexcept {
+  RopeKeyState& P = rope_key_state(true);
   for (std::size_t a = a0; a < a1; a += T) {
     const std::size_t n = a1 - a < T ? a1 - a : T;
-    int_keys<NV, KB, NH>(S, a, n);
+    if (S.task->rope != nullptr) rope_keys<NV, KB, NH>(S, P, a, n);
+    else int_keys<NV, KB, NH>(S, a, n);
     int_softmax<NH>(S, n);
     int_values<NV, VB, NH>(S, a, n);
   }
