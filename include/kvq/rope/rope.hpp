@@ -61,13 +61,25 @@ class RopeTable {
     // Angles in double, rounded once: every entry is cos/sin of the exact angle to float rounding
     // at any position (a float angle is off by up to 1e-3 rad at 32K), so kernels may compose
     // rotations (position = tile start + step) and still agree with the table to ~1e-7.
-    std::vector<double> freq(pairs);
-    for (std::size_t i = 0; i < pairs; ++i) freq[i] = std::pow(double(config.theta), -double(2 * i) / double(config.dims()));
+    // Positions advance by a rotation in double (error ~1e-16 per step), re-anchored on the exact
+    // cos/sin every 256 positions: a long table costs a multiply-add per entry, not a sincos.
+    std::vector<double> freq(pairs), c(pairs), s(pairs), step_c(pairs), step_s(pairs);
+    for (std::size_t i = 0; i < pairs; ++i) {
+      freq[i] = std::pow(double(config.theta), -double(2 * i) / double(config.dims()));
+      step_c[i] = std::cos(freq[i]);
+      step_s[i] = std::sin(freq[i]);
+    }
     for (std::size_t p = 0; p < max_positions; ++p) {
-      const double position = double(static_cast<std::ptrdiff_t>(p) + config.position_offset);
+      if (p % 256 == 0) {
+        const double position = double(static_cast<std::ptrdiff_t>(p) + config.position_offset);
+        for (std::size_t i = 0; i < pairs; ++i) c[i] = std::cos(position * freq[i]), s[i] = std::sin(position * freq[i]);
+      }
       for (std::size_t i = 0; i < pairs; ++i) {
-        cos_[p * pairs + i] = float(std::cos(position * freq[i]));
-        sin_[p * pairs + i] = float(std::sin(position * freq[i]));
+        cos_[p * pairs + i] = float(c[i]);
+        sin_[p * pairs + i] = float(s[i]);
+        const double cn = c[i] * step_c[i] - s[i] * step_s[i];
+        s[i] = s[i] * step_c[i] + c[i] * step_s[i];
+        c[i] = cn;
       }
     }
     step_cos_ = Table(pairs * steps);
