@@ -29,6 +29,13 @@ struct ExactState {
   alignas(64) float zs[int_heads][4];                              // sum p' * zero per group
 };
 
+/// The calling thread's scratch (one per thread, not one per kernel instantiation: thread-local
+/// storage comes out of every thread's stack).
+inline ExactState& exact_state() noexcept {
+  thread_local ExactState state;
+  return state;
+}
+
 inline bool exact_supported(const DecodeTask& t) noexcept {
   const StreamView &k = t.keys, &v = t.values;
   const std::size_t d = k.head_dim;
@@ -182,53 +189,23 @@ KVQ_TARGET_AVX512_ATTENTION void exact_tiles(IntState& S, ExactState& E, const U
   }
 }
 
+/// The exact kernel accumulates in the task's output directly.
 template <int NV, int KB, int VB>
-KVQ_TARGET_AVX512_ATTENTION void exact_span_kb_vb(IntState& S, std::size_t a0, std::size_t a1) noexcept {
-  thread_local ExactState E;
-  const DecodeTask& t = *S.task;
-  const std::size_t T = tile_tokens(t.keys);
-  Unpacker vu;
-  vu.init(t.values.spec.bits, t.values.row_bytes);
-  for (std::size_t h0 = 0; h0 < t.group; h0 += int_heads) {
-    const std::size_t nh = t.group - h0 < int_heads ? t.group - h0 : int_heads;
-    S.h0 = h0;
-    S.nh = nh;
-    for (std::size_t h = 0; h < int_heads; ++h) S.mx[h] = S.sm[h] = 0.0f;
-    for (std::size_t h = 0; h < nh; ++h) {
-      S.mx[h] = t.max[h0 + h];
-      S.sm[h] = t.sum[h0 + h];
-    }
-    switch (nh) {
-      case 4: exact_tiles<NV, KB, VB, 4>(S, E, vu, a0, a1, T); break;
-      case 3: exact_tiles<NV, KB, VB, 3>(S, E, vu, a0, a1, T); break;
-      case 2: exact_tiles<NV, KB, VB, 2>(S, E, vu, a0, a1, T); break;
-      default: exact_tiles<NV, KB, VB, 1>(S, E, vu, a0, a1, T); break;
-    }
-    for (std::size_t h = 0; h < nh; ++h) {
-      t.max[h0 + h] = S.mx[h];
-      t.sum[h0 + h] = S.sm[h];
-    }
+struct ExactSpan {
+  KVQ_TARGET_AVX512_ATTENTION static void load(IntState&) noexcept {}
+  KVQ_TARGET_AVX512_ATTENTION static void store(IntState&) noexcept {}
+  template <int NH>
+  KVQ_TARGET_AVX512_ATTENTION static void tiles(IntState& S, std::size_t a0, std::size_t a1, std::size_t T) noexcept {
+    ExactState& E = exact_state();
+    Unpacker vu;
+    vu.init(S.task->values.spec.bits, S.task->values.row_bytes);
+    exact_tiles<NV, KB, VB, NH>(S, E, vu, a0, a1, T);
   }
-}
-
-template <int NV, int KB>
-KVQ_TARGET_AVX512_ATTENTION void exact_span_kb(IntState& S, std::size_t a0, std::size_t a1) noexcept {
-  switch (S.vbits) {
-    case 2: return exact_span_kb_vb<NV, KB, 2>(S, a0, a1);
-    case 4: return exact_span_kb_vb<NV, KB, 4>(S, a0, a1);
-    default: return exact_span_kb_vb<NV, KB, 8>(S, a0, a1);
-  }
-}
+};
 
 template <int NV>
 KVQ_TARGET_AVX512_ATTENTION void exact_span(const DecodeTask& t, std::size_t a0, std::size_t a1) noexcept {
-  thread_local IntState S;
-  int_init(S, t);
-  switch (S.kbits) {
-    case 2: return exact_span_kb<NV, 2>(S, a0, a1);
-    case 4: return exact_span_kb<NV, 4>(S, a0, a1);
-    default: return exact_span_kb<NV, 8>(S, a0, a1);
-  }
+  run_span<ExactSpan, NV>(t, a0, a1);
 }
 
 }  // namespace kvq::inline v0::kernels::attention::avx512::detail

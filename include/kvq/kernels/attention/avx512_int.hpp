@@ -542,11 +542,13 @@ KVQ_TARGET_AVX512_ATTENTION void int_tiles(IntState& S, std::size_t a0, std::siz
   }
 }
 
-/// The packed span [a0, a1) (whole tiles of whole key blocks) for every head of the task.
-template <int NV, int KB, int VB>
-KVQ_TARGET_AVX512_ATTENTION void int_span_kb_vb(IntState& S, std::size_t a0, std::size_t a1) noexcept {
+/// The packed span [a0, a1) (whole tiles of whole key blocks) for every head of the task, int_heads
+/// query heads per pass: each pass loads the heads' online-softmax state into S, runs
+/// Span::tiles<NH> and stores the state back (Span::load/store move the accumulators).
+template <class Span>
+KVQ_TARGET_AVX512_ATTENTION void head_passes(IntState& S, std::size_t a0, std::size_t a1) noexcept {
   const DecodeTask& t = *S.task;
-  const std::size_t dim = S.dim, T = tile_tokens(t.keys);
+  const std::size_t T = tile_tokens(t.keys);
   for (std::size_t h0 = 0; h0 < t.group; h0 += int_heads) {
     const std::size_t nh = t.group - h0 < int_heads ? t.group - h0 : int_heads;
     S.h0 = h0;
@@ -555,40 +557,72 @@ KVQ_TARGET_AVX512_ATTENTION void int_span_kb_vb(IntState& S, std::size_t a0, std
     for (std::size_t h = 0; h < nh; ++h) {
       S.mx[h] = t.max[h0 + h];
       S.sm[h] = t.sum[h0 + h];
-      for (std::size_t c = 0; c < dim; ++c) S.accf[h][c] = t.acc[(h0 + h) * dim + std::size_t(S.vchan[c])];
     }
+    Span::load(S);
     switch (nh) {
-      case 4: int_tiles<NV, KB, VB, 4>(S, a0, a1, T); break;
-      case 3: int_tiles<NV, KB, VB, 3>(S, a0, a1, T); break;
-      case 2: int_tiles<NV, KB, VB, 2>(S, a0, a1, T); break;
-      default: int_tiles<NV, KB, VB, 1>(S, a0, a1, T); break;
+      case 4: Span::template tiles<4>(S, a0, a1, T); break;
+      case 3: Span::template tiles<3>(S, a0, a1, T); break;
+      case 2: Span::template tiles<2>(S, a0, a1, T); break;
+      default: Span::template tiles<1>(S, a0, a1, T); break;
     }
     for (std::size_t h = 0; h < nh; ++h) {
       t.max[h0 + h] = S.mx[h];
       t.sum[h0 + h] = S.sm[h];
-      for (std::size_t c = 0; c < dim; ++c) t.acc[(h0 + h) * dim + std::size_t(S.vchan[c])] = S.accf[h][c];
     }
+    Span::store(S);
   }
 }
 
-template <int NV, int KB>
-KVQ_TARGET_AVX512_ATTENTION void int_span_kb(IntState& S, std::size_t a0, std::size_t a1) noexcept {
+/// Runs head_passes<Span<NV, KB, VB>> for the task's key and value widths (2, 4 or 8 each): the
+/// packed-span kernels are compiled per width pair so that fields, masks and shifts are constants.
+/// Shared by the integer and exact kernels.
+template <template <int, int, int> class Span, int NV, int KB>
+KVQ_TARGET_AVX512_ATTENTION void run_span_kb(IntState& S, std::size_t a0, std::size_t a1) noexcept {
   switch (S.vbits) {
-    case 2: return int_span_kb_vb<NV, KB, 2>(S, a0, a1);
-    case 4: return int_span_kb_vb<NV, KB, 4>(S, a0, a1);
-    default: return int_span_kb_vb<NV, KB, 8>(S, a0, a1);
+    case 2: return head_passes<Span<NV, KB, 2>>(S, a0, a1);
+    case 4: return head_passes<Span<NV, KB, 4>>(S, a0, a1);
+    default: return head_passes<Span<NV, KB, 8>>(S, a0, a1);
   }
 }
+
+/// The calling thread's kernel state (one per thread, not one per kernel instantiation:
+/// thread-local storage comes out of every thread's stack).
+inline IntState& int_state() noexcept {
+  thread_local IntState state;
+  return state;
+}
+
+template <template <int, int, int> class Span, int NV>
+KVQ_TARGET_AVX512_ATTENTION void run_span(const DecodeTask& t, std::size_t a0, std::size_t a1) noexcept {
+  IntState& S = int_state();
+  int_init(S, t);
+  switch (S.kbits) {
+    case 2: return run_span_kb<Span, NV, 2>(S, a0, a1);
+    case 4: return run_span_kb<Span, NV, 4>(S, a0, a1);
+    default: return run_span_kb<Span, NV, 8>(S, a0, a1);
+  }
+}
+
+/// The integer kernel's accumulators live in S.accf in the permuted channel order of the values.
+template <int NV, int KB, int VB>
+struct IntSpan {
+  KVQ_TARGET_AVX512_ATTENTION static void load(IntState& S) noexcept {
+    for (std::size_t h = 0; h < S.nh; ++h)
+      for (std::size_t c = 0; c < S.dim; ++c) S.accf[h][c] = S.task->acc[(S.h0 + h) * S.dim + std::size_t(S.vchan[c])];
+  }
+  KVQ_TARGET_AVX512_ATTENTION static void store(IntState& S) noexcept {
+    for (std::size_t h = 0; h < S.nh; ++h)
+      for (std::size_t c = 0; c < S.dim; ++c) S.task->acc[(S.h0 + h) * S.dim + std::size_t(S.vchan[c])] = S.accf[h][c];
+  }
+  template <int NH>
+  KVQ_TARGET_AVX512_ATTENTION static void tiles(IntState& S, std::size_t a0, std::size_t a1, std::size_t T) noexcept {
+    int_tiles<NV, KB, VB, NH>(S, a0, a1, T);
+  }
+};
 
 template <int NV>
 KVQ_TARGET_AVX512_ATTENTION void int_span(const DecodeTask& t, std::size_t a0, std::size_t a1) noexcept {
-  thread_local IntState S;
-  int_init(S, t);
-  switch (S.kbits) {
-    case 2: return int_span_kb<NV, 2>(S, a0, a1);
-    case 4: return int_span_kb<NV, 4>(S, a0, a1);
-    default: return int_span_kb<NV, 8>(S, a0, a1);
-  }
+  run_span<IntSpan, NV>(t, a0, a1);
 }
 
 }  // namespace kvq::inline v0::kernels::attention::avx512::detail
