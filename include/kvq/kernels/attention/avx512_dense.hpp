@@ -105,44 +105,6 @@ KVQ_DENSE_INLINE inline void dense_keys16(const std::uint8_t* rows, std::size_t 
     _mm512_store_ps(out[h] + off, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), l4[h]));
 }
 
-template <int NH>
-KVQ_TARGET_AVX512_ATTENTION inline void dense_softmax(DenseState& S, std::size_t n) noexcept {
-  __m512 m[4];
-  for (int h = 0; h < 4; ++h) m[h] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (std::size_t t = 0; t < n; t += 16)
-    for (int h = 0; h < NH; ++h) m[h] = _mm512_max_ps(m[h], _mm512_load_ps(S.score[h] + t));
-  for (int h = NH; h < 4; ++h) m[h] = _mm512_setzero_ps();
-  const __m512 tmax = reduce4<true>(m[0], m[1], m[2], m[3]);
-  alignas(64) float tm[16];
-  _mm512_store_ps(tm, tmax);
-  __m512 sum[4];
-  for (int h = 0; h < 4; ++h) sum[h] = _mm512_setzero_ps();
-  for (int h = 0; h < NH; ++h) {
-    const __m512 mv = _mm512_set1_ps(tm[4 * h]);
-    for (std::size_t t = 0; t < n; t += 16) {
-      const __m512 s = _mm512_load_ps(S.score[h] + t);
-      // exp_ps clamps below -87: masked-out (-inf) positions must weigh exactly 0
-      const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ),
-                                           exp_ps(_mm512_sub_ps(s, mv)));
-      _mm512_store_ps(S.score[h] + t, p);
-      sum[h] = _mm512_add_ps(sum[h], p);
-    }
-  }
-  const __m512 tsum = reduce4<false>(sum[0], sum[1], sum[2], sum[3]);
-  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const __m512 old = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(S.mx)));
-  const __m512 nm = _mm512_max_ps(old, tmax);
-  _mm512_store_ps(S.corr, exp_ps(_mm512_sub_ps(old, nm)));
-  _mm512_store_ps(S.scale, exp_ps(_mm512_sub_ps(tmax, nm)));
-  alignas(64) float nms[16], ts[16];
-  _mm512_store_ps(nms, nm);
-  _mm512_store_ps(ts, tsum);
-  for (int h = 0; h < NH; ++h) {
-    S.mx[h] = nms[4 * h];
-    S.sm[h] = S.sm[h] * S.corr[4 * h] + S.scale[4 * h] * ts[4 * h];
-  }
-}
-
 /// acc (NH heads, natural channel order) = acc * corr + scale * sum_t p'_t * row_t over the tile.
 template <bool Half, int NV, int NH>
 KVQ_TARGET_AVX512_ATTENTION inline void dense_values(const DenseState& S, const std::uint8_t* rows, std::size_t rb,
@@ -191,7 +153,7 @@ KVQ_TARGET_AVX512_ATTENTION void dense_run(const DecodeTask& t, std::size_t h0, 
       const std::uint8_t* r = krows + (a + o) * rb;
       dense_keys16<Half, NV, NH>(r, rb, m - o < 16 ? m - o : 16, t.queries + h0 * dim, S.score, o);
     }
-    dense_softmax<NH>(S, mr);
+    tile_softmax<NH, true>(S, mr);  // partial 16-row steps pad with -inf
     dense_values<Half, NV, NH>(S, vrows + a * rb, rb, m, t.acc + h0 * dim);
   }
   for (int h = 0; h < NH; ++h) {

@@ -341,11 +341,14 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_keys(IntState& S, std::size_t a, std
 
 /// Online softmax of the tile's n scores per head, the heads side by side. Scores become
 /// p' = exp(score - tile max) (the tile's largest weight is 1); the true weights are
-/// p = p' * scale[4h] with scale = exp(tile max - running max).
-template <int NH>
-KVQ_TARGET_AVX512_ATTENTION inline void int_softmax(IntState& S, std::size_t n) noexcept {
+/// p = p' * scale[4h] with scale = exp(tile max - running max). Masked: scores of -inf (padding)
+/// weigh exactly 0 (exp_ps clamps below -87). Shared by the packed and dense kernels (State:
+/// IntState or DenseState).
+template <int NH, bool Masked = false, class State>
+KVQ_TARGET_AVX512_ATTENTION inline void tile_softmax(State& S, std::size_t n) noexcept {
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 m[4];
-  for (int h = 0; h < 4; ++h) m[h] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int h = 0; h < 4; ++h) m[h] = h < NH ? minus_inf : _mm512_setzero_ps();
   for (std::size_t t = 0; t < n; t += 16)
     for (int h = 0; h < NH; ++h) m[h] = _mm512_max_ps(m[h], _mm512_load_ps(S.score[h] + t));
   const __m512 tmax = reduce4<true>(m[0], m[1], m[2], m[3]);  // lane 4h: head h
@@ -356,7 +359,9 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_softmax(IntState& S, std::size_t n) 
   for (int h = 0; h < NH; ++h) {
     const __m512 mv = _mm512_set1_ps(tm[4 * h]);
     for (std::size_t t = 0; t < n; t += 16) {
-      const __m512 p = exp_ps(_mm512_sub_ps(_mm512_load_ps(S.score[h] + t), mv));
+      const __m512 s = _mm512_load_ps(S.score[h] + t);
+      __m512 p = exp_ps(_mm512_sub_ps(s, mv));
+      if constexpr (Masked) p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, minus_inf, _CMP_NEQ_OQ), p);
       _mm512_store_ps(S.score[h] + t, p);
       sum[h] = _mm512_add_ps(sum[h], p);
     }
@@ -366,9 +371,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_softmax(IntState& S, std::size_t n) 
   const __m512 old = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(S.mx)));
   const __m512 nm = _mm512_max_ps(old, tmax);
   // exp_ps clamps: an empty state (-inf) gets a factor of ~1e-38 on its zero sums
-  const __m512 corr = exp_ps(_mm512_sub_ps(old, nm)), sc = exp_ps(_mm512_sub_ps(tmax, nm));
-  _mm512_store_ps(S.corr, corr);
-  _mm512_store_ps(S.scale, sc);
+  _mm512_store_ps(S.corr, exp_ps(_mm512_sub_ps(old, nm)));
+  _mm512_store_ps(S.scale, exp_ps(_mm512_sub_ps(tmax, nm)));
   alignas(64) float nms[16], ts[16];
   _mm512_store_ps(nms, nm);
   _mm512_store_ps(ts, tsum);
@@ -537,7 +541,7 @@ KVQ_TARGET_AVX512_ATTENTION void int_tiles(IntState& S, std::size_t a0, std::siz
     const std::size_t n = a1 - a < T ? a1 - a : T;
     if (S.task->rope != nullptr) rope_keys<NV, KB, NH>(S, P, a, n);
     else int_keys<NV, KB, NH>(S, a, n);
-    int_softmax<NH>(S, n);
+    tile_softmax<NH>(S, n);
     int_values<NV, VB, NH>(S, a, n);
   }
 }
