@@ -1,6 +1,8 @@
 // Group quantization throughput (issue 2): keys per channel (blocks of 32 tokens x 128) and
 // values per token (128 channels), 2/4/8 bits, fp32 input, reference and dispatched path side
-// by side (bytes/s of fp32 input); and cache append throughput (values/s, K and V counted).
+// by side (bytes/s of fp32 input); values per token for all 8 KV heads of a token per call, from
+// f32 or f16 rows (bytes/s of the equivalent fp32 input); and cache append throughput (values/s,
+// K and V counted).
 #include <benchmark/benchmark.h>
 
 #include <random>
@@ -63,6 +65,30 @@ void values_per_token(benchmark::State& state) {
   state.SetBytesProcessed(std::int64_t(state.iterations()) * std::int64_t(x.size() * sizeof(float)));
 }
 
+// All KV heads of a token per call, as the cache's append quantizes them: 8 rows of 128 channels
+// per call, stored as In (f32, or f16 as in the cache's full-precision ring).
+template <kvq::Scalar In>
+void values_per_token_heads(benchmark::State& state) {
+  const kvq::QuantizerSpec spec{int(state.range(0)), 32, kvq::Axis::per_token};
+  constexpr std::size_t dim = 128, heads = 8, tokens = 256;
+  const auto x = input(tokens * heads * dim);
+  std::vector<std::uint8_t> stored(x.size() * kvq::size_of(In));
+  kvq::store_row(In, x.data(), x.size(), stored.data());
+  const std::size_t row_bytes = kvq::packed_bytes(dim, spec.bits), groups = kvq::groups_per_row(spec, dim);
+  std::vector<std::uint16_t> scales(tokens * heads * groups), zeros(tokens * heads * groups);
+  std::vector<std::uint8_t> codes(tokens * heads * row_bytes);
+  const std::size_t in_row = dim * kvq::size_of(In);
+  for (auto _ : state) {
+    for (std::size_t t = 0; t < tokens; ++t)
+      kvq::kernels::quantize_rows_per_token(spec, In, stored.data() + t * heads * in_row, heads, dim, in_row,
+                                            scales.data() + t * heads * groups, zeros.data() + t * heads * groups,
+                                            groups * sizeof(std::uint16_t), codes.data() + t * heads * row_bytes,
+                                            row_bytes);
+    benchmark::DoNotOptimize(codes.data());
+  }
+  state.SetBytesProcessed(std::int64_t(state.iterations()) * std::int64_t(x.size() * sizeof(float)));
+}
+
 // One token at a time, as decode appends: 8 KV heads x 128, K4V2 (k4c32-v2t32-r128).
 void cache_append(benchmark::State& state) {
   constexpr std::size_t heads = 8, dim = 128, capacity = 8192;
@@ -85,6 +111,8 @@ BENCHMARK(keys_per_channel<true>)->Name("quantize_keys_per_channel/reference")->
 BENCHMARK(keys_per_channel<false>)->Name("quantize_keys_per_channel/dispatched")->Arg(2)->Arg(4)->Arg(8);
 BENCHMARK(values_per_token<true>)->Name("quantize_values_per_token/reference")->Arg(2)->Arg(4)->Arg(8);
 BENCHMARK(values_per_token<false>)->Name("quantize_values_per_token/dispatched")->Arg(2)->Arg(4)->Arg(8);
+BENCHMARK(values_per_token_heads<kvq::Scalar::f32>)->Name("quantize_values_per_token/8_heads_f32")->Arg(2)->Arg(4)->Arg(8);
+BENCHMARK(values_per_token_heads<kvq::Scalar::f16>)->Name("quantize_values_per_token/8_heads_f16")->Arg(2)->Arg(4)->Arg(8);
 BENCHMARK(cache_append)->Name("cache_append/K4V2/8x128");
 
 BENCHMARK_MAIN();

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "kvq/core/convert.hpp"
 #include "kvq/isa.hpp"
 #include "kvq/kernels/quantize/quantize.hpp"
 #include "kvq/kernels/quantize/reference.hpp"
@@ -421,6 +422,50 @@ TEST(GroupQuantizerFastPath, Avx512PerChannelMatchesReferenceByteForByte) {
   run_block_comparison(&kvq::kernels::avx512::quantize_block_per_channel, "avx512");
 }
 #endif
+
+// Several rows per call (the cache's KV heads), stored as f32, f16 or bf16 and read in place, with
+// gaps between rows, parameter sets and code rows that must stay untouched.
+void compare_rows(const QuantizerSpec& spec, Scalar in, std::size_t rows, const std::vector<float>& x, std::size_t dim,
+                  const std::string& what) {
+  const std::size_t groups = kvq::groups_per_row(spec, dim), code_bytes = kvq::packed_bytes(dim, spec.bits);
+  const std::size_t x_stride = dim * kvq::size_of(in) + 8, param_stride = groups * 4 + 4, out_stride = code_bytes + 5;
+  std::vector<std::uint8_t> stored(rows * x_stride, sentinel);
+  for (std::size_t r = 0; r < rows; ++r) kvq::store_row(in, x.data() + r * dim, dim, stored.data() + r * x_stride);
+  Buffers want(rows * param_stride, rows * out_stride), got = want;
+  for (std::size_t r = 0; r < rows; ++r) {
+    std::vector<float> row(dim);
+    kvq::load_row(in, stored.data() + r * x_stride, dim, row.data());
+    ref::quantize_row_per_token(spec, row.data(), dim, want.scales.data() + r * param_stride,
+                                want.zeros.data() + r * param_stride, want.codes.data() + r * out_stride);
+  }
+  kvq::kernels::quantize_rows_per_token(spec, in, stored.data(), rows, dim, x_stride, got.scales.data(), got.zeros.data(),
+                                        param_stride, got.codes.data(), out_stride);
+  SCOPED_TRACE(what + " " + describe(spec) + " input " + kvq::to_string(in) + " rows " + std::to_string(rows) + " dim " +
+               std::to_string(dim));
+  for (std::size_t i = 0; i < want.codes.size(); ++i) ASSERT_EQ(got.codes[i], want.codes[i]) << "code byte " << i;
+  for (std::size_t i = 0; i < want.scales.size(); ++i) ASSERT_EQ(got.scales[i], want.scales[i]) << "scale byte " << i;
+  for (std::size_t i = 0; i < want.zeros.size(); ++i) ASSERT_EQ(got.zeros[i], want.zeros[i]) << "zero byte " << i;
+}
+
+TEST(GroupQuantizerFastPath, DispatchedRowsPerTokenMatchReferenceByteForByte) {
+  std::mt19937 rng(8);
+  constexpr std::size_t row_counts[] = {1, 4, 5, 8, 3, 17};
+  std::size_t turn = 0;
+  for (const std::size_t dim : awkward_dims)
+    for (const std::size_t group : {16, 32, 64, 128, 48, 24})
+      for (const Pattern pattern : all_patterns)
+        for (const QuantizerSpec& spec : all_specs(Axis::per_token, group))
+          for (const Scalar in : {Scalar::f32, Scalar::f16, Scalar::bf16}) {
+            // Row counts around the 16-group batches: 1, 4, 5 and 8 heads, and a rotating odd count.
+            const std::size_t rows = row_counts[turn++ % std::size(row_counts)];
+            if (dim >= 1024 && rows > 5) continue;
+            std::vector<float> x = make_data(pattern, spec, rows * dim, rng);
+            if (in == Scalar::f16 && pattern == Pattern::huge)  // keep the rows finite in f16
+              for (auto& v : x) v = std::clamp(v, -65504.0f, 65504.0f);
+            compare_rows(spec, in, rows, x, dim, name(pattern));
+            if (HasFatalFailure()) return;
+          }
+}
 
 // ---------------------------------------------------------------------------------------------
 // The thesis in miniature: keys with a fixed outlier channel want per-channel groups.

@@ -318,6 +318,17 @@ class BasicKVCache {
     const std::size_t row0 = begin - lay.sinks, param_size = size_of(lay.spec.param);
     const std::size_t param0 = (lay.spec.axis == Axis::per_channel ? row0 / lay.spec.group * dim
                                                                    : row0 * groups_per_row(lay.spec, dim)) * param_size;
+    if (lay.spec.axis == Axis::per_token) {  // every head's row in one call, read in place from the ring
+      std::uint8_t* base = stream_base(t, layer, 0);
+      for (std::size_t q = begin; q < end; ++q) {
+        const std::size_t params = param0 + (q - begin) * groups_per_row(lay.spec, dim) * param_size;
+        kernels::quantize_rows_per_token(lay.spec, lay.residual, base + lay.ring_offset + (q - lay.sinks) % lay.ring_rows * row_bytes,
+                                         shape_.kv_heads, dim, head_bytes_, base + lay.scale_offset + params,
+                                         base + lay.zero_offset + params, head_bytes_,
+                                         base + lay.code_offset + (q - lay.sinks) * lay.row_bytes, head_bytes_);
+      }
+      return;
+    }
     for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
       std::uint8_t* base = stream_base(t, layer, h);
       float* rows = scratch_.data();  // the due rows as floats; they may wrap around the ring's end
@@ -328,10 +339,7 @@ class BasicKVCache {
       std::uint8_t* codes = base + lay.code_offset + row0 * lay.row_bytes;
       void* scales = base + lay.scale_offset + param0;
       void* zeros = base + lay.zero_offset + param0;
-      if (lay.spec.axis == Axis::per_channel)
-        kernels::quantize_block_per_channel(lay.spec, rows, end - begin, dim, dim, scales, zeros, codes, lay.row_bytes);
-      else
-        kernels::quantize_row_per_token(lay.spec, rows, dim, scales, zeros, codes);
+      kernels::quantize_block_per_channel(lay.spec, rows, end - begin, dim, dim, scales, zeros, codes, lay.row_bytes);
     }
   }
 

@@ -56,17 +56,25 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void load_f16_a
   }
 }
 
+// Compares bit patterns: with the sign cleared, float order is integer order, and every NaN lies
+// above infinity. Independent running maxima keep the loop free of a mask dependency chain.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline bool all_below_avx512(const float* x, std::size_t n,
                                                                                   float limit) noexcept {
-  const __m512 lim = _mm512_set1_ps(limit);
-  __mmask16 ok = 0xffff;
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+  __m512i m0 = _mm512_setzero_si512(), m1 = m0, m2 = m0, m3 = m0;
   std::size_t i = 0;
-  for (; i + 16 <= n; i += 16) ok &= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(x + i)), lim, _CMP_LT_OQ);
-  if (i < n) {
-    const __mmask16 m = __mmask16((1u << (n - i)) - 1u);
-    ok &= __mmask16(_mm512_mask_cmp_ps_mask(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + i)), lim, _CMP_LT_OQ) | ~m);
+  for (; i + 64 <= n; i += 64) {
+    m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_loadu_si512(x + i), magnitude));
+    m1 = _mm512_max_epu32(m1, _mm512_and_si512(_mm512_loadu_si512(x + i + 16), magnitude));
+    m2 = _mm512_max_epu32(m2, _mm512_and_si512(_mm512_loadu_si512(x + i + 32), magnitude));
+    m3 = _mm512_max_epu32(m3, _mm512_and_si512(_mm512_loadu_si512(x + i + 48), magnitude));
   }
-  return ok == 0xffff;
+  for (; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1u);
+    m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_maskz_loadu_epi32(m, x + i), magnitude));
+  }
+  const __m512i most = _mm512_max_epu32(_mm512_max_epu32(m0, m1), _mm512_max_epu32(m2, m3));
+  return _mm512_cmpge_epu32_mask(most, _mm512_set1_epi32(int(std::bit_cast<std::uint32_t>(limit)))) == 0;
 }
 #pragma GCC diagnostic pop
 #endif

@@ -1,6 +1,8 @@
 #pragma once
 // AVX-512 group quantization: same arithmetic as reference.hpp, 16 channels at a time, and
-// packing by BMI2 pext (8 one-byte codes -> b bytes of the little-endian bit stream).
+// packing by BMI2 pext (8 one-byte codes -> b bytes of the little-endian bit stream). This header
+// holds the parameter arithmetic and packing shared by avx512_per_token.hpp (rows, groups along
+// channels) and avx512_per_channel.hpp (blocks, groups along tokens).
 
 #include <immintrin.h>
 
@@ -12,6 +14,8 @@
 #include "kvq/kernels/quantize/reference.hpp"
 
 #define KVQ_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,bmi2,f16c,fma")))
+// Small helpers are forced inline: passed by value across a call, their vectors go through memory.
+#define KVQ_QUANT_INLINE KVQ_TARGET_AVX512 __attribute__((always_inline))
 
 // GCC 12 warns on its own intrinsic headers (_mm512_undefined_* placeholders) when inlined
 // through target attributes; the warning is about GCC's code, not ours.
@@ -26,7 +30,7 @@ namespace kvq::inline v0::kernels::avx512 {
 /// Per-token groups must be whole vectors; everything else is handled here.
 inline bool supports(const QuantizerSpec& spec) noexcept { return spec.axis == Axis::per_channel || spec.group % 16 == 0; }
 
-KVQ_TARGET_AVX512 inline __m512 round_to(Scalar s, __m512 v) noexcept {
+KVQ_QUANT_INLINE inline __m512 round_to(Scalar s, __m512 v) noexcept {
   if (s == Scalar::f16) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   if (s == Scalar::bf16) {  // round half to even on the upper 16 bits (inputs are finite)
     const __m512i x = _mm512_castps_si512(v);
@@ -37,7 +41,7 @@ KVQ_TARGET_AVX512 inline __m512 round_to(Scalar s, __m512 v) noexcept {
   return v;
 }
 
-KVQ_TARGET_AVX512 inline void store_params(Scalar s, void* base, std::size_t index, __m512 v, __mmask16 m) noexcept {
+KVQ_QUANT_INLINE inline void store_params(Scalar s, void* base, std::size_t index, __m512 v, __mmask16 m) noexcept {
   if (s == Scalar::f32) {
     _mm512_mask_storeu_ps(static_cast<float*>(base) + index, m, v);
   } else if (s == Scalar::f16) {
@@ -53,9 +57,8 @@ struct Params16 {
   __m512 zero, inv, scale;
 };
 
-/// Parameters of 16 groups from their ranges, rounded as stored, and stored.
-KVQ_TARGET_AVX512 inline Params16 make_params(const QuantizerSpec& spec, __m512 lo, __m512 hi, void* scales,
-                                              void* zeros, std::size_t index, __mmask16 m) noexcept {
+/// Parameters of 16 groups from their ranges, rounded as stored (not stored yet).
+KVQ_QUANT_INLINE inline Params16 compute_params(const QuantizerSpec& spec, __m512 lo, __m512 hi) noexcept {
   const __m512 top = _mm512_set1_ps(float(spec.levels() - 1));
   lo = _mm512_add_ps(lo, _mm512_setzero_ps());  // -0 -> +0, as in reference::make_params
   hi = _mm512_add_ps(hi, _mm512_setzero_ps());
@@ -63,24 +66,29 @@ KVQ_TARGET_AVX512 inline Params16 make_params(const QuantizerSpec& spec, __m512 
   if (spec.mode == Mode::asymmetric) {
     p.scale = round_to(spec.param, _mm512_div_ps(_mm512_sub_ps(hi, lo), top));
     p.zero = round_to(spec.param, lo);
-    store_params(spec.param, zeros, index, p.zero, m);
   } else {
     const __m512 absmax = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
     p.scale = round_to(spec.param, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(2.0f), absmax), top));
     p.zero = _mm512_mul_ps(_mm512_set1_ps(-reference::mid_code(spec)), p.scale);
   }
-  store_params(spec.param, scales, index, p.scale, m);
   const __mmask16 normal = _mm512_cmp_ps_mask(p.scale, _mm512_set1_ps(std::numeric_limits<float>::min()), _CMP_GE_OQ);
   p.inv = _mm512_maskz_div_ps(normal, _mm512_set1_ps(1.0f), p.scale);
   return p;
 }
 
-/// 16 codes as bytes: clamp(rne((x - zero) * inv), 0, top).
-KVQ_TARGET_AVX512 inline __m128i encode(const Params16& p, __m512 x, __m512 top) noexcept {
-  const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(x, p.zero), p.inv),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(q, _mm512_setzero_ps()), top);
-  return _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(clamped));
+/// Stores the lanes in m of scale (and zero, when the mode keeps one) at element `index`.
+KVQ_QUANT_INLINE inline void store_params(const QuantizerSpec& spec, void* scales, void* zeros, std::size_t index,
+                                           __m512 scale, __m512 zero, __mmask16 m) noexcept {
+  store_params(spec.param, scales, index, scale, m);
+  if (spec.mode == Mode::asymmetric) store_params(spec.param, zeros, index, zero, m);
+}
+
+/// Parameters of 16 groups from their ranges, rounded as stored, and stored.
+KVQ_QUANT_INLINE inline Params16 make_params(const QuantizerSpec& spec, __m512 lo, __m512 hi, void* scales,
+                                              void* zeros, std::size_t index, __mmask16 m) noexcept {
+  const Params16 p = compute_params(spec, lo, hi);
+  store_params(spec, scales, zeros, index, p.scale, p.zero, m);
+  return p;
 }
 
 /// codes (dim bytes) -> packed row; identical to pack_codes. Widths 2 and 4 combine neighbouring
@@ -126,70 +134,8 @@ KVQ_TARGET_AVX512 inline void pack_row(const std::uint8_t* codes, std::size_t di
   if (i < dim) pack_codes(codes + i, dim - i, bits, out + i * std::size_t(bits) / 8);
 }
 
-KVQ_TARGET_AVX512 inline __mmask16 tail_mask(std::size_t remaining) noexcept {
+KVQ_QUANT_INLINE inline __mmask16 tail_mask(std::size_t remaining) noexcept {
   return remaining >= 16 ? __mmask16(0xffff) : __mmask16((1u << remaining) - 1u);
-}
-
-KVQ_TARGET_AVX512 inline void quantize_row_per_token(const QuantizerSpec& spec, const float* x, std::size_t dim,
-                                                     void* scales, void* zeros, std::uint8_t* out) noexcept {
-  constexpr std::size_t max_groups = max_head_dim / 16;  // supports() guarantees groups of 16k channels
-  alignas(64) float lo[max_groups + 16], hi[max_groups + 16], zero[max_groups + 16], inv[max_groups + 16];
-  const std::size_t groups = groups_per_row(spec, dim);
-  for (std::size_t g = 0, begin = 0; g < groups; ++g, begin += spec.group) {
-    const std::size_t end = begin + spec.group < dim ? begin + spec.group : dim;
-    __m512 l = _mm512_set1_ps(x[begin]), h = l;
-    for (std::size_t c = begin; c < end; c += 16) {
-      const __mmask16 m = tail_mask(end - c);
-      l = _mm512_min_ps(l, _mm512_mask_loadu_ps(l, m, x + c));  // masked lanes repeat a group member
-      h = _mm512_max_ps(h, _mm512_mask_loadu_ps(h, m, x + c));
-    }
-    lo[g] = _mm512_reduce_min_ps(l);
-    hi[g] = _mm512_reduce_max_ps(h);
-  }
-  // One vector of parameters covers 16 groups.
-  for (std::size_t g = 0; g < groups; g += 16) {
-    const __mmask16 m = tail_mask(groups - g);
-    const Params16 p = make_params(spec, _mm512_maskz_loadu_ps(m, lo + g), _mm512_maskz_loadu_ps(m, hi + g), scales,
-                                   zeros, g, m);
-    _mm512_storeu_ps(zero + g, p.zero);
-    _mm512_storeu_ps(inv + g, p.inv);
-  }
-  alignas(64) std::uint8_t codes[max_head_dim + 16];
-  const __m512 top = _mm512_set1_ps(float(spec.levels() - 1));
-  for (std::size_t g = 0, begin = 0; g < groups; ++g, begin += spec.group) {
-    const std::size_t end = begin + spec.group < dim ? begin + spec.group : dim;
-    const Params16 p{_mm512_set1_ps(zero[g]), _mm512_set1_ps(inv[g]), _mm512_setzero_ps()};
-    for (std::size_t c = begin; c < end; c += 16) {
-      const __mmask16 m = tail_mask(end - c);
-      _mm_mask_storeu_epi8(codes + c, m, encode(p, _mm512_maskz_loadu_ps(m, x + c), top));
-    }
-  }
-  pack_row(codes, dim, spec.bits, out);
-}
-
-KVQ_TARGET_AVX512 inline void quantize_block_per_channel(const QuantizerSpec& spec, const float* x, std::size_t rows,
-                                                         std::size_t dim, std::size_t stride, void* scales, void* zeros,
-                                                         std::uint8_t* out, std::size_t row_bytes) noexcept {
-  Params16 params[max_head_dim / 16];
-  const __m512 top = _mm512_set1_ps(float(spec.levels() - 1));
-  for (std::size_t c = 0, v = 0; c < dim; c += 16, ++v) {
-    const __mmask16 m = tail_mask(dim - c);
-    __m512 lo = _mm512_maskz_loadu_ps(m, x + c), hi = lo;
-    for (std::size_t r = 1; r < rows; ++r) {
-      const __m512 value = _mm512_maskz_loadu_ps(m, x + r * stride + c);
-      lo = _mm512_min_ps(lo, value);
-      hi = _mm512_max_ps(hi, value);
-    }
-    params[v] = make_params(spec, lo, hi, scales, zeros, c, m);
-  }
-  alignas(64) std::uint8_t codes[max_head_dim + 16];
-  for (std::size_t r = 0; r < rows; ++r) {
-    for (std::size_t c = 0, v = 0; c < dim; c += 16, ++v) {
-      const __mmask16 m = tail_mask(dim - c);
-      _mm_mask_storeu_epi8(codes + c, m, encode(params[v], _mm512_maskz_loadu_ps(m, x + r * stride + c), top));
-    }
-    pack_row(codes, dim, spec.bits, out + r * row_bytes);
-  }
 }
 
 }  // namespace kvq::inline v0::kernels::avx512

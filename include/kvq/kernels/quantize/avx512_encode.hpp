@@ -1,0 +1,108 @@
+#pragma once
+// AVX-512 codes 64 at a time: load (f32, f16 or bf16 rows), encode as reference::encode does,
+// narrow to bytes in registers, and pack from there for 2, 4 and 8 bits (pack_row otherwise).
+
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvq/kernels/quantize/avx512.hpp"
+
+#pragma GCC diagnostic push
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
+namespace kvq::inline v0::kernels::avx512 {
+
+/// 16 values of a row stored as `In` (f32, f16 or bf16), from element c; m selects the lanes read.
+template <Scalar In>
+KVQ_QUANT_INLINE inline __m512 load16(const void* row, std::size_t c, __mmask16 m) noexcept {
+  if constexpr (In == Scalar::f32) {
+    return _mm512_maskz_loadu_ps(m, static_cast<const float*>(row) + c);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const std::uint16_t*>(row) + c);
+    if constexpr (In == Scalar::f16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <Scalar In>
+KVQ_QUANT_INLINE inline __m512 load16(const void* row, std::size_t c) noexcept {
+  if constexpr (In == Scalar::f32) {
+    return _mm512_loadu_ps(static_cast<const float*>(row) + c);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const std::uint16_t*>(row) + c));
+    if constexpr (In == Scalar::f16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+/// 16 codes as int32: rne(min(top, (x - zero) * inv)). Clamping at top before the conversion keeps
+/// it in range; negative codes, and NaN (converted to INT_MIN), saturate to 0 when narrowed.
+KVQ_QUANT_INLINE inline __m512i encode32(__m512 x, __m512 zero, __m512 inv, __m512 top) noexcept {
+  const __m512 q = _mm512_min_ps(top, _mm512_mul_ps(_mm512_sub_ps(x, zero), inv));  // NaN stays NaN
+  return _mm512_cvt_roundps_epi32(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/// 4 x 16 int32 codes -> 64 bytes in channel order, saturating to [0, 255].
+KVQ_QUANT_INLINE inline __m512i narrow64(__m512i a, __m512i b, __m512i c, __m512i d) noexcept {
+  // The packs work within 128-bit lanes: dword 4i + j ends up holding codes 4i..4i+3 of input j.
+  const __m512i bytes = _mm512_packus_epi16(_mm512_packus_epi32(a, b), _mm512_packus_epi32(c, d));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_epi32(order, bytes);
+}
+
+/// 64 codes of a full chunk -> their packed bytes at out, for 2, 4 and 8 bits (as pack_codes).
+KVQ_QUANT_INLINE inline void pack64(__m512i codes, int bits, std::uint8_t* out) noexcept {
+  if (bits == 8) {
+    _mm512_storeu_si512(out, codes);
+  } else if (bits == 4) {
+    const __m512i pairs = _mm512_maddubs_epi16(codes, _mm512_set1_epi16(0x1001));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi16_epi8(pairs));
+  } else {
+    const __m512i pairs = _mm512_maddubs_epi16(codes, _mm512_set1_epi16(0x0401));
+    const __m256i quads = _mm256_maddubs_epi16(_mm512_cvtepi16_epi8(pairs), _mm256_set1_epi16(0x1001));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtepi16_epi8(quads));
+  }
+}
+
+/// One row's codes, packed at out; params_of(c) gives the zero points and inverses of the 16
+/// channels from c (never straddling a group).
+template <Scalar In, class ParamsOf>
+KVQ_TARGET_AVX512 inline void encode_row(const QuantizerSpec& spec, const void* row, std::size_t dim, ParamsOf params_of,
+                                 std::uint8_t* out) noexcept {
+  const __m512 top = _mm512_set1_ps(float(spec.levels() - 1));
+  const bool packs_in_register = spec.bits == 2 || spec.bits == 4 || spec.bits == 8;
+  alignas(64) std::uint8_t codes[max_head_dim + 64];
+  std::size_t buffered_from = dim;  // codes from here on go through the buffer and pack_row
+  for (std::size_t c = 0; c < dim; c += 64) {
+    __m512i q[4];
+    const bool full = c + 64 <= dim;
+    for (std::size_t v = 0; v < 4; ++v) {
+      const std::size_t ch = c + 16 * v;
+      if (!full && ch >= dim) {
+        q[v] = _mm512_setzero_si512();
+        continue;
+      }
+      const Params16 p = params_of(ch);
+      const __m512 x = full || dim - ch >= 16 ? load16<In>(row, ch) : load16<In>(row, ch, tail_mask(dim - ch));
+      q[v] = encode32(x, p.zero, p.inv, top);
+    }
+    const __m512i bytes = narrow64(q[0], q[1], q[2], q[3]);
+    if (packs_in_register && full) {
+      pack64(bytes, spec.bits, out + c * std::size_t(spec.bits) / 8);
+    } else {
+      _mm512_store_si512(codes + c, bytes);
+      if (buffered_from == dim) buffered_from = c;
+    }
+  }
+  if (buffered_from < dim)
+    pack_row(codes + buffered_from, dim - buffered_from, spec.bits, out + buffered_from * std::size_t(spec.bits) / 8);
+}
+
+}  // namespace kvq::inline v0::kernels::avx512
+
+#pragma GCC diagnostic pop
