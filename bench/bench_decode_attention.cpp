@@ -1,7 +1,8 @@
 // One decode step (head_dim 128, 32 query heads, 8 KV heads) over the packed cache, against an
 // fp32 and an fp16 cache read by the same AVX-512 kernel (GQA-shared loads, F16C), plus the
 // machine's streaming read bandwidth measured in the same run. Layers rotate so that the caches
-// touched (>= 160 MB) cannot sit in the 32 MiB L3. Names: decode/<cache>/<tier>/<context>/threads:<n>.
+// touched (>= 160 MB) cannot sit in the 32 MiB L3. Names: decode/<cache>/<tier>/<context>/threads:<n>;
+// decode_avx2/... caps the kernels at AVX2 (DecodeOptions::max_isa), the path of CPUs without AVX-512.
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
@@ -11,6 +12,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvq/attention/decode.hpp"
@@ -58,7 +60,8 @@ kvq::Executor* pool(std::size_t threads) {
   return threads == 1 ? static_cast<kvq::Executor*>(&one) : &two;
 }
 
-void decode_step(benchmark::State& state, std::string config, kvq::Tier tier, std::size_t context, std::size_t threads) {
+void decode_step(benchmark::State& state, std::string config, kvq::Tier tier, std::size_t context, std::size_t threads,
+                 kvq::isa::Level max_isa) {
   Built& b = cache_for(config, context);
   std::vector<float> q(kHeads * kDim), out(q.size());
   std::mt19937 rng(2);
@@ -67,6 +70,7 @@ void decode_step(benchmark::State& state, std::string config, kvq::Tier tier, st
   kvq::DecodeOptions o;
   o.tier = tier;
   o.executor = pool(threads);
+  o.max_isa = max_isa;
   std::size_t layer = 0;
   for (auto _ : state) {
     kvq::decode_attention(*b.cache, layer, context - 1, q, out, o);
@@ -76,7 +80,7 @@ void decode_step(benchmark::State& state, std::string config, kvq::Tier tier, st
   state.counters["bytes_per_step"] = b.layer_bytes;
   state.counters["GB/s"] = benchmark::Counter(b.layer_bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["layers"] = double(b.layers);
-  state.SetLabel(kvq::kernels::attention::to_string(kvq::decode_path(*b.cache, kHeads)));
+  state.SetLabel(kvq::kernels::attention::to_string(kvq::decode_path(*b.cache, kHeads, max_isa)));
 }
 
 // Streaming read of a 1 GiB huge-page buffer: the memory ceiling the decode figures compare to.
@@ -139,10 +143,23 @@ int main(int argc, char** argv) {
           benchmark::RegisterBenchmark(("decode/" + std::string(c.name) + "/" + kvq::to_string(tier) + "/" +
                                         std::to_string(context) + "/threads:" + std::to_string(threads))
                                            .c_str(),
-                                       decode_step, std::string(c.config), tier, context, threads)
+                                       decode_step, std::string(c.config), tier, context, threads, kvq::isa::Level::avx512)
               ->Unit(benchmark::kMillisecond)
               ->UseRealTime();
       }
+  // The AVX2 kernel on the baseline and the 2-bit-value caches, 32K, one thread.
+  for (const Named& c : caches) {
+    const std::string_view name = c.name;
+    const bool unquantized = name == "fp16";
+    if (!unquantized && !name.starts_with("K4V2") && !name.starts_with("K2V2")) continue;
+    for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
+      if (unquantized && tier == kvq::Tier::integer) continue;
+      benchmark::RegisterBenchmark(std::string("decode_avx2/").append(name).append("/").append(kvq::to_string(tier)).append("/32768/threads:1").c_str(),
+                                   decode_step, std::string(c.config), tier, std::size_t(32768), std::size_t(1), kvq::isa::Level::avx2)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+  }
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -2,6 +2,7 @@
 // on awkward sizes, invariance to chunking and thread count, and bad input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -47,6 +48,27 @@ std::vector<float> run(const BasicKVCache& cache, const Case& c, const std::vect
   return out;
 }
 
+// The kernels a test runs: whatever decode_attention picks, the AVX2 kernel where the CPU has
+// it (capped below AVX-512), and the scalar reference kernel.
+enum class Kernel { dispatched, avx2, reference };
+
+const char* to_string(Kernel k) {
+  return k == Kernel::dispatched ? "dispatched kernel" : k == Kernel::avx2 ? "kernels up to avx2" : "reference kernel";
+}
+
+std::vector<Kernel> kernels() {
+  std::vector<Kernel> all{Kernel::dispatched, Kernel::reference};
+  if (kvq::isa::detected() >= kvq::isa::Level::avx2) all.push_back(Kernel::avx2);
+  return all;
+}
+
+DecodeOptions options_for(Kernel k) {
+  DecodeOptions o;
+  o.reference_kernel = k == Kernel::reference;
+  if (k == Kernel::avx2) o.max_isa = kvq::isa::Level::avx2;
+  return o;
+}
+
 // integer: measured at most 2.35e-2 here (random keys and queries give flat attention over hundreds of
 // tokens, the worst case for per-tile int8 weights); exact: measured below 1e-6.
 constexpr double exact_bound = 1e-5, integer_bound = 2.5e-2;
@@ -58,10 +80,13 @@ void check_case(const Case& c, unsigned seed) {
   const auto q = kvq::test::normal_vector(c.kv_heads * c.group * c.dim, seed + 7, 2.0f);
   std::vector<float> ref(q.size());
   kvq::reference_attention(cache, 0, c.position, q, ref);
-  for (const bool reference_kernel : {false, true}) {
-    SCOPED_TRACE(reference_kernel ? "reference kernel" : "dispatched kernel");
-    DecodeOptions o;
-    o.reference_kernel = reference_kernel;
+  for (const Kernel kernel : kernels()) {
+    SCOPED_TRACE(to_string(kernel));
+    DecodeOptions o = options_for(kernel);
+    if (kernel == Kernel::avx2) {  // every shape here with a head_dim that is a multiple of 8
+      EXPECT_EQ(kvq::decode_path(cache, c.kv_heads * c.group, o.max_isa) == kvq::kernels::attention::Path::avx2,
+                c.dim % 8 == 0);
+    }
     o.chunk_tokens = 64;
     o.tier = Tier::exact;
     EXPECT_LT(relative_error(run(cache, c, q, o), ref), exact_bound);
@@ -96,19 +121,90 @@ TEST(DecodeAttention, HalfSplitRopeShortContextsAndOddDims) {
     check_case({config, 2, 4, 128, 200, 199, kvq::RopeStyle::half_split}, seed++);
     check_case({config, 2, 4, 64, 3, 0}, seed++);     // one token, maybe a sink
     check_case({config, 2, 4, 128, 17, 16}, seed++); // nothing quantized yet
-    check_case({config, 1, 3, 48, 150, 149}, seed++);  // head_dim 48: reference kernel only
+    check_case({config, 1, 3, 48, 150, 149}, seed++);  // head_dim 48: no AVX-512 kernel, AVX2 takes it
+  }
+}
+
+TEST(DecodeAttention, PreRopeKeysAtLongPositions) {
+  // The kernels rotate keys by steps from a unit's first position; at long positions that must
+  // still agree with the reference's rotation by the table row of each position.
+  unsigned seed = 300;
+  for (const auto style : {kvq::RopeStyle::adjacent_pairs, kvq::RopeStyle::half_split})
+    for (const char* config : {"k4c32-v2t32-r128-s1", "k2c64-v4t32-r32-s0", "k8c16-v8t32-r16-s4"})
+      check_case({config, 1, 4, 128, 6000, 5999, style}, seed++);
+}
+
+TEST(DecodeAttention, Avx2EdgeShapes) {
+  unsigned seed = 200;
+  // head_dim a multiple of 8 but not of 16 (a single-vector tail), half-split halves that are
+  // not a multiple of 8 (scalar rotation tail), 3 and 16 value groups per row, GQA ratios that
+  // leave 1 or 2 heads of the last 4, every residual type, symmetric parameters, per-channel
+  // values, keys per token, and widths without fast unpacking in both tiers.
+  for (const char* config : {"k4c32-v2t8-r16-s1-post", "k4c32-v2t8-r16-s1", "k3c32-v5t32-r16-s2-post", "k2c32-v4c32-r16-s1-post",
+                             "k4c32s-v4t32s-r16-s1-post", "k4t8-v2t8-r16-s1-bf16", "k8c32-v8t32-r8-s1-post-f32",
+                             "k16-v16-r0-s2-bf16", "k6c16-v2t8-r16-s0"}) {
+    for (const std::size_t dim : {40, 72, 96, 136}) {
+      check_case({config, 2, 5, dim, 200, 199}, seed++);
+      check_case({config, 1, 6, dim, 200, 150, kvq::RopeStyle::half_split}, seed++);
+    }
+    check_case({config, 1, 9, 128, 300, 299}, seed++);
+  }
+}
+
+TEST(DecodeAttention, LargeQueriesStayFinite) {
+  // Queries 15-30x larger give scores of hundreds: whole tiles (and runs of packed value rows) far
+  // below the running maximum of a long chunk weigh about the smallest normal float, where the
+  // integer tier's weight step must stay finite. Integer scores of such queries may move the
+  // softmax further from the exact attention than integer_bound (2-bit post-RoPE keys), so the
+  // integer tier is held to the reference kernel, which defines it.
+  unsigned seed = 400;
+  for (const char* config : {"k2c32-v2t8-r0-s0", "k2c32-v2t8-r128-s0", "k2c32-v2t8-r32-s0-post", "k4c32-v4t8-r16-s1",
+                             "k8c32-v8t8-r16-s0-post", "k2c16-v2t8-r64-s2-post", "k4t8-v4t8-r16-s1-bf16"}) {
+    for (const std::size_t dim : {8, 64, 128}) {
+      for (const std::size_t group : {1, 2, 4}) {
+        for (const float stddev : {15.0f, 30.0f}) {
+          const Case c{config, 2, group, dim, 300, 299};
+          const BasicKVCache cache = make_cache(c, seed);
+          const auto q = kvq::test::normal_vector(c.kv_heads * c.group * c.dim, seed++ + 7, stddev);
+          for (const std::size_t position : {129, 192, 299}) {
+            SCOPED_TRACE(c.config + " gqa=" + std::to_string(group) + " d=" + std::to_string(dim) +
+                         " q*" + std::to_string(int(stddev)) + " pos=" + std::to_string(position));
+            std::vector<float> ref(q.size()), ref_int(q.size());
+            kvq::reference_attention(cache, 0, position, q, ref);
+            DecodeOptions r = options_for(Kernel::reference);
+            r.tier = Tier::integer;
+            kvq::decode_attention(cache, 0, position, q, ref_int, r);
+            for (const Kernel kernel : kernels()) {
+              SCOPED_TRACE(to_string(kernel));
+              DecodeOptions o = options_for(kernel);
+              for (const Tier tier : {Tier::exact, Tier::integer}) {
+                o.tier = tier;
+                std::vector<float> out(q.size());
+                kvq::decode_attention(cache, 0, position, q, out, o);
+                EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return std::isfinite(x); })) << to_string(tier);
+                const double err = tier == Tier::exact ? relative_error(out, ref) : relative_error(out, ref_int);
+                EXPECT_LT(err, tier == Tier::exact ? exact_bound : integer_bound) << to_string(tier);
+              }
+            }
+          }
+        }
+      }
+    }
   }
 }
 
 TEST(DecodeAttention, IdenticalForEveryThreadCountAndCloseForEveryChunkSize) {
-  // packed (integer and exact kernels) and fp16 (dense kernel) caches
-  for (const char* config : {"k4c32-v2t32-r64-s1-post", "k2c32-v2t32-r16-s3-post", "k16-v16-r0-s1-post"}) {
+  // packed post- and pre-RoPE (integer and exact kernels) and fp16 (dense kernel) caches
+  for (const char* config : {"k4c32-v2t32-r64-s1-post", "k2c32-v2t32-r16-s3-post", "k16-v16-r0-s1-post",
+                             "k4c32-v2t32-r64-s3", "k2c16-v4t32-r16-s0"}) {
   SCOPED_TRACE(config);
   const Case c{config, 4, 4, 128, 1500, 1499};
   const BasicKVCache cache = make_cache(c, 9);
   const auto q = kvq::test::normal_vector(c.kv_heads * c.group * c.dim, 10);
+  for (const Kernel kernel : kernels())
   for (const Tier tier : {Tier::exact, Tier::integer}) {
-    DecodeOptions o;
+    SCOPED_TRACE(to_string(kernel));
+    DecodeOptions o = options_for(kernel);
     o.tier = tier;
     o.chunk_tokens = 256;
     const auto serial = run(cache, c, q, o);
@@ -130,10 +226,18 @@ TEST(DecodeAttention, PathSelection) {
   const Case c{"k4c32-v2t32-r16-s1", 2, 4, 128, 40, 39};
   const BasicKVCache cache = make_cache(c, 3);
   const auto path = kvq::decode_path(cache, 8);
+  using kvq::kernels::attention::Path;
+  const auto capped = kvq::decode_path(cache, 8, kvq::isa::Level::avx2);
+  EXPECT_EQ(kvq::decode_path(cache, 8, kvq::isa::Level::scalar), Path::reference);
 #if defined(KVQ_HAVE_X86_KERNELS)
-  EXPECT_EQ(path == kvq::kernels::attention::Path::avx512, kvq::kernels::attention::avx512::supported());
+  EXPECT_EQ(path == Path::avx512, kvq::kernels::attention::avx512::supported());
+  if (!kvq::kernels::attention::avx512::supported()) {
+    EXPECT_EQ(path == Path::avx2, kvq::kernels::attention::avx2::supported());
+  }
+  EXPECT_EQ(capped == Path::avx2, kvq::kernels::attention::avx2::supported());
 #else
-  EXPECT_EQ(path, kvq::kernels::attention::Path::reference);
+  EXPECT_EQ(path, Path::reference);
+  EXPECT_EQ(capped, Path::reference);
 #endif
 }
 

@@ -14,8 +14,10 @@
 // cache's table) and dot it with every query head of the group. The pairwise form
 // sum cos*(qa ka + qb kb) + sin*(qb ka - qa kb) costs three products per channel and head; rotating
 // the row once costs about two per channel shared by the whole GQA group, so rotation wins for
-// GQA >= 2. Post-RoPE keys fold the per-channel scales into the query instead (one scaled query
-// per key block, q.zero as a per-block bias) and never dequantize.
+// GQA >= 2 (avx512_rope.hpp splits the rotation into one per run of keys for the query and a
+// small per-step one for each key). Post-RoPE keys fold the per-channel scales into the query
+// instead (one scaled query per key block, q.zero as a per-block bias) and never dequantize,
+// which is why they are the faster layout for decoding.
 
 #include <algorithm>
 #include <cmath>
@@ -31,6 +33,7 @@
 #include "kvq/isa.hpp"
 #include "kvq/kernels/attention/reference.hpp"
 #if defined(KVQ_HAVE_X86_KERNELS)
+#include "kvq/kernels/attention/avx2.hpp"
 #include "kvq/kernels/attention/avx512.hpp"
 #endif
 #include "kvq/parallel/executor.hpp"
@@ -55,20 +58,26 @@ struct DecodeOptions {
   DecodeWorkspace* workspace = nullptr;
   /// Use the scalar reference kernel whatever the CPU supports (tests, bisecting).
   bool reference_kernel = false;
+  /// Kernels above this level are not used (tests, bisecting, benchmarks).
+  isa::Level max_isa = isa::Level::avx512;
 };
 
 namespace kernels::attention {
 
 /// Which kernel decode_attention uses for this cache on this CPU.
-enum class Path : unsigned char { reference, avx512 };
+enum class Path : unsigned char { reference, avx2, avx512 };
 
-constexpr const char* to_string(Path p) noexcept { return p == Path::reference ? "reference" : "avx512"; }
+constexpr const char* to_string(Path p) noexcept {
+  return p == Path::reference ? "reference" : p == Path::avx2 ? "avx2" : "avx512";
+}
 
-inline Path select_path(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope) noexcept {
+inline Path select_path(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope,
+                        isa::Level max_isa = isa::Level::avx512) noexcept {
 #if defined(KVQ_HAVE_X86_KERNELS)
-  if (avx512::supported() && avx512::supports(keys, values, group, rope)) return Path::avx512;
+  if (max_isa >= isa::Level::avx512 && avx512::supported() && avx512::supports(keys, values, group, rope)) return Path::avx512;
+  if (max_isa >= isa::Level::avx2 && avx2::supported() && avx2::supports(keys, values, group, rope)) return Path::avx2;
 #else
-  (void)keys, (void)values, (void)group, (void)rope;
+  (void)keys, (void)values, (void)group, (void)rope, (void)max_isa;
 #endif
   return Path::reference;
 }
@@ -76,6 +85,7 @@ inline Path select_path(const StreamView& keys, const StreamView& values, std::s
 inline void run(Path path, const DecodeTask& task) noexcept {
 #if defined(KVQ_HAVE_X86_KERNELS)
   if (path == Path::avx512) return avx512::decode_task(task);
+  if (path == Path::avx2) return avx2::decode_task(task);
 #endif
   (void)path;
   decode_task(task);
@@ -141,7 +151,8 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
   const RopeTable* rope = pre ? &cache.rope() : nullptr;
   const kernels::attention::Path path =
       options.reference_kernel ? kernels::attention::Path::reference
-                               : kernels::attention::select_path(cache.keys(layer, 0), cache.values(layer, 0), plan.group, rope);
+                               : kernels::attention::select_path(cache.keys(layer, 0), cache.values(layer, 0), plan.group, rope,
+                                                                 options.max_isa);
   const std::size_t sinks = cache.config().sinks;
   auto task_at = [&](std::size_t i) {
     const std::size_t kvh = i / plan.chunks, j = i % plan.chunks;
@@ -186,11 +197,13 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
   }
 }
 
-/// The kernel decode_attention picks for this cache and query layout on this CPU.
-inline kernels::attention::Path decode_path(const BasicKVCache& cache, std::size_t heads) {
+/// The kernel decode_attention picks for this cache and query layout on this CPU, using no
+/// kernel above max_isa (DecodeOptions::max_isa).
+inline kernels::attention::Path decode_path(const BasicKVCache& cache, std::size_t heads,
+                                            isa::Level max_isa = isa::Level::avx512) {
   const std::size_t group = heads / cache.shape().kv_heads;
   return kernels::attention::select_path(cache.keys(0, 0), cache.values(0, 0), group,
-                                         cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr);
+                                         cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr, max_isa);
 }
 
 }  // namespace kvq::inline v0

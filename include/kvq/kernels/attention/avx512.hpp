@@ -291,7 +291,7 @@ struct Kernel {
       const float mid = reference::mid_code(k.spec);
       __m512 qs = _mm512_setzero_ps();
       const float m = _mm512_reduce_max_ps(amax);
-      const __m512 inv = _mm512_set1_ps(m >= std::numeric_limits<float>::min() ? 127.0f / m : 0.0f);
+      const __m512 inv = _mm512_set1_ps(inverse_step(127.0f, m));
       alpha[h] = m / 127.0f;
       for (int i = 0; i < NV; ++i) {
         const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_load_ps(qt[h] + 16 * i), inv),
@@ -495,7 +495,7 @@ struct Kernel {
         wmax = _mm512_max_ps(wmax, _mm512_maskz_mul_ps(m, pv, _mm512_load_ps(sv + i)));
       }
       const float wm = _mm512_reduce_max_ps(wmax);
-      const __m512 inv = _mm512_set1_ps(wm >= std::numeric_limits<float>::min() ? levels / wm : 0.0f);
+      const __m512 inv = _mm512_set1_ps(inverse_step(levels, wm));
       __m512 zacc = _mm512_setzero_ps(), wacc = _mm512_setzero_ps();
       for (std::size_t i = 0; i < np; i += 16) {
         const __mmask16 m = np - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (np - i)) - 1u);

@@ -255,8 +255,8 @@ KVQ_INT_INLINE inline void int_fold(IntState& S, std::size_t blk, std::size_t sl
     bs[h] = _mm512_add_ps(bs[h], b2);
   }
   const __m512 m = reduce4<true>(am[0], am[1], am[2], am[3]);  // lane 4h: max |q~| of head h
-  // a zero or subnormal maximum (all-zero query or scales) folds to zero, never to an infinite inverse
-  const __mmask16 pos = _mm512_cmp_ps_mask(m, _mm512_set1_ps(std::numeric_limits<float>::min()), _CMP_GE_OQ);
+  // a zero or tiny maximum (all-zero query or scales) folds to zero, never to an infinite inverse
+  const __mmask16 pos = _mm512_cmp_ps_mask(m, _mm512_set1_ps(127.0f / std::numeric_limits<float>::max()), _CMP_GT_OQ);
   const __m512 inv = _mm512_maskz_div_ps(pos, _mm512_set1_ps(127.0f), m);
   const __m512 alpha = _mm512_mul_ps(m, _mm512_set1_ps(1.0f / 127.0f));
   alignas(64) float invs[16];
@@ -438,11 +438,11 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_values(IntState& S, std::size_t a, s
       for (int h = 0; h < NH; ++h)
         wmax[h] = _mm512_max_ps(wmax[h], _mm512_mul_ps(_mm512_permutexvar_ps(pidx, _mm512_loadu_ps(S.score[h] + i * 16 / G)), sv));
     }
-    _mm512_store_ps(hm, _mm512_mul_ps(reduce4<true>(wmax[0], wmax[1], wmax[2], wmax[3]), _mm512_set1_ps(sm >= std::numeric_limits<float>::min() ? 1.0f / sm : 0.0f)));
+    _mm512_store_ps(hm, _mm512_mul_ps(reduce4<true>(wmax[0], wmax[1], wmax[2], wmax[3]), _mm512_set1_ps(inverse_step(1.0f, sm))));
   } else {
     _mm512_store_ps(hm, _mm512_set1_ps(1.0f));
   }
-  const __m512 sinv = _mm512_set1_ps(sm >= std::numeric_limits<float>::min() ? levels / sm : 0.0f);
+  const __m512 sinv = _mm512_set1_ps(inverse_step(levels, sm));
   for (std::size_t i = 0; i < nvec; ++i) _mm512_store_ps(S.st[i], _mm512_mul_ps(_mm512_load_ps(S.st[i]), sinv));
   // Weights w = p * scale <= (tile's largest p) * (tile's largest scale) = scale[4h] * sm: the
   // quantization step is beta = scale[4h] * sm / levels, and wq = rne(p' * scale * levels / sm).

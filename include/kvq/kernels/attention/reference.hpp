@@ -96,6 +96,13 @@ inline std::pair<std::size_t, std::size_t> quantized_value_rows(const StreamView
 /// The largest integer weight for codes of `bits`: u8 weights when codes fit a signed byte.
 constexpr float weight_levels(int bits) noexcept { return bits <= 7 ? 255.0f : 127.0f; }
 
+/// levels / bound, the inverse of the quantization step bound / levels; 0 when that would not be
+/// finite (a zero or subnormal bound, or one below levels / FLT_MAX: the weights of a tile far
+/// below the running maximum are about the smallest normal float).
+inline float inverse_step(float levels, float bound) noexcept {
+  return bound > levels / std::numeric_limits<float>::max() ? levels / bound : 0.0f;
+}
+
 /// Online-softmax update of one head with a tile's scores; scores become exp(score - new max).
 inline void softmax_update(float* scores, std::size_t n, float& max, float& sum, float* acc, std::size_t dim) noexcept {
   float m = max;
@@ -147,8 +154,8 @@ inline void integer_key_scores(const DecodeTask& task, std::size_t a, std::size_
       amax = std::max(amax, std::fabs(q[c] * scale[c]));
       bias += q[c] * (zero[c] + mid * scale[c]);
     }
-    // A subnormal maximum would give an infinite inverse (and an undefined int conversion).
-    const float inv = amax >= std::numeric_limits<float>::min() ? 127.0f / amax : 0.0f, alpha = amax / 127.0f;
+    // A tiny maximum would give an infinite inverse (and an undefined int conversion).
+    const float inv = inverse_step(127.0f, amax), alpha = amax / 127.0f;
     std::int32_t qsum = 0;
     for (std::size_t c = 0; c < dim; ++c) {
       qi[c] = std::int8_t(std::nearbyint(q[c] * scale[c] * inv));
@@ -187,7 +194,7 @@ inline void integer_values(const DecodeTask& task, std::size_t tile_begin, std::
         for (std::size_t g = 0; g < groups; ++g)
           wmax = std::max(wmax, weights[h][p - tile_begin] * param(v, v.scales, v.param_index(p) + g));
     }
-    const float inv = wmax >= std::numeric_limits<float>::min() ? levels / wmax : 0.0f, beta = wmax / levels;
+    const float inv = inverse_step(levels, wmax), beta = wmax / levels;
     // Centred codes: value = (zero + mid * scale) + scale * (code - mid), so the weights' rounding
     // error multiplies code - mid (small) and the large zero term uses the exact weights.
     const float mid = reference::mid_code(v.spec);

@@ -1,0 +1,748 @@
+#pragma once
+// AVX2 + FMA + F16C decode attention: the definitions of reference.hpp, 8 channels per vector,
+// for any head_dim that is a multiple of 8. CPUs without the AVX-512 kernels run this one.
+// Same tiles (tile_tokens / tile_end), key blocks and online softmax as the reference, so the
+// result does not depend on the thread count and agrees across chunk sizes.
+//
+// Keys, per key block of a tile, 4 query heads at a time: two rows x 4 heads accumulate in 8
+// registers (each row vector loaded once for the 4 heads, each query vector once for the two
+// rows) and one transposing reduction gives their 8 scores. The rows come from:
+//   post-RoPE keys quantized per channel: the codes themselves (2/4/8 bits unpack in registers
+//     with one variable shift; other widths through unpack_codes) against the query with the
+//     block's scales folded in: exact tier q~ = q * scale plus the bias q.zero, integer tier the
+//     int8 q~ of reference.hpp;
+//   post-RoPE residual rows (sinks, window, fp16/bf16/fp32 caches): read in place;
+//   everything else (pre-RoPE keys, keys per token): rows dequantized into a small buffer and,
+//     pre-RoPE, rotated there with the cache's cos/sin rows.
+// Values, 16 channels x 4 heads of accumulators in registers over the rows of a tile:
+//   residual rows in place, weighted by p;
+//   rows quantized per token (2/4/8 bits, groups of a multiple of 8 channels, a power of two up
+//     to 16 groups per row) are never dequantized: a weight per (row, group) carries the scale
+//     (exact tier p * scale, integer tier the u8 weights of reference.hpp), the codes count from
+//     mid, and the centre values zero + mid * scale add once per group and tile;
+//   other packed rows: dequantized into the buffer.
+// Rows are prefetched into L2 64 KB ahead in their stream.
+// Integer tier: int8 queries and u8 weights are small integers, and every sum of their products
+// here stays below 2^24 in each fp32 lane, so FMAs compute the reference's integer sums exactly
+// (key sums are reduced across lanes in int32): the reference's numbers up to exp() rounding and
+// rounding ties. Without vpdpbusd this tier costs what the exact tier costs. Integer values of
+// other layouts take the reference's own routine; pre-RoPE keys are scored as in the exact tier.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "kvq/isa.hpp"
+#include "kvq/kernels/attention/reference.hpp"
+
+#define KVQ_TARGET_AVX2_ATTENTION __attribute__((target("avx2,fma,f16c,bmi2")))
+
+// GCC 12 warns on its own intrinsic headers (_mm256_undefined_* placeholders) when inlined
+// through target attributes; the warning is about GCC's code, not ours.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+namespace kvq::inline v0::kernels::attention::avx2 {
+
+/// This CPU runs this kernel.
+inline bool supported() noexcept { return isa::detected() >= isa::Level::avx2; }
+
+/// Shapes the kernel takes: head_dim a multiple of 8; any width, axis, residual type and RoPE.
+inline bool supports(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope) noexcept {
+  const std::size_t d = keys.head_dim;
+  if (d == 0 || d % 8 != 0 || d > max_head_dim || values.head_dim != d || group == 0 || group > max_group) return false;
+  return rope == nullptr || rope->config().head_dim == d;
+}
+
+namespace detail {
+
+using DecodeTask = attention::DecodeTask;
+
+inline constexpr std::size_t heads_per_pass = 4;    // query heads whose accumulators share registers
+inline constexpr std::size_t buffer_floats = 4096;  // produced rows at once (16 KB)
+inline constexpr std::size_t max_value_groups = 16; // per-token value groups per row, packed value path
+
+inline bool fast_bits(int bits) noexcept { return bits == 2 || bits == 4 || bits == 8; }
+
+KVQ_TARGET_AVX2_ATTENTION inline float param_at(Scalar s, const std::uint8_t* base, std::size_t i) noexcept {
+  if (s == Scalar::f16) {
+    std::uint16_t bits;
+    std::memcpy(&bits, base + 2 * i, 2);
+    return _cvtsh_ss(bits);
+  }
+  return load_scalar(s, base, i);
+}
+
+/// 8 values of type s at element index i as floats.
+KVQ_TARGET_AVX2_ATTENTION inline __m256 load8(Scalar s, const std::uint8_t* base, std::size_t i) noexcept {
+  if (s == Scalar::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(base) + i);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 2 * i));
+  if (s == Scalar::f16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/// Codes of channels [8i, 8i + 8) of a packed row as floats: the Bits bytes holding them are
+/// broadcast and each lane shifts its own field down.
+template <int Bits>
+KVQ_TARGET_AVX2_ATTENTION inline __m256 code_vec(const std::uint8_t* row, std::size_t i) noexcept {
+  if constexpr (Bits == 8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * i))));
+  } else {
+    static_assert(Bits == 2 || Bits == 4);
+    std::uint32_t word = 0;
+    std::memcpy(&word, row + std::size_t(Bits) * i, std::size_t(Bits));
+    const __m256i shifts = Bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28) : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i fields = _mm256_srlv_epi32(_mm256_set1_epi32(int(word)), shifts);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(fields, _mm256_set1_epi32((1 << Bits) - 1)));
+  }
+}
+
+/// v[0..7] -> lane j = sum of v[j]'s lanes.
+KVQ_TARGET_AVX2_ATTENTION inline __m256 reduce8(const __m256* v) noexcept {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/// The same in int32 for integer-valued lanes (exact whatever the total).
+KVQ_TARGET_AVX2_ATTENTION inline __m256 reduce8_exact(const __m256* v) noexcept {
+  __m256i x[8];
+  for (int j = 0; j < 8; ++j) x[j] = _mm256_cvtps_epi32(v[j]);
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(x[0], x[1]), _mm256_hadd_epi32(x[2], x[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(x[4], x[5]), _mm256_hadd_epi32(x[6], x[7]));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31)));
+}
+
+KVQ_TARGET_AVX2_ATTENTION inline float hsum(__m256 v) noexcept {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+KVQ_TARGET_AVX2_ATTENTION inline float hmax(__m256 v) noexcept {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+/// Lanes [0, n) of a vector (n < 8 masks the tail).
+KVQ_TARGET_AVX2_ATTENTION inline __m256 first_lanes(std::size_t n) noexcept {
+  return _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(float(n)), _CMP_LT_OQ);
+}
+
+/// exp(x) for x <= 0 (about 1 ulp); lanes below -87 give a tiny positive number.
+KVQ_TARGET_AVX2_ATTENTION inline __m256 exp_ps(__m256 x) noexcept {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // 2^n with n in [-126, 0]: the exponent field directly
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// ---- row sources: vector i of row t of a run of rows ----------------------------------------
+
+// Software prefetch of the rows into L2, this many bytes ahead in their stream: the value loops
+// visit a row once per 16 channels, a strided pattern the hardware prefetcher follows poorly.
+inline constexpr std::size_t prefetch_bytes = 64 * 1024;
+
+KVQ_TARGET_AVX2_ATTENTION inline void prefetch_row(const std::uint8_t* row, std::size_t bytes) noexcept {
+  for (std::size_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_bytes + o), _MM_HINT_T1);
+}
+
+/// Packed rows (contiguous), codes as floats.
+template <int Bits>
+struct CodeRows {
+  const std::uint8_t* base;
+  std::size_t row_bytes;
+  KVQ_TARGET_AVX2_ATTENTION __m256 operator()(std::size_t t, std::size_t i) const noexcept {
+    return code_vec<Bits>(base + t * row_bytes, i);
+  }
+  KVQ_TARGET_AVX2_ATTENTION void prefetch(std::size_t t) const noexcept {
+    const std::size_t at = t * row_bytes;  // rows under 64 bytes: once per cache line
+    if (row_bytes >= 64 || at % 64 < row_bytes) prefetch_row(base + at, row_bytes < 64 ? 1 : row_bytes);
+  }
+};
+
+/// Residual rows (sinks, window ring) of type S, one pointer per row.
+template <Scalar S>
+struct ResidualRows {
+  const std::uint8_t* const* rows;
+  std::size_t row_bytes;
+  KVQ_TARGET_AVX2_ATTENTION __m256 operator()(std::size_t t, std::size_t i) const noexcept { return load8(S, rows[t], 8 * i); }
+  KVQ_TARGET_AVX2_ATTENTION void prefetch(std::size_t t) const noexcept { prefetch_row(rows[t], row_bytes); }
+};
+
+/// Rows produced into the kernel's buffer.
+struct BufferRows {
+  const float* base;
+  std::size_t stride;
+  KVQ_TARGET_AVX2_ATTENTION __m256 operator()(std::size_t t, std::size_t i) const noexcept {
+    return _mm256_load_ps(base + t * stride + 8 * i);
+  }
+  void prefetch(std::size_t) const noexcept {}
+};
+
+struct Kernel {
+  const DecodeTask& task;
+  const StreamView &k, &v;
+  std::size_t dim, nv, sub;  // channels, vectors per row, rows per buffer
+
+  // The reference's layout (its integer-values routine takes it), plus a row that vector reads
+  // just past the last head may touch.
+  alignas(32) float scores[max_group + 1][max_tile];
+  alignas(32) float buffer[buffer_floats];
+  const std::uint8_t* rowptr[max_tile];
+  // keys: the block's parameters, folded queries of up to 4 heads, and per head (lanes h and
+  // 4 + h) score = bias + alpha * (dot - offset)
+  alignas(32) float kscale[max_head_dim], kzero[max_head_dim];
+  alignas(32) float qt[heads_per_pass][max_head_dim];
+  alignas(32) float bias[8], alpha[8], offset[8];
+  // values quantized per token: per (row, group) scale and centre value, weights per head; per
+  // head and group acc += beta * sum w * (code - mid) + vconst
+  alignas(32) float vscale[max_tile * max_value_groups + 8], vcentre[max_tile * max_value_groups + 8];
+  alignas(32) float weight[heads_per_pass][max_tile * max_value_groups + 8];
+  float vbeta[heads_per_pass], vconst[heads_per_pass][max_value_groups];
+
+  KVQ_TARGET_AVX2_ATTENTION explicit Kernel(const DecodeTask& t) noexcept
+      : task(t), k(t.keys), v(t.values), dim(t.keys.head_dim), nv(t.keys.head_dim / 8),
+        sub(std::min<std::size_t>(16, buffer_floats / t.keys.head_dim)) {}
+
+  static bool residual(const StreamView& s, std::size_t p) noexcept { return p < s.first_quantized || p >= s.end_quantized; }
+  static const std::uint8_t* residual_row(const StreamView& s, std::size_t p) noexcept {
+    return p < s.first_quantized ? s.sink_row(p) : s.pending_row(p);
+  }
+  /// First position after p where the kind of row (residual or packed) may change.
+  static std::size_t kind_end(const StreamView& s, std::size_t p) noexcept {
+    return p < s.first_quantized ? s.first_quantized : p < s.end_quantized ? s.end_quantized : ~std::size_t(0);
+  }
+
+  // ---- producing rows ----------------------------------------------------------------------
+
+  template <int Bits>
+  KVQ_TARGET_AVX2_ATTENTION void dequantize_row(const StreamView& s, std::size_t p, float* out) const noexcept {
+    const std::uint8_t* row = s.code_row(p);
+    const std::size_t pi = s.param_index(p);
+    const float mid = reference::mid_code(s.spec);
+    for (std::size_t i = 0; i < nv; ++i) {
+      __m256 scale, zero;
+      if (s.spec.axis == Axis::per_channel) {
+        scale = load8(s.spec.param, s.scales, pi + 8 * i);
+        zero = s.zeros != nullptr ? load8(s.spec.param, s.zeros, pi + 8 * i) : _mm256_mul_ps(scale, _mm256_set1_ps(-mid));
+      } else {
+        const std::size_t g = pi + 8 * i / s.spec.group;
+        const float sc = param_at(s.spec.param, s.scales, g);
+        scale = _mm256_set1_ps(sc);
+        zero = _mm256_set1_ps(s.zeros != nullptr ? param_at(s.spec.param, s.zeros, g) : -mid * sc);
+      }
+      _mm256_store_ps(out + 8 * i, _mm256_fmadd_ps(code_vec<Bits>(row, i), scale, zero));
+    }
+  }
+
+  /// Row p of stream s as floats (dequantized when packed): out (dim).
+  KVQ_TARGET_AVX2_ATTENTION void produce_row(const StreamView& s, std::size_t p, float* out) const noexcept {
+    if (residual(s, p)) {
+      const std::uint8_t* row = residual_row(s, p);
+      for (std::size_t i = 0; i < nv; ++i) _mm256_store_ps(out + 8 * i, load8(s.residual, row, 8 * i));
+      return;
+    }
+    if (fast_bits(s.spec.bits) && (s.spec.axis == Axis::per_channel || s.spec.group % 8 == 0)) {
+      switch (s.spec.bits) {
+        case 2: return dequantize_row<2>(s, p, out);
+        case 4: return dequantize_row<4>(s, p, out);
+        default: return dequantize_row<8>(s, p, out);
+      }
+    }
+    s.read_row(p, out);
+  }
+
+  /// Rotates a produced key row to its position p (pairs of 4, or 8 pairs half-split, per vector).
+  KVQ_TARGET_AVX2_ATTENTION void rotate(float* x, std::size_t p) const noexcept {
+    const RopeTable& rope = *task.rope;
+    const float* c = rope.cos_row(p);
+    const float* s = rope.sin_row(p);
+    const std::size_t dims = rope.config().dims(), pairs = dims / 2;
+    std::size_t i = 0;  // pairs done
+    if (rope.config().style == RopeStyle::adjacent_pairs) {
+      const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+      for (; i + 4 <= pairs; i += 4) {
+        const __m256 cv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(c + i)), dup);
+        const __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + i)), dup);
+        const __m256 xv = _mm256_load_ps(x + 2 * i);
+        // even lanes a c - b s, odd lanes b c + a s
+        _mm256_store_ps(x + 2 * i, _mm256_fmaddsub_ps(xv, cv, _mm256_mul_ps(_mm256_permute_ps(xv, 0xB1), sv)));
+      }
+    } else {
+      for (; i + 8 <= pairs; i += 8) {
+        const __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+        const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + pairs);
+        _mm256_storeu_ps(x + i, _mm256_fmsub_ps(a, cv, _mm256_mul_ps(b, sv)));
+        _mm256_storeu_ps(x + i + pairs, _mm256_fmadd_ps(a, sv, _mm256_mul_ps(b, cv)));
+      }
+    }
+    for (; i < pairs; ++i) {  // partial rotary dims or a half that is not a multiple of 8
+      const auto [ia, ib] = rope_pair(rope.config().style, dims, i);
+      const float a = x[ia], b = x[ib];
+      x[ia] = a * c[i] - b * s[i];
+      x[ib] = a * s[i] + b * c[i];
+    }
+  }
+
+  // ---- keys --------------------------------------------------------------------------------
+
+  /// Scores of rows [0, n) of src for heads [h0, h0 + NH) into scores[h][off ..]: two rows at a
+  /// time against the queries q (stride qs), score = bias + alpha * (dot - offset).
+  template <int NH, bool IntegerSums, class Src>
+  KVQ_TARGET_AVX2_ATTENTION void dots(const Src& src, std::size_t n, const float* q, std::size_t qs, std::size_t h0,
+                                      std::size_t off) noexcept {
+    const __m256 b8 = _mm256_load_ps(bias), a8 = _mm256_load_ps(alpha), o8 = _mm256_load_ps(offset);
+    for (std::size_t t = 0; t < n; t += 2) {
+      const std::size_t t1 = t + 1 < n ? t + 1 : t;
+      if (h0 == 0) {
+        src.prefetch(t);
+        src.prefetch(t1);
+      }
+      __m256 acc[8];  // row t: heads 0..3, row t + 1: heads 0..3
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (std::size_t i = 0; i < nv; ++i) {
+        const __m256 x0 = src(t, i), x1 = src(t1, i);
+#pragma GCC unroll 4
+        for (int h = 0; h < NH; ++h) {
+          const __m256 qv = _mm256_loadu_ps(q + std::size_t(h) * qs + 8 * i);
+          acc[h] = _mm256_fmadd_ps(x0, qv, acc[h]);
+          acc[4 + h] = _mm256_fmadd_ps(x1, qv, acc[4 + h]);
+        }
+      }
+      const __m256 d = IntegerSums ? reduce8_exact(acc) : reduce8(acc);
+      alignas(32) float out[8];
+      _mm256_store_ps(out, _mm256_add_ps(b8, _mm256_mul_ps(a8, _mm256_sub_ps(d, o8))));
+      for (std::size_t h = 0; h < std::size_t(NH); ++h) {
+        scores[h0 + h][off + t] = out[h];
+        if (t + 1 < n) scores[h0 + h][off + t + 1] = out[4 + h];
+      }
+    }
+  }
+
+  template <bool IntegerSums, class Src>
+  KVQ_TARGET_AVX2_ATTENTION void dots_heads(const Src& src, std::size_t n, const float* q, std::size_t qs, std::size_t h0,
+                                            std::size_t nh, std::size_t off) noexcept {
+    switch (nh) {
+      case 4: return dots<4, IntegerSums>(src, n, q, qs, h0, off);
+      case 3: return dots<3, IntegerSums>(src, n, q, qs, h0, off);
+      case 2: return dots<2, IntegerSums>(src, n, q, qs, h0, off);
+      default: return dots<1, IntegerSums>(src, n, q, qs, h0, off);
+    }
+  }
+
+  /// Key block holding p: scales and zero points per channel as floats.
+  KVQ_TARGET_AVX2_ATTENTION void load_key_block(std::size_t p) noexcept {
+    const std::size_t pi = k.param_index(p);
+    const float mid = reference::mid_code(k.spec);
+    for (std::size_t i = 0; i < nv; ++i) {
+      const __m256 s = load8(k.spec.param, k.scales, pi + 8 * i);
+      _mm256_store_ps(kscale + 8 * i, s);
+      _mm256_store_ps(kzero + 8 * i, k.zeros != nullptr ? load8(k.spec.param, k.zeros, pi + 8 * i) : _mm256_mul_ps(s, _mm256_set1_ps(-mid)));
+    }
+  }
+
+  /// Folds the block's scales into the queries of heads [h0, h0 + nh): qt, bias, alpha, offset.
+  KVQ_TARGET_AVX2_ATTENTION void fold(std::size_t h0, std::size_t nh, bool integer) noexcept {
+    const float mid = reference::mid_code(k.spec);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (std::size_t j = 0; j < 8; ++j) {  // heads beyond nh: zero dots, unused scores
+      bias[j] = offset[j] = 0.0f;
+      alpha[j] = 1.0f;
+    }
+    for (std::size_t h = 0; h < nh; ++h) {
+      const float* q = task.queries + (h0 + h) * dim;
+      __m256 b = _mm256_setzero_ps(), amax = _mm256_setzero_ps();
+      for (std::size_t i = 0; i < nv; ++i) {
+        const __m256 qv = _mm256_loadu_ps(q + 8 * i), s = _mm256_load_ps(kscale + 8 * i), z = _mm256_load_ps(kzero + 8 * i);
+        const __m256 t = _mm256_mul_ps(qv, s);
+        _mm256_store_ps(qt[h] + 8 * i, t);
+        // integer: codes count from mid (reference.hpp), so the bias is q.(zero + mid * scale)
+        b = _mm256_fmadd_ps(qv, integer ? _mm256_fmadd_ps(s, _mm256_set1_ps(mid), z) : z, b);
+        amax = _mm256_max_ps(amax, _mm256_and_ps(t, abs_mask));
+      }
+      bias[h] = bias[4 + h] = hsum(b);
+      if (!integer) continue;
+      const float m = hmax(amax);
+      // A tiny maximum would give an infinite inverse (and an undefined int conversion).
+      const __m256 inv = _mm256_set1_ps(inverse_step(127.0f, m));
+      __m256 qsum = _mm256_setzero_ps();
+      for (std::size_t i = 0; i < nv; ++i) {
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_load_ps(qt[h] + 8 * i), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm256_store_ps(qt[h] + 8 * i, r);
+        qsum = _mm256_add_ps(qsum, r);
+      }
+      alpha[h] = alpha[4 + h] = m / 127.0f;
+      offset[h] = offset[4 + h] = mid * hsum(qsum);
+    }
+  }
+
+  /// Rows [s0, s1), one quantized per-channel block, post-RoPE: codes against folded queries.
+  KVQ_TARGET_AVX2_ATTENTION void folded_scores(std::size_t s0, std::size_t s1, std::size_t tile) noexcept {
+    const bool integer = task.tier == Tier::integer;
+    load_key_block(s0);
+    for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
+      const std::size_t nh = std::min(heads_per_pass, task.group - h0);
+      fold(h0, nh, integer);
+      for (std::size_t p = s0; p < s1;) {
+        const std::size_t n = std::min(s1 - p, fast_bits(k.spec.bits) ? max_tile : sub);
+        const float* q = qt[0];
+        switch (fast_bits(k.spec.bits) ? k.spec.bits : 0) {
+          case 2: integer ? dots_heads<true>(CodeRows<2>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile)
+                          : dots_heads<false>(CodeRows<2>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile);
+            break;
+          case 4: integer ? dots_heads<true>(CodeRows<4>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile)
+                          : dots_heads<false>(CodeRows<4>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile);
+            break;
+          case 8: integer ? dots_heads<true>(CodeRows<8>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile)
+                          : dots_heads<false>(CodeRows<8>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile);
+            break;
+          default: {  // other widths: codes unpacked into the buffer
+            alignas(32) std::uint8_t codes[max_head_dim];
+            for (std::size_t r = 0; r < n; ++r) {
+              unpack_codes(k.code_row(p + r), dim, k.spec.bits, codes);
+              for (std::size_t i = 0; i < nv; ++i)
+                _mm256_store_ps(buffer + r * dim + 8 * i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i)))));
+            }
+            const BufferRows src{buffer, dim};
+            integer ? dots_heads<true>(src, n, q, max_head_dim, h0, nh, p - tile) : dots_heads<false>(src, n, q, max_head_dim, h0, nh, p - tile);
+          }
+        }
+        p += n;
+      }
+    }
+  }
+
+  /// Rows [s0, s1) of any kind against the task's queries; pre-RoPE rows rotated.
+  KVQ_TARGET_AVX2_ATTENTION void row_scores(std::size_t s0, std::size_t s1, std::size_t tile) noexcept {
+    for (std::size_t j = 0; j < 8; ++j) {
+      bias[j] = offset[j] = 0.0f;
+      alpha[j] = 1.0f;
+    }
+    const bool pre = task.rope != nullptr;
+    for (std::size_t p = s0; p < s1;) {
+      const std::size_t e = std::min({s1, p + sub, kind_end(k, p)}), n = e - p;
+      if (!pre && residual(k, p)) {
+        for (std::size_t r = 0; r < n; ++r) rowptr[r] = residual_row(k, p + r);
+        switch (k.residual) {
+          case Scalar::f16: all_heads(ResidualRows<Scalar::f16>{rowptr, k.residual_row_bytes()}, n, p - tile); break;
+          case Scalar::bf16: all_heads(ResidualRows<Scalar::bf16>{rowptr, k.residual_row_bytes()}, n, p - tile); break;
+          default: all_heads(ResidualRows<Scalar::f32>{rowptr, k.residual_row_bytes()}, n, p - tile); break;
+        }
+      } else {
+        for (std::size_t r = 0; r < n; ++r) {
+          produce_row(k, p + r, buffer + r * dim);
+          if (pre) rotate(buffer + r * dim, p + r);
+        }
+        all_heads(BufferRows{buffer, dim}, n, p - tile);
+      }
+      p = e;
+    }
+  }
+
+  template <class Src>
+  KVQ_TARGET_AVX2_ATTENTION void all_heads(const Src& src, std::size_t n, std::size_t off) noexcept {
+    for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass)
+      dots_heads<false>(src, n, task.queries + h0 * dim, dim, h0, std::min(heads_per_pass, task.group - h0), off);
+  }
+
+  /// Scores of tile [a, b) into scores[h][0 .. b - a), key block by key block as the reference.
+  KVQ_TARGET_AVX2_ATTENTION void key_scores(std::size_t a, std::size_t b) noexcept {
+    for (std::size_t s0 = a; s0 < b;) {
+      std::size_t s1 = b;
+      if (k.quantized && k.spec.axis == Axis::per_channel && s0 >= k.first_quantized && s0 < k.end_quantized)
+        s1 = std::min(b, k.first_quantized + ((s0 - k.first_quantized) / k.spec.group + 1) * k.spec.group);
+      if (task.rope == nullptr && quantized_key_block(k, s0, s1)) folded_scores(s0, s1, a);
+      else row_scores(s0, s1, a);
+      s0 = s1;
+    }
+  }
+
+  /// Online-softmax update of every head with the tile's n scores; scores become the weights.
+  KVQ_TARGET_AVX2_ATTENTION void softmax(std::size_t n) noexcept {
+    const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (std::size_t h = 0; h < task.group; ++h) {
+      float* s = scores[h];
+      __m256 m8 = _mm256_set1_ps(task.max[h]);
+      for (std::size_t t = 0; t < n; t += 8) m8 = _mm256_max_ps(m8, _mm256_blendv_ps(neg_inf, _mm256_load_ps(s + t), first_lanes(n - t)));
+      const float m = hmax(m8), old = task.max[h];
+      if (old != m) {
+        const float correction = old == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(old - m);
+        task.sum[h] *= correction;
+        float* acc = task.acc + h * dim;
+        for (std::size_t i = 0; i < nv; ++i) _mm256_storeu_ps(acc + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * i), _mm256_set1_ps(correction)));
+        task.max[h] = m;
+      }
+      const __m256 mv = _mm256_set1_ps(m);
+      __m256 sum = _mm256_setzero_ps();
+      for (std::size_t t = 0; t < n; t += 8) {
+        const __m256 p = _mm256_and_ps(exp_ps(_mm256_sub_ps(_mm256_load_ps(s + t), mv)), first_lanes(n - t));
+        _mm256_store_ps(s + t, p);
+        sum = _mm256_add_ps(sum, p);
+      }
+      task.sum[h] += hsum(sum);
+    }
+  }
+
+  // ---- values ------------------------------------------------------------------------------
+
+  /// acc += p * row over rows [0, n) of src (weights scores[h][off + t]) for heads [h0, h0 + NH),
+  /// W vectors (8 channels each) from vector i.
+  template <int NH, int W, class Src>
+  KVQ_TARGET_AVX2_ATTENTION void weighted_rows(const Src& src, std::size_t n, std::size_t h0, std::size_t off, std::size_t i) noexcept {
+    __m256 acc[NH][W];
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < W; ++u) acc[h][u] = _mm256_loadu_ps(task.acc + (h0 + std::size_t(h)) * dim + 8 * (i + std::size_t(u)));
+    for (std::size_t t = 0; t < n; ++t) {
+      if (i == 0 && h0 == 0) src.prefetch(t);
+      __m256 x[W];
+#pragma GCC unroll 2
+      for (int u = 0; u < W; ++u) x[u] = src(t, i + std::size_t(u));
+#pragma GCC unroll 4
+      for (int h = 0; h < NH; ++h) {
+        const __m256 w = _mm256_broadcast_ss(&scores[h0 + std::size_t(h)][off + t]);
+#pragma GCC unroll 2
+        for (int u = 0; u < W; ++u) acc[h][u] = _mm256_fmadd_ps(x[u], w, acc[h][u]);
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < W; ++u) _mm256_storeu_ps(task.acc + (h0 + std::size_t(h)) * dim + 8 * (i + std::size_t(u)), acc[h][u]);
+  }
+
+  template <int NH, class Src>
+  KVQ_TARGET_AVX2_ATTENTION void weighted_rows_all(const Src& src, std::size_t n, std::size_t h0, std::size_t off) noexcept {
+    std::size_t i = 0;
+    for (; i + 2 <= nv; i += 2) weighted_rows<NH, 2>(src, n, h0, off, i);
+    if (i < nv) weighted_rows<NH, 1>(src, n, h0, off, i);
+  }
+
+  template <class Src>
+  KVQ_TARGET_AVX2_ATTENTION void value_rows(const Src& src, std::size_t n, std::size_t off) noexcept {
+    for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
+      switch (std::min(heads_per_pass, task.group - h0)) {
+        case 4: weighted_rows_all<4>(src, n, h0, off); break;
+        case 3: weighted_rows_all<3>(src, n, h0, off); break;
+        case 2: weighted_rows_all<2>(src, n, h0, off); break;
+        default: weighted_rows_all<1>(src, n, h0, off); break;
+      }
+    }
+  }
+
+  /// Residual value rows [x, y) of the tile starting at `tile`.
+  KVQ_TARGET_AVX2_ATTENTION void residual_values(std::size_t tile, std::size_t x, std::size_t y) noexcept {
+    if (x >= y) return;
+    for (std::size_t p = x; p < y; ++p) rowptr[p - x] = residual_row(v, p);
+    switch (v.residual) {
+      case Scalar::f16: return value_rows(ResidualRows<Scalar::f16>{rowptr, v.residual_row_bytes()}, y - x, x - tile);
+      case Scalar::bf16: return value_rows(ResidualRows<Scalar::bf16>{rowptr, v.residual_row_bytes()}, y - x, x - tile);
+      default: return value_rows(ResidualRows<Scalar::f32>{rowptr, v.residual_row_bytes()}, y - x, x - tile);
+    }
+  }
+
+  /// Packed value rows [x, y) dequantized into the buffer.
+  KVQ_TARGET_AVX2_ATTENTION void buffered_values(std::size_t tile, std::size_t x, std::size_t y) noexcept {
+    for (std::size_t p = x; p < y;) {
+      const std::size_t n = std::min(y - p, sub);
+      for (std::size_t r = 0; r < n; ++r) produce_row(v, p + r, buffer + r * dim);
+      value_rows(BufferRows{buffer, dim}, n, p - tile);
+      p += n;
+    }
+  }
+
+  /// Groups per row the packed value path takes: a power of two up to max_value_groups.
+  std::size_t packed_value_groups() const noexcept {
+    if (!v.quantized || v.spec.axis != Axis::per_token || !fast_bits(v.spec.bits) || v.spec.group % 8 != 0) return 0;
+    const std::size_t g = groups_per_row(v.spec, dim);
+    return g <= max_value_groups && (g & (g - 1)) == 0 ? g : 0;
+  }
+
+  /// Weights per (row, group) of heads [h0, h0 + nh) for the packed rows [x, x + n) of the tile
+  /// at `tile` (G groups per row; vscale/vcentre filled), with their per-group terms.
+  KVQ_TARGET_AVX2_ATTENTION void value_weights(std::size_t tile, std::size_t x, std::size_t n, std::size_t G,
+                                               std::size_t h0, std::size_t nh, float smax) noexcept {
+    const bool integer = task.tier == Tier::integer;
+    const float levels = weight_levels(v.spec.bits);
+    const std::size_t np = n * G;
+    // Lane l of the vector at flat index f = t * G + g: row (f + l) / G; group (f + l) % G, which
+    // is l % G for G < 8 and 8 * ((f / 8) % (G / 8)) + l for G >= 8.
+    const std::size_t phases = G >= 8 ? G / 8 : 1;
+    alignas(32) static constexpr std::int32_t spread[4][8] = {
+        {0, 1, 2, 3, 4, 5, 6, 7}, {0, 0, 1, 1, 2, 2, 3, 3}, {0, 0, 0, 0, 1, 1, 1, 1}, {0, 0, 0, 0, 0, 0, 0, 0}};
+    const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i*>(spread[G == 1 ? 0 : G == 2 ? 1 : G == 4 ? 2 : 3]));
+    for (std::size_t h = 0; h < nh; ++h) {
+      const float* p = scores[h0 + h] + (x - tile);
+      float* w = weight[h];
+      __m256 wmax = _mm256_setzero_ps(), pmax = _mm256_setzero_ps(), zacc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (std::size_t f = 0; f < np; f += 8) {
+        const __m256 pv = _mm256_and_ps(G >= 8 ? _mm256_broadcast_ss(p + f / G) : _mm256_permutevar8x32_ps(_mm256_loadu_ps(p + f / G), idx),
+                                        first_lanes(np - f));
+        const __m256 wv = _mm256_mul_ps(pv, _mm256_load_ps(vscale + f));
+        _mm256_store_ps(w + f, wv);
+        wmax = _mm256_max_ps(wmax, wv);
+        pmax = _mm256_max_ps(pmax, pv);
+        zacc[(f / 8) % phases] = _mm256_fmadd_ps(pv, _mm256_load_ps(vcentre + f), zacc[(f / 8) % phases]);
+      }
+      float beta = 1.0f;
+      if (integer) {
+        // The step: codes of up to 7 bits bound the weights by (largest weight) x (largest scale)
+        // of the rows, 8-bit codes (127 levels) use the exact maximum (reference.hpp).
+        const float bound = v.spec.bits <= 7 ? hmax(pmax) * smax : hmax(wmax);
+        // Tiles far below the running maximum weigh about exp(-87) (exp_ps), a bound whose plain
+        // inverse overflows: infinite weights would turn the accumulators into inf and NaN.
+        const __m256 inv = _mm256_set1_ps(inverse_step(levels, bound));
+        beta = bound / levels;
+        for (std::size_t f = 0; f < np; f += 8)
+          _mm256_store_ps(w + f, _mm256_round_ps(_mm256_mul_ps(_mm256_load_ps(w + f), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      }
+      alignas(32) float zs[2][8];
+      for (std::size_t j = 0; j < 2; ++j) _mm256_store_ps(zs[j], zacc[j]);
+      vbeta[h] = beta;
+      for (std::size_t g = 0; g < G; ++g) vconst[h][g] = 0.0f;
+      for (std::size_t j = 0; j < phases; ++j)
+        for (std::size_t l = 0; l < 8; ++l) vconst[h][G >= 8 ? 8 * j + l : l % G] += zs[j][l];
+    }
+  }
+
+  /// acc += beta * sum_t w[t, g] * (code - mid) + vconst[g] over packed rows [x, x + n) for heads
+  /// [h0, h0 + NH), W vectors from vector i. Centred codes keep the two terms small (no
+  /// cancellation between sum w * code and the zero points); integer weights times half-integers
+  /// stay exact in fp32.
+  template <int Bits, int NH, int W, bool OneGroup>
+  KVQ_TARGET_AVX2_ATTENTION void packed_rows(std::size_t x, std::size_t n, std::size_t G, std::size_t h0, std::size_t i) noexcept {
+    std::size_t g[W];
+    for (int u = 0; u < W; ++u) g[u] = 8 * (i + std::size_t(u)) / v.spec.group;
+    __m256 acc[NH][W];
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < W; ++u) acc[h][u] = _mm256_setzero_ps();
+    const CodeRows<Bits> src{v.code_row(x), v.row_bytes};
+    const __m256 mid = _mm256_set1_ps(reference::mid_code(v.spec));
+    for (std::size_t t = 0; t < n; ++t) {
+      if (i == 0 && h0 == 0) src.prefetch(t);
+      __m256 c[W];
+#pragma GCC unroll 2
+      for (int u = 0; u < W; ++u) c[u] = _mm256_sub_ps(src(t, i + std::size_t(u)), mid);
+#pragma GCC unroll 4
+      for (int h = 0; h < NH; ++h) {
+        const __m256 w0 = _mm256_broadcast_ss(&weight[h][t * G + g[0]]);
+#pragma GCC unroll 2
+        for (int u = 0; u < W; ++u)
+          acc[h][u] = _mm256_fmadd_ps(c[u], OneGroup || u == 0 ? w0 : _mm256_broadcast_ss(&weight[h][t * G + g[u]]), acc[h][u]);
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < W; ++u) {
+        float* o = task.acc + (h0 + std::size_t(h)) * dim + 8 * (i + std::size_t(u));
+        const __m256 tile = _mm256_fmadd_ps(_mm256_set1_ps(vbeta[h]), acc[h][u], _mm256_set1_ps(vconst[h][g[u]]));
+        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), tile));
+      }
+  }
+
+  template <int Bits, int NH>
+  KVQ_TARGET_AVX2_ATTENTION void packed_rows_all(std::size_t x, std::size_t n, std::size_t G, std::size_t h0) noexcept {
+    std::size_t i = 0;
+    if (v.spec.group % 16 == 0)  // both vectors of a pair in one group: one weight per head
+      for (; i + 2 <= nv; i += 2) packed_rows<Bits, NH, 2, true>(x, n, G, h0, i);
+    for (; i + 2 <= nv; i += 2) packed_rows<Bits, NH, 2, false>(x, n, G, h0, i);
+    if (i < nv) packed_rows<Bits, NH, 1, true>(x, n, G, h0, i);
+  }
+
+  template <int Bits>
+  KVQ_TARGET_AVX2_ATTENTION void packed_rows_heads(std::size_t x, std::size_t n, std::size_t G, std::size_t h0, std::size_t nh) noexcept {
+    switch (nh) {
+      case 4: return packed_rows_all<Bits, 4>(x, n, G, h0);
+      case 3: return packed_rows_all<Bits, 3>(x, n, G, h0);
+      case 2: return packed_rows_all<Bits, 2>(x, n, G, h0);
+      default: return packed_rows_all<Bits, 1>(x, n, G, h0);
+    }
+  }
+
+  /// Packed per-token value rows [x, y) of the tile at `tile`, both tiers, G groups per row.
+  KVQ_TARGET_AVX2_ATTENTION void packed_values(std::size_t tile, std::size_t x, std::size_t y, std::size_t G) noexcept {
+    const std::size_t n = y - x, np = n * G, pi = v.param_index(x);
+    const float mid = reference::mid_code(v.spec);
+    // Per (row, group): the scale and the value of the centre code, zero + mid * scale (codes
+    // count from mid, as in reference.hpp; 0 for symmetric parameters).
+    std::size_t f = 0;
+    for (; f + 8 <= np; f += 8) _mm256_store_ps(vscale + f, load8(v.spec.param, v.scales, pi + f));
+    for (; f < np; ++f) vscale[f] = param_at(v.spec.param, v.scales, pi + f);
+    for (f = 0; f + 8 <= np; f += 8)
+      _mm256_store_ps(vcentre + f, v.zeros != nullptr ? _mm256_fmadd_ps(_mm256_load_ps(vscale + f), _mm256_set1_ps(mid), load8(v.spec.param, v.zeros, pi + f))
+                                                      : _mm256_setzero_ps());
+    for (; f < np; ++f) vcentre[f] = v.zeros != nullptr ? param_at(v.spec.param, v.zeros, pi + f) + mid * vscale[f] : 0.0f;
+    for (; f % 8 != 0; ++f) vscale[f] = vcentre[f] = 0.0f;
+    __m256 sm = _mm256_setzero_ps();
+    for (f = 0; f < np; f += 8) sm = _mm256_max_ps(sm, _mm256_load_ps(vscale + f));
+    const float smax = hmax(sm);
+    for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
+      const std::size_t nh = std::min(heads_per_pass, task.group - h0);
+      value_weights(tile, x, n, G, h0, nh, smax);
+      switch (v.spec.bits) {
+        case 2: packed_rows_heads<2>(x, n, G, h0, nh); break;
+        case 4: packed_rows_heads<4>(x, n, G, h0, nh); break;
+        default: packed_rows_heads<8>(x, n, G, h0, nh); break;
+      }
+    }
+  }
+
+  KVQ_TARGET_AVX2_ATTENTION void values(std::size_t a, std::size_t b) noexcept {
+    std::size_t qa = a, qb = a;  // packed value rows of the tile
+    if (v.quantized && std::max(a, v.first_quantized) < std::min(b, v.end_quantized)) {
+      qa = std::max(a, v.first_quantized);
+      qb = std::min(b, v.end_quantized);
+    }
+    if (qa < qb) {
+      if (const std::size_t G = packed_value_groups(); G != 0) packed_values(a, qa, qb, G);
+      else if (task.tier == Tier::integer && v.spec.axis == Axis::per_token) attention::detail::integer_values(task, a, qa, qb, scores);
+      else buffered_values(a, qa, qb);
+      residual_values(a, a, qa);
+      residual_values(a, qb, b);
+    } else {
+      residual_values(a, a, b);
+    }
+  }
+
+  KVQ_TARGET_AVX2_ATTENTION void run() noexcept {
+    for (std::size_t h = 0; h < task.group; ++h) {
+      task.max[h] = -std::numeric_limits<float>::infinity();
+      task.sum[h] = 0.0f;
+      std::fill(task.acc + h * dim, task.acc + (h + 1) * dim, 0.0f);
+    }
+    for (std::size_t a = task.begin; a < task.end;) {
+      const std::size_t b = tile_end(k, a, task.end);
+      key_scores(a, b);
+      softmax(b - a);
+      values(a, b);
+      a = b;
+    }
+  }
+};
+
+}  // namespace detail
+
+/// Runs one task (supports() must hold).
+KVQ_TARGET_AVX2_ATTENTION inline void decode_task(const DecodeTask& task) noexcept {
+  detail::Kernel kernel(task);
+  kernel.run();
+}
+
+}  // namespace kvq::inline v0::kernels::attention::avx2
+
+#pragma GCC diagnostic pop
