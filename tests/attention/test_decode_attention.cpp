@@ -193,6 +193,38 @@ TEST(DecodeAttention, LargeQueriesStayFinite) {
   }
 }
 
+TEST(DecodeAttention, Avx2IntegerTierFollowsTheReferenceKernel) {
+  // The AVX2 kernel's integer tier sums int8 x u8 products with vpmaddubsw (2- and 4-bit codes;
+  // tails of head_dims that are not a multiple of 32, odd row counts, GQA ratios that leave 1 to
+  // 3 heads of the last 4); the sums are exact, so it follows the reference kernel's integer tier
+  // up to exp() rounding and rounding ties (measured below 4e-6 at -O2; up to 1.6e-4 in a build
+  // at -O1, as with the fp32 FMAs that summed them before), far inside integer_bound.
+  // Queries 15x larger give sharp attention (u8 weights of most rows 0).
+  if (kvq::isa::detected() < kvq::isa::Level::avx2) GTEST_SKIP() << "no AVX2";
+  unsigned seed = 500;
+  for (const char* config : {"k4c32-v2t32-r16-s1-post", "k2c32-v4t32-r16-s0-post", "k4c64-v4t32-r8-s2-post",
+                             "k2c16-v2t32-r0-s0-post", "k4c32-v8t32-r16-s1-post", "k8c32-v2t32-r16-s1-post"}) {
+    for (const std::size_t dim : {40, 64, 72, 88, 96, 128, 136, 256}) {
+      for (const std::size_t group : {1, 3, 6}) {
+        for (const float stddev : {2.0f, 15.0f}) {
+          const Case c{config, 1, group, dim, 301, 300};
+          SCOPED_TRACE(c.config + " gqa=" + std::to_string(group) + " d=" + std::to_string(dim) + " q*" + std::to_string(int(stddev)));
+          const BasicKVCache cache = make_cache(c, seed);
+          const auto q = kvq::test::normal_vector(c.kv_heads * c.group * c.dim, seed++ + 7, stddev);
+          for (const std::size_t position : {300, 229}) {
+            std::vector<float> ref(q.size()), out(q.size());
+            DecodeOptions r = options_for(Kernel::reference), o = options_for(Kernel::avx2);
+            r.tier = o.tier = Tier::integer;
+            kvq::decode_attention(cache, 0, position, q, ref, r);
+            kvq::decode_attention(cache, 0, position, q, out, o);
+            EXPECT_LT(relative_error(out, ref), 1e-3) << position;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(DecodeAttention, IdenticalForEveryThreadCountAndCloseForEveryChunkSize) {
   // packed post- and pre-RoPE (integer and exact kernels) and fp16 (dense kernel) caches
   for (const char* config : {"k4c32-v2t32-r64-s1-post", "k2c32-v2t32-r16-s3-post", "k16-v16-r0-s1-post",

@@ -22,11 +22,27 @@
 //     mid, and the centre values zero + mid * scale add once per group and tile;
 //   other packed rows: dequantized into the buffer.
 // Rows are prefetched into L2 64 KB ahead in their stream.
-// Integer tier: int8 queries and u8 weights are small integers, and every sum of their products
-// here stays below 2^24 in each fp32 lane, so FMAs compute the reference's integer sums exactly
-// (key sums are reduced across lanes in int32): the reference's numbers up to exp() rounding and
-// rounding ties. Without vpdpbusd this tier costs what the exact tier costs. Integer values of
-// other layouts take the reference's own routine; pre-RoPE keys are scored as in the exact tier.
+// Integer tier: the reference's integer sums, computed exactly, so its numbers up to exp()
+// rounding and rounding ties.
+//   2/4-bit post-RoPE keys (int_dots): per 32 channels of a row, the packed bytes are broadcast
+//     and each qword shifts its own field down (key_codes), which leaves the 32 codes as bytes in
+//     a fixed order (4 bits: even channels, then odd; 2 bits: channels 0, 4, .., 28, then 1, 5,
+//     ..); fold() writes the int8 query in that order (qkey). vpmaddubsw (codes unsigned, query
+//     signed: pair sums of at most 2 x 15 x 127, no saturation) gives int16 pair sums that add
+//     up in int16 over the row (4-bit rows up to 256 channels), one vpmaddwd with ones widens
+//     them, and the transposing reduction of dots() gives the scores of two rows x 4 heads.
+//   2/4-bit values per token in groups of a multiple of 32 channels (int_value_chunk): rows in
+//     pairs; per 32 channels the two rows' packed bytes are interleaved (vpunpcklbw) so that each
+//     channel's codes of the two rows form a byte pair (value_code_pairs: even channels in one
+//     vector, odd in the other), and the pair's u8 weights of the channels' group, stored
+//     group-major with row pairs adjacent (wb), are one 16-bit broadcast. vpmaddubsw (weights
+//     unsigned up to 255, codes signed: at most 2 x 255 x 15) sums the pair in int16; K row pairs
+//     add up in int16 before they are widened into int32 sums in channel order. Then
+//     acc += beta * (sum w * code - mid * sum w) + sum p * (zero + mid * scale) per group.
+//   8-bit codes (vpmaddubsw would saturate), other widths and value groups: the integer-valued
+//     products run as fp32 FMAs, exact as every sum stays below 2^24 (key sums reduced in
+//     int32). Integer values of other layouts take the reference's own routine; pre-RoPE keys
+//     are scored as in the exact tier.
 
 #include <immintrin.h>
 
@@ -117,6 +133,74 @@ KVQ_TARGET_AVX2_ATTENTION inline __m256 reduce8_exact(const __m256* v) noexcept 
   const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(x[0], x[1]), _mm256_hadd_epi32(x[2], x[3]));
   const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(x[4], x[5]), _mm256_hadd_epi32(x[6], x[7]));
   return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31)));
+}
+
+/// v[0..7] -> lane j = sum of v[j]'s int32 lanes.
+KVQ_TARGET_AVX2_ATTENTION inline __m256i reduce8_epi32(const __m256i* x) noexcept {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(x[0], x[1]), _mm256_hadd_epi32(x[2], x[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(x[4], x[5]), _mm256_hadd_epi32(x[6], x[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+KVQ_TARGET_AVX2_ATTENTION inline std::int32_t hsum_epi32(__m256i v) noexcept {
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1)));
+}
+
+// ---- integer tier: byte codes for vpmaddubsw ----------------------------------------------
+
+/// Bytes of the packed codes of 32 channels (Bits = 2: 8 bytes, 4: 16 bytes); the last chunk
+/// of a row may hold fewer (`bytes`), the rest reads as zero.
+template <int Bits>
+KVQ_TARGET_AVX2_ATTENTION inline __m128i chunk_bytes(const std::uint8_t* p, std::size_t bytes) noexcept {
+  if (bytes == std::size_t(4 * Bits))
+    return Bits == 4 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)) : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  alignas(16) std::uint8_t tmp[16] = {};
+  std::memcpy(tmp, p, bytes);
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+}
+
+/// Position of channel c (of its 32-channel chunk) in key_codes' bytes.
+template <int Bits>
+constexpr std::size_t key_byte(std::size_t c) noexcept {
+  return Bits == 4 ? (c % 2) * 16 + c / 2 : (c % 4) * 8 + c / 4;
+}
+
+/// The 32 codes of a chunk of a key row as bytes, channel c at key_byte<Bits>(c): the packed
+/// bytes are broadcast and each qword shifts its own field down.
+template <int Bits>
+KVQ_TARGET_AVX2_ATTENTION inline __m256i key_codes(__m128i packed) noexcept {
+  if constexpr (Bits == 4) {
+    const __m256i x = _mm256_broadcastsi128_si256(packed);
+    return _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
+  } else {
+    const __m256i x = _mm256_broadcastq_epi64(packed);
+    return _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_setr_epi64x(0, 2, 4, 6)), _mm256_set1_epi8(0x03));
+  }
+}
+
+/// The codes of 32 channels of two value rows a and b as byte pairs (a, b) per channel, in two
+/// vectors of 16 channels: even channels 2l (lanes l < 8) and 16 + 2l (lanes 8 + l) in c[0],
+/// the odd channels after each in c[1].
+template <int Bits>
+KVQ_TARGET_AVX2_ATTENTION inline void value_code_pairs(__m128i a, __m128i b, __m256i* c) noexcept {
+  if constexpr (Bits == 4) {
+    // byte pair j of lo / hi: the 2 channels of byte j / 8 + j of both rows, low nibble first
+    const __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(a, b)), _mm_unpackhi_epi8(a, b), 1);
+    const __m256i m = _mm256_set1_epi8(0x0f);
+    c[0] = _mm256_and_si256(x, m);
+    c[1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m);
+  } else {
+    // byte pair j: the 4 channels 4j .. 4j + 3 of both rows; 16-bit lane l takes pair l / 2
+    // (+ 4 in the upper half), even lanes fields 0 and 1, odd lanes fields 2 and 3
+    const __m256i ab = _mm256_broadcastsi128_si256(_mm_unpacklo_epi8(a, b));
+    const __m256i x = _mm256_shuffle_epi8(ab, _mm256_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7,
+                                                               8, 9, 8, 9, 10, 11, 10, 11, 12, 13, 12, 13, 14, 15, 14, 15));
+    const __m256i m = _mm256_set1_epi8(0x03);
+    c[0] = _mm256_and_si256(_mm256_blend_epi16(x, _mm256_srli_epi16(x, 4), 0xAA), m);
+    c[1] = _mm256_and_si256(_mm256_blend_epi16(_mm256_srli_epi16(x, 2), _mm256_srli_epi16(x, 6), 0xAA), m);
+  }
 }
 
 KVQ_TARGET_AVX2_ATTENTION inline float hsum(__m256 v) noexcept {
@@ -218,6 +302,13 @@ struct Kernel {
   alignas(32) float vscale[max_tile * max_value_groups + 8], vcentre[max_tile * max_value_groups + 8];
   alignas(32) float weight[heads_per_pass][max_tile * max_value_groups + 8];
   float vbeta[heads_per_pass], vconst[heads_per_pass][max_value_groups];
+  // integer tier, vpmaddubsw paths: int8 folded queries with the channels of each 32-channel
+  // chunk at key_byte(); per-token value scales and centre values group-major, and per head the
+  // u8 weights group-major (row pairs adjacent) with their sums per group
+  alignas(32) std::int8_t qkey[heads_per_pass][max_head_dim + 32];
+  alignas(32) float sgm[max_value_groups][max_tile + 8], cgm[max_value_groups][max_tile + 8];
+  alignas(32) std::uint8_t wb[heads_per_pass][max_value_groups][max_tile + 8];
+  float vwsum[heads_per_pass][max_value_groups];
 
   KVQ_TARGET_AVX2_ATTENTION explicit Kernel(const DecodeTask& t) noexcept
       : task(t), k(t.keys), v(t.values), dim(t.keys.head_dim), nv(t.keys.head_dim / 8),
@@ -349,6 +440,66 @@ struct Kernel {
     }
   }
 
+  /// Integer tier, post-RoPE keys of 2 or 4 bits per channel: the key bits take vpmaddubsw.
+  bool int_keys() const noexcept {
+    // the int16 sums of a row: 4 bits up to 8 chunks of 32 channels (8 x 2 x 15 x 127 < 2^15),
+    // 2 bits up to 43, more than max_head_dim
+    return task.tier == Tier::integer && (k.spec.bits == 2 || (k.spec.bits == 4 && dim <= 256));
+  }
+
+  /// dots() for the integer tier on packed 2/4-bit rows: per 32 channels, the code bytes of
+  /// two rows (key_codes) against the int8 queries qkey (vpmaddubsw: u8 x s8 -> pair sums in
+  /// int16; 2 x 15 x 127 at most), summed in int16 over the row and widened once (vpmaddwd
+  /// with ones) before the transposing reduction.
+  template <int Bits, int NH>
+  KVQ_TARGET_AVX2_ATTENTION void int_dots(const std::uint8_t* base, std::size_t row_bytes, std::size_t n, std::size_t h0,
+                                          std::size_t off) noexcept {
+    const __m256 b8 = _mm256_load_ps(bias), a8 = _mm256_load_ps(alpha), o8 = _mm256_load_ps(offset);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const CodeRows<Bits> src{base, row_bytes};
+    const std::size_t chunks = (dim + 31) / 32, last = (dim - 32 * (chunks - 1)) * Bits / 8;
+    for (std::size_t t = 0; t < n; t += 2) {
+      const std::size_t t1 = t + 1 < n ? t + 1 : t;
+      if (h0 == 0) {
+        src.prefetch(t);
+        src.prefetch(t1);
+      }
+      const std::uint8_t *r0 = base + t * row_bytes, *r1 = base + t1 * row_bytes;
+      __m256i acc[8];  // row t: heads 0..3, row t + 1: heads 0..3
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
+      for (std::size_t j = 0; j < chunks; ++j) {
+        const std::size_t bytes = j + 1 < chunks ? std::size_t(4 * Bits) : last;
+        const __m256i x0 = key_codes<Bits>(chunk_bytes<Bits>(r0 + 4 * Bits * j, bytes));
+        const __m256i x1 = key_codes<Bits>(chunk_bytes<Bits>(r1 + 4 * Bits * j, bytes));
+#pragma GCC unroll 4
+        for (int h = 0; h < NH; ++h) {
+          const __m256i qv = _mm256_load_si256(reinterpret_cast<const __m256i*>(qkey[h] + 32 * j));
+          acc[h] = _mm256_add_epi16(acc[h], _mm256_maddubs_epi16(x0, qv));
+          acc[4 + h] = _mm256_add_epi16(acc[4 + h], _mm256_maddubs_epi16(x1, qv));
+        }
+      }
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_madd_epi16(acc[j], ones);
+      const __m256 d = _mm256_cvtepi32_ps(reduce8_epi32(acc));
+      alignas(32) float out[8];
+      _mm256_store_ps(out, _mm256_add_ps(b8, _mm256_mul_ps(a8, _mm256_sub_ps(d, o8))));
+      for (std::size_t h = 0; h < std::size_t(NH); ++h) {
+        scores[h0 + h][off + t] = out[h];
+        if (t + 1 < n) scores[h0 + h][off + t + 1] = out[4 + h];
+      }
+    }
+  }
+
+  template <int Bits>
+  KVQ_TARGET_AVX2_ATTENTION void int_dots_heads(const std::uint8_t* base, std::size_t n, std::size_t h0, std::size_t nh,
+                                                std::size_t off) noexcept {
+    switch (nh) {
+      case 4: return int_dots<Bits, 4>(base, k.row_bytes, n, h0, off);
+      case 3: return int_dots<Bits, 3>(base, k.row_bytes, n, h0, off);
+      case 2: return int_dots<Bits, 2>(base, k.row_bytes, n, h0, off);
+      default: return int_dots<Bits, 1>(base, k.row_bytes, n, h0, off);
+    }
+  }
+
   /// Key block holding p: scales and zero points per channel as floats.
   KVQ_TARGET_AVX2_ATTENTION void load_key_block(std::size_t p) noexcept {
     const std::size_t pi = k.param_index(p);
@@ -357,6 +508,29 @@ struct Kernel {
       const __m256 s = load8(k.spec.param, k.scales, pi + 8 * i);
       _mm256_store_ps(kscale + 8 * i, s);
       _mm256_store_ps(kzero + 8 * i, k.zeros != nullptr ? load8(k.spec.param, k.zeros, pi + 8 * i) : _mm256_mul_ps(s, _mm256_set1_ps(-mid)));
+    }
+  }
+
+  /// The int8 query of head h (qt, rounded) as bytes in qkey, 32 channels per chunk in the order
+  /// of key_codes (key_byte), zero past dim.
+  KVQ_TARGET_AVX2_ATTENTION void key_query_bytes(std::size_t h) noexcept {
+    // in-lane byte order: 4 bits even channels then odd ones, 2 bits channels 0, 4, 8, 12, 1, 5, ...
+    const __m256i order = k.spec.bits == 4 ? _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                              0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)
+                                           : _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                                              0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m256i interleave = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (std::size_t c0 = 0; c0 < dim; c0 += 32) {
+      __m256i x[4];
+      for (std::size_t u = 0; u < 4; ++u)
+        x[u] = c0 + 8 * u < dim ? _mm256_cvtps_epi32(_mm256_load_ps(qt[h] + c0 + 8 * u)) : _mm256_setzero_si256();
+      // saturating packs leave dwords of channels 0-3, 8-11, 16-19, 24-27, 4-7, ...: back in order
+      const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(x[0], x[1]), _mm256_packs_epi32(x[2], x[3])), interleave);
+      const __m256i s = _mm256_shuffle_epi8(b, order);
+      // 4 bits: qwords (evens 0-14, odds 1-15, evens 16-30, odds 17-31) -> evens, odds;
+      // 2 bits: dwords (c % 4 = 0, 1, 2, 3 of channels 0-15, then of 16-31) -> by c % 4
+      const __m256i out = k.spec.bits == 4 ? _mm256_permute4x64_epi64(s, 0xD8) : _mm256_permutevar8x32_epi32(s, interleave);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(qkey[h] + c0), out);
     }
   }
 
@@ -392,6 +566,7 @@ struct Kernel {
       }
       alpha[h] = alpha[4 + h] = m / 127.0f;
       offset[h] = offset[4 + h] = mid * hsum(qsum);
+      if (int_keys()) key_query_bytes(h);
     }
   }
 
@@ -405,6 +580,11 @@ struct Kernel {
       for (std::size_t p = s0; p < s1;) {
         const std::size_t n = std::min(s1 - p, fast_bits(k.spec.bits) ? max_tile : sub);
         const float* q = qt[0];
+        if (integer && int_keys()) {
+          k.spec.bits == 4 ? int_dots_heads<4>(k.code_row(p), n, h0, nh, p - tile) : int_dots_heads<2>(k.code_row(p), n, h0, nh, p - tile);
+          p += n;
+          continue;
+        }
         switch (fast_bits(k.spec.bits) ? k.spec.bits : 0) {
           case 2: integer ? dots_heads<true>(CodeRows<2>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile)
                           : dots_heads<false>(CodeRows<2>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile);
@@ -674,6 +854,110 @@ struct Kernel {
     }
   }
 
+  /// Integer tier, 2/4-bit values in groups of a multiple of 32 channels: the vpmaddubsw path.
+  bool int_values() const noexcept {
+    return task.tier == Tier::integer && (v.spec.bits == 2 || v.spec.bits == 4) && v.spec.group % 32 == 0;
+  }
+
+  /// value_weights() for int_values(): the u8 weights of heads [h0, h0 + nh) group-major in wb
+  /// (zero past row n, up to a multiple of 8), their sums per group in vwsum, and vbeta, vconst.
+  /// Same numbers as value_weights (codes of up to 7 bits).
+  KVQ_TARGET_AVX2_ATTENTION void int_value_weights(std::size_t tile, std::size_t x, std::size_t n, std::size_t G,
+                                                   std::size_t h0, std::size_t nh, float smax) noexcept {
+    const float levels = weight_levels(v.spec.bits);
+    for (std::size_t h = 0; h < nh; ++h) {
+      const float* p = scores[h0 + h] + (x - tile);
+      __m256 pmax = _mm256_setzero_ps();
+      for (std::size_t t = 0; t < n; t += 8) pmax = _mm256_max_ps(pmax, _mm256_and_ps(_mm256_loadu_ps(p + t), first_lanes(n - t)));
+      const float bound = hmax(pmax) * smax;
+      const __m256 inv = _mm256_set1_ps(inverse_step(levels, bound));
+      vbeta[h] = bound / levels;
+      for (std::size_t g = 0; g < G; ++g) {
+        __m256i ws = _mm256_setzero_si256();
+        __m256 z = _mm256_setzero_ps();
+        for (std::size_t t = 0; t < n; t += 8) {
+          const __m256 pv = _mm256_and_ps(_mm256_loadu_ps(p + t), first_lanes(n - t));
+          const __m256 w = _mm256_round_ps(_mm256_mul_ps(_mm256_mul_ps(pv, _mm256_load_ps(sgm[g] + t)), inv),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          const __m256i wi = _mm256_cvtps_epi32(w);
+          ws = _mm256_add_epi32(ws, wi);
+          z = _mm256_fmadd_ps(pv, _mm256_load_ps(cgm[g] + t), z);
+          const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(wi, wi), _mm256_setzero_si256());  // per half: 4 bytes
+          const __m128i b8 = _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(wb[h][g] + t), b8);
+        }
+        vwsum[h][g] = float(hsum_epi32(ws));
+        vconst[h][g] = hsum(z);
+      }
+    }
+  }
+
+  /// Channels [c0, c0 + 32) (fewer at the end of a row) of the packed value rows [x, x + n) for
+  /// heads [h0, h0 + NH): rows in pairs, each channel's codes of the two rows as a byte pair
+  /// (value_code_pairs) against the pair's u8 weights (one 16-bit broadcast per head: the 32
+  /// channels share a group), vpmaddubsw summing the two products in int16 (2 x 255 x 15 at most),
+  /// K row pairs summed in int16 and then added to int32 sums in channel order. Then
+  /// acc += beta * (sum w * code - mid * sum w) + vconst, the sums exact.
+  template <int Bits, int NH>
+  KVQ_TARGET_AVX2_ATTENTION void int_value_chunk(std::size_t x, std::size_t n, std::size_t h0, std::size_t c0) noexcept {
+    constexpr std::size_t K = 32767 / (2 * 255 * ((1 << Bits) - 1));  // row pairs summed in int16
+    const std::size_t g = c0 / v.spec.group, valid = std::min<std::size_t>(32, dim - c0), bytes = valid * Bits / 8;
+    const std::uint8_t* base = v.code_row(x) + c0 * Bits / 8;
+    const CodeRows<Bits> src{v.code_row(x), v.row_bytes};
+    alignas(32) std::int32_t dot[NH][32] = {};
+    for (std::size_t t0 = 0; t0 < n; t0 += 2 * K) {
+      __m256i a[NH][2];
+      for (int h = 0; h < NH; ++h) a[h][0] = a[h][1] = _mm256_setzero_si256();
+      for (std::size_t t = t0; t < std::min(n, t0 + 2 * K); t += 2) {
+        const std::size_t t1 = t + 1 < n ? t + 1 : t;  // an odd last row pairs with itself, weight 0
+        if (c0 == 0 && h0 == 0) {
+          src.prefetch(t);
+          src.prefetch(t1);
+        }
+        __m256i c[2];
+        value_code_pairs<Bits>(chunk_bytes<Bits>(base + t * v.row_bytes, bytes), chunk_bytes<Bits>(base + t1 * v.row_bytes, bytes), c);
+#pragma GCC unroll 4
+        for (int h = 0; h < NH; ++h) {
+          std::uint16_t pair;
+          std::memcpy(&pair, wb[h][g] + t, 2);
+          const __m256i w = _mm256_set1_epi16(std::int16_t(pair));
+          a[h][0] = _mm256_add_epi16(a[h][0], _mm256_maddubs_epi16(w, c[0]));
+          a[h][1] = _mm256_add_epi16(a[h][1], _mm256_maddubs_epi16(w, c[1]));
+        }
+      }
+      for (int h = 0; h < NH; ++h) {
+        // even and odd channels interleaved: 16-bit lanes of channels 0..7 | 16..23 and 8..15 | 24..31
+        const __m256i u = _mm256_unpacklo_epi16(a[h][0], a[h][1]), w = _mm256_unpackhi_epi16(a[h][0], a[h][1]);
+        const __m128i part[4] = {_mm256_castsi256_si128(u), _mm256_castsi256_si128(w), _mm256_extracti128_si256(u, 1), _mm256_extracti128_si256(w, 1)};
+        for (int j = 0; j < 4; ++j) {
+          __m256i* d = reinterpret_cast<__m256i*>(dot[h] + 8 * j);
+          _mm256_store_si256(d, _mm256_add_epi32(_mm256_load_si256(d), _mm256_cvtepi16_epi32(part[j])));
+        }
+      }
+    }
+    const float mid = reference::mid_code(v.spec);
+    for (int h = 0; h < NH; ++h) {
+      const __m256 beta = _mm256_set1_ps(vbeta[h]), cst = _mm256_set1_ps(vconst[h][g]), msum = _mm256_set1_ps(mid * vwsum[h][g]);
+      float* o = task.acc + (h0 + std::size_t(h)) * dim + c0;
+      for (std::size_t j = 0; j < valid; j += 8) {
+        const __m256 d = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dot[h] + j))), msum);
+        _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_fmadd_ps(beta, d, cst)));
+      }
+    }
+  }
+
+  template <int Bits>
+  KVQ_TARGET_AVX2_ATTENTION void int_value_rows(std::size_t x, std::size_t n, std::size_t h0, std::size_t nh) noexcept {
+    for (std::size_t c0 = 0; c0 < dim; c0 += 32) {
+      switch (nh) {
+        case 4: int_value_chunk<Bits, 4>(x, n, h0, c0); break;
+        case 3: int_value_chunk<Bits, 3>(x, n, h0, c0); break;
+        case 2: int_value_chunk<Bits, 2>(x, n, h0, c0); break;
+        default: int_value_chunk<Bits, 1>(x, n, h0, c0); break;
+      }
+    }
+  }
+
   /// Packed per-token value rows [x, y) of the tile at `tile`, both tiers, G groups per row.
   KVQ_TARGET_AVX2_ATTENTION void packed_values(std::size_t tile, std::size_t x, std::size_t y, std::size_t G) noexcept {
     const std::size_t n = y - x, np = n * G, pi = v.param_index(x);
@@ -691,6 +975,22 @@ struct Kernel {
     __m256 sm = _mm256_setzero_ps();
     for (f = 0; f < np; f += 8) sm = _mm256_max_ps(sm, _mm256_load_ps(vscale + f));
     const float smax = hmax(sm);
+    if (int_values()) {
+      // scales and centre values group-major, zero up to a multiple of 8 rows
+      const __m256i rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int(G)));
+      for (std::size_t g = 0; g < G; ++g)
+        for (std::size_t t = 0; t < n; t += 8) {
+          const __m256 m = first_lanes(n - t);
+          _mm256_store_ps(sgm[g] + t, _mm256_mask_i32gather_ps(_mm256_setzero_ps(), vscale + t * G + g, rows, m, 4));
+          _mm256_store_ps(cgm[g] + t, _mm256_mask_i32gather_ps(_mm256_setzero_ps(), vcentre + t * G + g, rows, m, 4));
+        }
+      for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
+        const std::size_t nh = std::min(heads_per_pass, task.group - h0);
+        int_value_weights(tile, x, n, G, h0, nh, smax);
+        v.spec.bits == 4 ? int_value_rows<4>(x, n, h0, nh) : int_value_rows<2>(x, n, h0, nh);
+      }
+      return;
+    }
     for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
       const std::size_t nh = std::min(heads_per_pass, task.group - h0);
       value_weights(tile, x, n, G, h0, nh, smax);
