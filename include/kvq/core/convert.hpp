@@ -32,6 +32,17 @@ namespace detail {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
+/// load_scalar with the F16C conversion for fp16: the kernels (AVX2 and AVX-512, both with F16C)
+/// read scalar scales and zero points this way.
+__attribute__((target("f16c"))) inline float load_scalar_f16c(Scalar s, const void* base, std::size_t i) noexcept {
+  if (s == Scalar::f16) {
+    std::uint16_t bits;
+    std::memcpy(&bits, static_cast<const std::uint8_t*>(base) + 2 * i, 2);
+    return _cvtsh_ss(bits);
+  }
+  return load_scalar(s, base, i);
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void store_f16_avx512(const float* src, std::size_t n,
                                                                                      std::uint16_t* dst) noexcept {
   std::size_t i = 0;

@@ -86,15 +86,6 @@ inline constexpr std::size_t max_value_groups = 16; // per-token value groups pe
 
 inline bool fast_bits(int bits) noexcept { return bits == 2 || bits == 4 || bits == 8; }
 
-KVQ_TARGET_AVX2_ATTENTION inline float param_at(Scalar s, const std::uint8_t* base, std::size_t i) noexcept {
-  if (s == Scalar::f16) {
-    std::uint16_t bits;
-    std::memcpy(&bits, base + 2 * i, 2);
-    return _cvtsh_ss(bits);
-  }
-  return load_scalar(s, base, i);
-}
-
 /// 8 values of type s at element index i as floats.
 KVQ_TARGET_AVX2_ATTENTION inline __m256 load8(Scalar s, const std::uint8_t* base, std::size_t i) noexcept {
   if (s == Scalar::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(base) + i);
@@ -337,9 +328,9 @@ struct Kernel {
         zero = s.zeros != nullptr ? load8(s.spec.param, s.zeros, pi + 8 * i) : _mm256_mul_ps(scale, _mm256_set1_ps(-mid));
       } else {
         const std::size_t g = pi + 8 * i / s.spec.group;
-        const float sc = param_at(s.spec.param, s.scales, g);
+        const float sc = kvq::detail::load_scalar_f16c(s.spec.param, s.scales, g);
         scale = _mm256_set1_ps(sc);
-        zero = _mm256_set1_ps(s.zeros != nullptr ? param_at(s.spec.param, s.zeros, g) : -mid * sc);
+        zero = _mm256_set1_ps(s.zeros != nullptr ? kvq::detail::load_scalar_f16c(s.spec.param, s.zeros, g) : -mid * sc);
       }
       _mm256_store_ps(out + 8 * i, _mm256_fmadd_ps(code_vec<Bits>(row, i), scale, zero));
     }
@@ -966,11 +957,11 @@ struct Kernel {
     // count from mid, as in reference.hpp; 0 for symmetric parameters).
     std::size_t f = 0;
     for (; f + 8 <= np; f += 8) _mm256_store_ps(vscale + f, load8(v.spec.param, v.scales, pi + f));
-    for (; f < np; ++f) vscale[f] = param_at(v.spec.param, v.scales, pi + f);
+    for (; f < np; ++f) vscale[f] = kvq::detail::load_scalar_f16c(v.spec.param, v.scales, pi + f);
     for (f = 0; f + 8 <= np; f += 8)
       _mm256_store_ps(vcentre + f, v.zeros != nullptr ? _mm256_fmadd_ps(_mm256_load_ps(vscale + f), _mm256_set1_ps(mid), load8(v.spec.param, v.zeros, pi + f))
                                                       : _mm256_setzero_ps());
-    for (; f < np; ++f) vcentre[f] = v.zeros != nullptr ? param_at(v.spec.param, v.zeros, pi + f) + mid * vscale[f] : 0.0f;
+    for (; f < np; ++f) vcentre[f] = v.zeros != nullptr ? kvq::detail::load_scalar_f16c(v.spec.param, v.zeros, pi + f) + mid * vscale[f] : 0.0f;
     for (; f % 8 != 0; ++f) vscale[f] = vcentre[f] = 0.0f;
     __m256 sm = _mm256_setzero_ps();
     for (f = 0; f < np; f += 8) sm = _mm256_max_ps(sm, _mm256_load_ps(vscale + f));

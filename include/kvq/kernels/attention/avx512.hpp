@@ -74,15 +74,6 @@ inline bool fast_codes(const StreamView& s) noexcept {
   return s.quantized && fast_bits(s.spec.bits) && s.spec.group % 16 == 0;
 }
 
-KVQ_TARGET_AVX512_ATTENTION inline float param_at(Scalar s, const std::uint8_t* base, std::size_t i) noexcept {
-  if (s == Scalar::f16) {
-    std::uint16_t bits;
-    std::memcpy(&bits, base + 2 * i, 2);
-    return _cvtsh_ss(bits);
-  }
-  return load_scalar(s, base, i);
-}
-
 /// 16 values of type s at element index i as floats.
 KVQ_TARGET_AVX512_ATTENTION inline __m512 load16(Scalar s, const std::uint8_t* base, std::size_t i) noexcept {
   if (s == Scalar::f32) return _mm512_loadu_ps(base + 4 * i);
@@ -409,12 +400,12 @@ struct Kernel {
     }
     const std::uint8_t* row = v.code_row(p);
     code_floats(vu.codes(row, vu.load(row), u), x);
-    const std::size_t pi = v.param_index(p), psize = size_of(v.spec.param);
+    const std::size_t pi = v.param_index(p);
     const float mid = reference::mid_code(v.spec);
     for (unsigned i = 0; i < 4; ++i) {
       const std::size_t g = (64 * u + 16 * i) / v.spec.group;
-      const float s = param_at(v.spec.param, v.scales, pi + g);
-      const float z = v.zeros != nullptr ? param_at(v.spec.param, v.zeros + 0 * psize, pi + g) : -mid * s;
+      const float s = kvq::detail::load_scalar_f16c(v.spec.param, v.scales, pi + g);
+      const float z = v.zeros != nullptr ? kvq::detail::load_scalar_f16c(v.spec.param, v.zeros, pi + g) : -mid * s;
       x[i] = _mm512_fmadd_ps(x[i], _mm512_set1_ps(s), _mm512_set1_ps(z));
     }
   }
