@@ -218,6 +218,124 @@ TEST(KVCacheOperations, TruncateForkAndClear) {
   EXPECT_EQ(fork.length(0), 20u);
 }
 
+// Every stored row of every layer, head and tensor, as the attention oracles read it.
+std::vector<std::vector<float>> stored_rows(const BasicKVCache& c, std::size_t layer) {
+  std::vector<std::vector<float>> rows;
+  for (std::size_t h = 0; h < c.shape().kv_heads; ++h)
+    for (const kvq::Tensor t : {kvq::Tensor::keys, kvq::Tensor::values}) {
+      const kvq::StreamView view = c.view(t, layer, h);
+      for (std::size_t p = 0; p < c.length(layer); ++p) {
+        std::vector<float> row(c.shape().head_dim);
+        view.read_row(p, row.data());
+        rows.push_back(std::move(row));
+      }
+    }
+  return rows;
+}
+
+std::vector<float> attend(const BasicKVCache& c, std::size_t layer, kvq::Tier tier) {
+  const auto q = kvq::test::normal_vector(c.shape().kv_heads * 2 * c.shape().head_dim, 21);
+  std::vector<float> out(q.size());
+  kvq::DecodeOptions o;
+  o.tier = tier;
+  kvq::decode_attention(c, layer, c.length(layer) - 1, q, out, o);
+  return out;
+}
+
+// Context shift: the rows after the erased range move down unchanged (packed groups whole, pending
+// rows through the ring). Where the range lies inside the packed groups, the cache equals one that
+// received only the kept tokens, for attention now and after further appends.
+TEST(KVCacheOperations, EraseMovesLaterTokensDownUnchanged) {
+  std::size_t compared_with_fresh = 0;
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4c16-r0-s0", "k16-v16-r0-s2", "k8c16-v4t64s-r33-s2-bf16",
+                           "k4c32-v2t32-r128-s1", "k3c32-v3t16-r8-s1"}) {
+    const CacheConfig config = config_of(text);
+    const CacheShape shape{2, 2, 64, 400};
+    const std::size_t n = 300, row = 2 * 64, s = config.sinks;
+    const auto k = kvq::test::outlier_keys(n + 40, 2, 64, 3, 8.0f, 31), v = kvq::test::normal_vector((n + 40) * row, 32);
+    BasicKVCache original(shape, config);
+    append_all(original, k, v, 0, n);
+    struct Range { std::size_t first, count; };
+    std::vector<Range> ranges{{s, 64}, {s + 96, 32}, {s + 32, 160}};
+    if (config.window >= 20) ranges.push_back({n - 9, 5});  // pending rows only
+    for (const Range& r : ranges) {
+      SCOPED_TRACE(std::string(text) + " erase [" + std::to_string(r.first) + ", +" + std::to_string(r.count) + ")");
+      BasicKVCache cache = original;
+      cache.erase(r.first, r.count);
+      for (std::size_t l = 0; l < 2; ++l) {
+        ASSERT_EQ(cache.length(l), n - r.count);
+        // the original's rows without the erased ones, in order
+        const auto before = stored_rows(original, l), after = stored_rows(cache, l);
+        std::vector<std::vector<float>> expected;
+        for (std::size_t i = 0; i < before.size(); ++i) {
+          const std::size_t p = i % n;
+          if (p < r.first || p >= r.first + r.count) expected.push_back(before[i]);
+        }
+        EXPECT_TRUE(after == expected) << "layer " << l;
+      }
+      bool inside = true;
+      for (std::size_t l = 0; l < 2; ++l)
+        for (const kvq::Tensor t : {kvq::Tensor::keys, kvq::Tensor::values})
+          inside = inside && r.first + r.count <= original.quantized_end(t, l);
+      if (!inside) continue;
+      ++compared_with_fresh;
+      // the same as a cache that never saw the erased tokens, also after more tokens arrive
+      std::vector<float> kept_k(k.begin(), k.begin() + r.first * row), kept_v(v.begin(), v.begin() + r.first * row);
+      kept_k.insert(kept_k.end(), k.begin() + (r.first + r.count) * row, k.end());
+      kept_v.insert(kept_v.end(), v.begin() + (r.first + r.count) * row, v.end());
+      BasicKVCache fresh(shape, config);
+      append_all(fresh, kept_k, kept_v, 0, n - r.count);
+      for (std::size_t l = 0; l < 2; ++l) {
+        EXPECT_EQ(cache.quantized_end(kvq::Tensor::keys, l), fresh.quantized_end(kvq::Tensor::keys, l));
+        EXPECT_EQ(cache.quantized_end(kvq::Tensor::values, l), fresh.quantized_end(kvq::Tensor::values, l));
+      }
+      for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) EXPECT_EQ(attend(cache, 1, tier), attend(fresh, 1, tier));
+      append_all(cache, kept_k, kept_v, n - r.count, n - r.count + 40);
+      append_all(fresh, kept_k, kept_v, n - r.count, n - r.count + 40);
+      EXPECT_EQ(attend(cache, 0, kvq::Tier::exact), attend(fresh, 0, kvq::Tier::exact));
+      EXPECT_TRUE(stored_rows(cache, 0) == stored_rows(fresh, 0));
+    }
+  }
+  EXPECT_GE(compared_with_fresh, 10u);
+}
+
+TEST(KVCacheOperations, EraseRejectsWhatItCannotMoveAndChangesNothing) {
+  const CacheShape shape{2, 1, 64, 200};
+  const auto k = kvq::test::normal_vector(150 * 64, 41), v = kvq::test::normal_vector(150 * 64, 42);
+  auto expect_rejected = [&](const char* text, std::size_t first, std::size_t count, kvq::ErrorCode code, const char* needle) {
+    SCOPED_TRACE(std::string(text) + " erase [" + std::to_string(first) + ", +" + std::to_string(count) + ")");
+    BasicKVCache cache(shape, config_of(text));
+    append_all(cache, k, v, 0, 150);
+    cache.append(0, 150, std::span(k).first(64), std::span(v).first(64));  // layer 0 one token longer
+    const auto before = snapshot(cache);
+    try {
+      cache.erase(first, count);
+      ADD_FAILURE() << "no error";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(snapshot(cache) == before);
+    EXPECT_EQ(cache.length(0), 151u);
+    EXPECT_EQ(cache.length(1), 150u);
+  };
+  // keys quantized up to 1 + 96 = 97 (r20, groups of 32 from the sink), values up to 130
+  expect_rejected("k4c32-v2t32-r20-s1", 0, 32, kvq::ErrorCode::invalid_argument, "sink");
+  expect_rejected("k4c32-v2t32-r20-s1", 140, 11, kvq::ErrorCode::invalid_argument, "layer 1 holds 150");
+  expect_rejected("k4c32-v2t32-r20-s1", 17, 32, kvq::ErrorCode::unsupported, "split the packed key group starting at 1");
+  expect_rejected("k4c32-v2t32-r20-s1", 33, 20, kvq::ErrorCode::unsupported, "move packed key groups by 20");
+  expect_rejected("k4c32-v2t32-r20-s1-post", 33, 32, kvq::ErrorCode::unsupported, "post-RoPE");
+  expect_rejected("k16-v4c16-r0-s0", 8, 16, kvq::ErrorCode::unsupported, "value group starting at 0");
+
+  // post-RoPE keys may lose their tail: nothing moves
+  BasicKVCache cache(shape, config_of("k4c32-v2t32-r20-s1-post"));
+  append_all(cache, k, v, 0, 150);
+  cache.erase(129, 21);
+  EXPECT_EQ(cache.length(0), 129u);
+  cache.erase(5, 0);
+  EXPECT_EQ(cache.length(1), 129u);
+}
+
 TEST(KVCachePolicy, CompiledPolicyMatchesItsRuntimeDescription) {
   kvq::KVCache<kvq::K4V2> typed(CacheShape{1, 1, 64, 256});
   EXPECT_EQ(kvq::to_string(typed.config()), "k4c32-v2t32-r128-s0");

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <utility>
@@ -117,6 +118,30 @@ class BasicKVCache {
                                                   " positions before " + std::to_string(quantized_end(t, l)) +
                                                   " are already quantized");
     for (auto& n : lengths_) n = std::min(n, length);
+  }
+
+  /// Context shift: drops positions [first, first + count) from every layer and moves the later
+  /// tokens down by count, e.g. to keep the sinks and the recent past when a conversation outgrows
+  /// the capacity. Moved keys must be stored pre-RoPE (KeyRope::pre): their bytes do not depend on
+  /// the position, and attention rotates them at the new one, so nothing is re-quantized. Packed
+  /// groups move whole: in a stream quantized per channel (group G), a range that reaches into the
+  /// quantized positions must start at sinks + a multiple of G, and one that moves quantized
+  /// groups must span a multiple of G. Positions quantized before the shift stay quantized.
+  /// Throws kvq::Error and leaves the cache unchanged when the range or the layout forbids it.
+  void erase(std::size_t first, std::size_t count) {
+    if (count == 0) return;
+    check_erase(first, count);
+    // Pending rows that move are staged here: allocated before anything changes.
+    std::vector<std::uint8_t> staged(std::max(layouts_[0].ring_rows * row_size(layouts_[0]),
+                                              layouts_[1].ring_rows * row_size(layouts_[1])));
+    for (std::size_t l = 0; l < shape_.layers; ++l) {
+      for (const Tensor t : {Tensor::keys, Tensor::values}) {
+        std::size_t& end = quantized_ends_[l * 2 + index(t)];
+        for (std::size_t h = 0; h < shape_.kv_heads; ++h) move_down(t, l, h, first, count, end, staged.data());
+        end = end <= first ? end : end <= first + count ? first : end - count;
+      }
+      lengths_[l] -= count;
+    }
   }
 
   void clear() noexcept {
@@ -294,6 +319,68 @@ class BasicKVCache {
         for (std::size_t c = 0; c < dim; ++c) check(lo[c], hi[c], g, c);
       }
     }
+  }
+
+  static std::size_t row_size(const StreamLayout& lay) noexcept { return lay.head_dim * size_of(lay.residual); }
+
+  /// Validates erase(first, count) completely.
+  void check_erase(std::size_t first, std::size_t count) const {
+    const std::string range = "erasing positions [" + std::to_string(first) + ", " + std::to_string(first + count) + ")";
+    if (first < config_.sinks)
+      throw Error(ErrorCode::invalid_argument, range + ": the first " + std::to_string(config_.sinks) +
+                                                   " positions are sink tokens and are kept");
+    bool moves = false;
+    for (std::size_t l = 0; l < shape_.layers; ++l) {
+      if (count > lengths_[l] || first > lengths_[l] - count)
+        throw Error(ErrorCode::invalid_argument, range + ": layer " + std::to_string(l) + " holds " +
+                                                     std::to_string(lengths_[l]) + " tokens");
+      moves = moves || first + count < lengths_[l];
+      for (const Tensor t : {Tensor::keys, Tensor::values}) {
+        const StreamLayout& lay = layouts_[index(t)];
+        if (!lay.quantized || lay.spec.axis != Axis::per_channel) continue;
+        const std::size_t end = quantized_end(t, l), g = lay.spec.group;
+        if (first < end && (first - lay.sinks) % g != 0)
+          throw Error(ErrorCode::unsupported, range + ": layer " + std::to_string(l) + " would split the packed " +
+                                                  to_string(t) + " group starting at " +
+                                                  std::to_string(first - (first - lay.sinks) % g) + " (groups of " +
+                                                  std::to_string(g) + " from position " + std::to_string(lay.sinks) + ")");
+        if (end > first + count && count % g != 0)
+          throw Error(ErrorCode::unsupported, range + ": layer " + std::to_string(l) + " would move packed " +
+                                                  to_string(t) + " groups by " + std::to_string(count) +
+                                                  " positions, not a multiple of their " + std::to_string(g));
+      }
+    }
+    if (moves && config_.key_rope == KeyRope::post)
+      throw Error(ErrorCode::unsupported, range + ": keys are stored post-RoPE and would keep their old positions' "
+                                                  "rotation; a cache that shifts its context stores keys pre-RoPE");
+  }
+
+  /// erase's move of one stream of one head, `end` its quantized end before the move: packed rows
+  /// and their parameters after the range move down by count, then the pending rows after it
+  /// (through `staged`, since their ring slots may overlap).
+  void move_down(Tensor t, std::size_t layer, std::size_t head, std::size_t first, std::size_t count, std::size_t end,
+                 std::uint8_t* staged) noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    std::uint8_t* base = stream_base(t, layer, head);
+    if (end > first + count) {
+      const std::size_t from = first + count - lay.sinks, to = first - lay.sinks, rows = end - first - count;
+      std::memmove(base + lay.code_offset + to * lay.row_bytes, base + lay.code_offset + from * lay.row_bytes,
+                   rows * lay.row_bytes);
+      const bool per_channel = lay.spec.axis == Axis::per_channel;
+      const std::size_t per_row = per_channel ? 0 : groups_per_row(lay.spec, lay.head_dim);
+      auto param = [&](std::size_t row) {  // byte offset of the first parameter of a packed row
+        return (per_channel ? row / lay.spec.group * lay.head_dim : row * per_row) * size_of(lay.spec.param);
+      };
+      const std::size_t bytes = param(from + rows) - param(from);
+      std::memmove(base + lay.scale_offset + param(to), base + lay.scale_offset + param(from), bytes);
+      if (lay.spec.has_zero_point())
+        std::memmove(base + lay.zero_offset + param(to), base + lay.zero_offset + param(from), bytes);
+    }
+    const std::size_t row = row_size(lay), length = lengths_[layer];
+    const std::size_t src = std::max(end, first + count);
+    auto slot = [&](std::size_t p) { return base + lay.ring_offset + (p - lay.sinks) % lay.ring_rows * row; };
+    for (std::size_t p = src; p < length; ++p) std::memcpy(staged + (p - src) * row, slot(p), row);
+    for (std::size_t p = src; p < length; ++p) std::memcpy(slot(p - count), staged + (p - src) * row, row);
   }
 
   // The commit half of append: noexcept, since check_append has validated everything.
