@@ -319,7 +319,7 @@ TEST(KVCacheOperations, EraseRejectsWhatItCannotMoveAndChangesNothing) {
     EXPECT_EQ(cache.length(0), 151u);
     EXPECT_EQ(cache.length(1), 150u);
   };
-  // keys quantized up to 1 + 96 = 97 (r20, groups of 32 from the sink), values up to 130
+  // 150 tokens, r20, one sink: keys packed up to 1 + 4 * 32 = 129, values up to 130
   expect_rejected("k4c32-v2t32-r20-s1", 0, 32, kvq::ErrorCode::invalid_argument, "sink");
   expect_rejected("k4c32-v2t32-r20-s1", 140, 11, kvq::ErrorCode::invalid_argument, "layer 1 holds 150");
   expect_rejected("k4c32-v2t32-r20-s1", 17, 32, kvq::ErrorCode::unsupported, "split the packed key group starting at 1");
