@@ -61,6 +61,7 @@ struct IntState {
   // int8 folded queries, alpha and bias of the key blocks of the current tile (slot = block in tile)
   alignas(64) std::int8_t qb[max_tile / 16][int_heads][max_head_dim];
   alignas(64) float fold[max_tile / 16][2][16];  // [slot][alpha, bias][4 * head]
+  alignas(64) float qt[int_heads][max_head_dim];  // q * scale of the block being folded
 
   // values
   alignas(64) std::uint8_t vidx[8][64];     // vpermt2b indices per byte vector (rows of <= 32 bytes)
@@ -216,6 +217,32 @@ KVQ_INT_INLINE inline __m512 reduce4(__m512 v0, __m512 v1, __m512 v2, __m512 v3)
 #undef KVQ_OP
 }
 
+// vpdpbusd through inline assembly: GCC 12 copies the accumulator of the intrinsic around (a
+// register move per instruction in these loops) and never folds a broadcast load into it.
+/// acc += u8 bytes of u times s8 bytes of s, 4 per lane.
+KVQ_INT_INLINE inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) noexcept {
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
+}
+/// acc += u8 bytes of u times the 4 s8 bytes at p, broadcast to every lane.
+KVQ_INT_INLINE inline __m512i dpbusd_bcast(__m512i acc, __m512i u, const std::int8_t* p) noexcept {
+  using word = std::int32_t __attribute__((may_alias));
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const word*>(p)));
+  return acc;
+}
+
+/// 4 vectors of int32 -> 64 bytes in lane order (r[0]'s lanes, then r[1]'s, ...), saturated to s8
+/// (Signed) or u8. Two levels of packs interleave the inputs per 128-bit lane and one dword
+/// permutation puts them back: half the uops of four vpmov*db stores on Intel cores.
+template <bool Signed>
+KVQ_INT_INLINE inline __m512i pack_bytes(const __m512i* r) noexcept {
+  // after the packs, dword 4k + m holds lanes 4k .. 4k + 3 of r[m]
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  const __m512i w01 = Signed ? _mm512_packs_epi32(r[0], r[1]) : _mm512_packus_epi32(r[0], r[1]);
+  const __m512i w23 = Signed ? _mm512_packs_epi32(r[2], r[3]) : _mm512_packus_epi32(r[2], r[3]);
+  return _mm512_permutexvar_epi32(order, Signed ? _mm512_packs_epi16(w01, w23) : _mm512_packus_epi16(w01, w23));
+}
+
 /// Folds key block `blk`'s scales into the queries of heads [h0, h0 + NH): int8 bytes qb[slot],
 /// alpha and bias in fold[slot] (lane 4h). The four heads' reductions run side by side.
 template <int NV, int NH>
@@ -239,6 +266,7 @@ KVQ_INT_INLINE inline void int_fold(IntState& S, std::size_t blk, std::size_t sl
                 ? _mm512_permutexvar_ps(perm, _mm512_fmadd_ps(sc, _mm512_set1_ps(mid), load16(k.spec.param, k.zeros, pi + 16 * std::size_t(i))))
                 : _mm512_setzero_ps();
   }
+  // Pass 1: q~ = q * scale (kept in S.qt for pass 2), max |q~| and q.(zero + mid * scale) per head.
   __m512 am[4], bs[4];
   for (int h = 0; h < 4; ++h) am[h] = bs[h] = _mm512_setzero_ps();
   for (int h = 0; h < NH; ++h) {
@@ -246,8 +274,11 @@ KVQ_INT_INLINE inline void int_fold(IntState& S, std::size_t blk, std::size_t sl
     __m512 a2 = _mm512_setzero_ps(), b2 = _mm512_setzero_ps();
     for (int i = 0; i < NV; i += 2) {
       const __m512 q0 = _mm512_load_ps(q + 16 * i), q1 = _mm512_load_ps(q + 16 * i + 16);
-      am[h] = _mm512_range_ps(am[h], _mm512_mul_ps(q0, s[i]), 0x0B);  // max |.|
-      a2 = _mm512_range_ps(a2, _mm512_mul_ps(q1, s[i + 1]), 0x0B);
+      const __m512 t0 = _mm512_mul_ps(q0, s[i]), t1 = _mm512_mul_ps(q1, s[i + 1]);
+      _mm512_store_ps(S.qt[h] + 16 * i, t0);
+      _mm512_store_ps(S.qt[h] + 16 * i + 16, t1);
+      am[h] = _mm512_range_ps(am[h], t0, 0x0B);  // max |.|
+      a2 = _mm512_range_ps(a2, t1, 0x0B);
       bs[h] = _mm512_fmadd_ps(q0, zm[i], bs[h]);
       b2 = _mm512_fmadd_ps(q1, zm[i + 1], b2);
     }
@@ -259,36 +290,26 @@ KVQ_INT_INLINE inline void int_fold(IntState& S, std::size_t blk, std::size_t sl
   const __mmask16 pos = _mm512_cmp_ps_mask(m, _mm512_set1_ps(127.0f / std::numeric_limits<float>::max()), _CMP_GT_OQ);
   const __m512 inv = _mm512_maskz_div_ps(pos, _mm512_set1_ps(127.0f), m);
   const __m512 alpha = _mm512_mul_ps(m, _mm512_set1_ps(1.0f / 127.0f));
-  alignas(64) float invs[16];
-  _mm512_store_ps(invs, inv);
   _mm512_store_ps(S.fold[slot][0], alpha);
+  // Pass 2: int8 q~ / alpha, 64 channels per store, and its sum per head (vpdpbusd with ones).
+  __m512 rs[4];
+  for (int h = 0; h < 4; ++h) rs[h] = _mm512_setzero_ps();
   for (int h = 0; h < NH; ++h) {
-    const float* q = S.qp[S.h0 + std::size_t(h)];
-    const __m512 iv = _mm512_set1_ps(invs[4 * h]);
-    __m512i rs = _mm512_setzero_si512();
-    for (int i = 0; i < NV; ++i) {
-      const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(q + 16 * i), s[i]), iv));
-      rs = _mm512_add_epi32(rs, r);
-      _mm_store_si128(reinterpret_cast<__m128i*>(S.qb[slot][h] + 16 * i), _mm512_cvtsepi32_epi8(r));
+    const __m512 iv = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h), inv);
+    __m512i sum = _mm512_setzero_si512();
+    for (int i = 0; i < NV; i += 4) {
+      __m512i r[4];
+      for (int j = 0; j < 4; ++j) r[j] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(S.qt[h] + 16 * (i + j)), iv));
+      const __m512i b = pack_bytes<true>(r);
+      sum = dpbusd(sum, _mm512_set1_epi8(1), b);
+      _mm512_store_si512(S.qb[slot][h] + 16 * i, b);
     }
-    // Centred codes (reference.hpp): bias q.(zero + mid * scale) - alpha * mid * sum(qi)
-    bs[h] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(rs), _mm512_set1_ps(S.fold[slot][0][4 * h] * mid), bs[h]);
+    rs[h] = _mm512_cvtepi32_ps(sum);
   }
-  _mm512_store_ps(S.fold[slot][1], reduce4<false>(bs[0], bs[1], bs[2], bs[3]));
-}
-
-// vpdpbusd through inline assembly: GCC 12 copies the accumulator of the intrinsic around (a
-// register move per instruction in these loops) and never folds a broadcast load into it.
-/// acc += u8 bytes of u times s8 bytes of s, 4 per lane.
-KVQ_INT_INLINE inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) noexcept {
-  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
-  return acc;
-}
-/// acc += u8 bytes of u times the 4 s8 bytes at p, broadcast to every lane.
-KVQ_INT_INLINE inline __m512i dpbusd_bcast(__m512i acc, __m512i u, const std::int8_t* p) noexcept {
-  using word = std::int32_t __attribute__((may_alias));
-  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const word*>(p)));
-  return acc;
+  // Centred codes (reference.hpp): bias q.(zero + mid * scale) - alpha * mid * sum(qi)
+  const __m512 rsum = reduce4<false>(rs[0], rs[1], rs[2], rs[3]);
+  _mm512_store_ps(S.fold[slot][1], _mm512_fnmadd_ps(rsum, _mm512_mul_ps(alpha, _mm512_set1_ps(mid)),
+                                                    reduce4<false>(bs[0], bs[1], bs[2], bs[3])));
 }
 
 /// Scores of the 16 positions at s0 for NH heads into S.score[h][off ..].
@@ -299,17 +320,24 @@ KVQ_INT_INLINE inline void int_keys16(IntState& S, std::size_t s0, std::size_t o
   const std::uint8_t* rows = k.code_row(s0);
   for (int i = 0; i < R / 4; ++i)  // 16 rows = 4R bytes
     _mm_prefetch(reinterpret_cast<const char*>(rows + prefetch_bytes + 64 * std::size_t(i)), _MM_HINT_T1);
-  __m512i acc[NH];
-  for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_si512();
-  const __m512i mask = _mm512_set1_epi8(char((1u << KB) - 1u));
+  // One accumulator per field (two for 8-bit codes, by dword parity): field f is masked in place,
+  // without a shift (codes times 2^(KB f) stay within u8), and its sums are scaled back in float,
+  // exactly: each stays below 2^17 and gains at most 6 fraction bits. Separate accumulators also
+  // shorten each head's dependency chain.
+  constexpr int NA = F == 1 ? 2 : F;
+  __m512i acc[NA][NH];
+  for (int a = 0; a < NA; ++a)
+    for (int h = 0; h < NH; ++h) acc[a][h] = _mm512_setzero_si512();
   // An opaque base keeps the query addresses as base + displacement (else GCC hoists 128
   // addresses out of the loop and spills them).
   const std::int8_t* qbase = S.qb[slot][0];
   __asm__("" : "+r"(qbase));
 #define KVQ_INT_DOTS(T, j)                                                                                        \
-  _Pragma("GCC unroll 4") for (int f = 0; f < F; ++f) {                                                                                   \
-    const __m512i c = KB == 8 ? (T) : _mm512_and_si512(f == 0 ? (T) : _mm512_srli_epi32((T), unsigned(KB * f)), mask); \
-    _Pragma("GCC unroll 4") for (int h = 0; h < NH; ++h) acc[h] = dpbusd_bcast(acc[h], c, qbase + max_head_dim * std::size_t(h) + 4 * ((j) * F + f));  \
+  _Pragma("GCC unroll 4") for (int f = 0; f < F; ++f) {                                                           \
+    const __m512i c = KB == 8 ? (T) : _mm512_and_si512((T), _mm512_set1_epi8(char(((1u << KB) - 1u) << (KB * f)))); \
+    const int a = F == 1 ? (j) % 2 : f;                                                                           \
+    _Pragma("GCC unroll 4") for (int h = 0; h < NH; ++h)                                                          \
+      acc[a][h] = dpbusd_bcast(acc[a][h], c, qbase + max_head_dim * std::size_t(h) + 4 * ((j) * F + f));          \
   }
   if constexpr (ND <= 8) {
     __m512i z[8];
@@ -325,9 +353,13 @@ KVQ_INT_INLINE inline void int_keys16(IntState& S, std::size_t s0, std::size_t o
     }
   }
 #undef KVQ_INT_DOTS
-  for (int h = 0; h < NH; ++h)
-    _mm512_store_ps(S.score[h] + off, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h]), _mm512_set1_ps(S.fold[slot][0][4 * h]),
-                                                      _mm512_set1_ps(S.fold[slot][1][4 * h])));
+  for (int h = 0; h < NH; ++h) {
+    __m512 dot = _mm512_cvtepi32_ps(acc[0][h]);
+    for (int a = 1; a < NA; ++a)
+      dot = F == 1 ? _mm512_add_ps(dot, _mm512_cvtepi32_ps(acc[a][h]))
+                   : _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[a][h]), _mm512_set1_ps(1.0f / float(1u << (KB * a))), dot);
+    _mm512_store_ps(S.score[h] + off, _mm512_fmadd_ps(dot, _mm512_set1_ps(S.fold[slot][0][4 * h]), _mm512_set1_ps(S.fold[slot][1][4 * h])));
+  }
 }
 
 template <int NV, int KB, int NH>
@@ -452,14 +484,20 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_values(IntState& S, std::size_t a, s
     const __m512 hinv = _mm512_set1_ps(1.0f / hb);
     __m512i ws = _mm512_setzero_si512();
     __m512 zs = _mm512_setzero_ps();
-    for (std::size_t i = 0; i < nvec; ++i) {
+    auto weights = [&](std::size_t i) KVQ_INT_INLINE {
       const __m512 pv = G == 4 ? _mm512_broadcast_f32x4(_mm_loadu_ps(p + 4 * i)) : _mm512_permutexvar_ps(pidx, _mm512_loadu_ps(p + i * 16 / G));
       const __m512i r = _mm512_cvtps_epi32(wide ? _mm512_mul_ps(_mm512_mul_ps(pv, _mm512_load_ps(S.st[i])), hinv)
                                                 : _mm512_mul_ps(pv, _mm512_load_ps(S.st[i])));
       ws = _mm512_add_epi32(ws, r);
       zs = _mm512_fmadd_ps(pv, _mm512_load_ps(S.zt[i]), zs);
-      _mm_store_si128(reinterpret_cast<__m128i*>(S.wb[h] + 16 * i), _mm512_cvtusepi32_epi8(r));
+      return r;
+    };
+    std::size_t i = 0;
+    for (; i + 4 <= nvec; i += 4) {
+      const __m512i r[4] = {weights(i), weights(i + 1), weights(i + 2), weights(i + 3)};
+      _mm512_store_si512(S.wb[h] + 16 * i, pack_bytes<false>(r));
     }
+    for (; i < nvec; ++i) _mm_store_si128(reinterpret_cast<__m128i*>(S.wb[h] + 16 * i), _mm512_cvtusepi32_epi8(weights(i)));
     const float e = S.scale[4 * h], b = e * sm * hb / levels;
     S.beta[h] = b;
     // per group: sum p * (zero + mid * scale) - beta * mid * sum wq (lanes (quad, group, row))
@@ -475,6 +513,7 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_values(IntState& S, std::size_t a, s
   constexpr int XP = XW >= 8 ? 8 : XW >= 4 ? 4 : XW >= 2 ? 2 : 1;  // divides NX (a power of two)
   const std::uint8_t* base = v.code_row(a);
   const __m512i mask = _mm512_set1_epi8(char((1u << (VB == 8 ? 1 : VB)) - 1u));
+  constexpr auto in_place = [](int f) { return VB < 8 && ((1 << VB) - 1) << (VB * f) <= 127; };
   for (int x0 = 0; x0 < NX; x0 += XP) {
     __m512i acc[NH][XP][F];
     for (int h = 0; h < NH; ++h)
@@ -508,7 +547,10 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_values(IntState& S, std::size_t a, s
         }
 #pragma GCC unroll 8
         for (int f = 0; f < F; ++f) {
-          const __m512i c = wide ? X : _mm512_and_si512(f == 0 ? X : _mm512_srli_epi32(X, unsigned(VB * f)), mask);
+          // fields whose codes times 2^(VB f) fit s8 are masked in place (scaled back with beta)
+          const __m512i c = wide                 ? X
+                            : in_place(f)        ? _mm512_and_si512(X, _mm512_set1_epi8(char(((1u << VB) - 1u) << (VB * f))))
+                                                 : _mm512_and_si512(_mm512_srli_epi32(X, unsigned(VB * f)), mask);
 #pragma GCC unroll 4
           for (int h = 0; h < NH; ++h)
             acc[h][xx][f] = wide ? dpbusd(acc[h][xx][f], c, w[h]) : dpbusd(acc[h][xx][f], w[h], c);
@@ -522,7 +564,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_values(IntState& S, std::size_t a, s
           const int av = (x0 + xx) * F + f;
           float* o = S.accf[h] + 16 * av;
           const __m512 cgv = _mm512_permutexvar_ps(_mm512_load_si512(S.gsel[av]), cv);
-          _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][xx][f]), b, _mm512_fmadd_ps(_mm512_load_ps(o), cr, cgv)));
+          const __m512 bf = in_place(f) ? _mm512_mul_ps(b, _mm512_set1_ps(1.0f / float(1u << (VB * f)))) : b;
+          _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][xx][f]), bf, _mm512_fmadd_ps(_mm512_load_ps(o), cr, cgv)));
         }
     }
   }
