@@ -4,7 +4,8 @@
 // per (position, KV head); a decode step over context C with 8 KV heads costs about 8 C times the
 // `tiles` figure plus the memory stalls bench_decode_attention shows.
 //   fold     per key block: scales into the 4 queries, int8 queries, alpha and bias
-//   dots     key scores from vpdpbusd over transposed code rows
+//   dots     key scores from vpdpbusd over transposed code rows (pre-RoPE caches: dequantized,
+//            rotated and dotted in fp32, avx512_rope.hpp, per tile)
 //   softmax  online softmax of the tile's scores, 4 heads side by side
 //   values   weight quantization and P.V on vpdpbusd, into the float accumulators
 //   tiles    the whole packed-span kernel (the stages in their real order)
@@ -45,6 +46,7 @@ struct Setup {
     for (auto& x : values) x = normal(rng);
     cache.append(0, 0, keys, values);
     for (auto& x : queries) x = normal(rng) / std::sqrt(float(kDim));
+    if (cache.config().key_rope == kvq::KeyRope::pre) task.rope = &cache.rope();
     task.keys = cache.keys(0, 0);
     task.values = cache.values(0, 0);
     task.queries = queries.data();
@@ -66,6 +68,11 @@ KVQ_TARGET_AVX512_ATTENTION void run_stage(k::IntState& S, Stage stage) {
       for (std::size_t b = 0; b < kSpan / g; ++b) k::int_fold<kNV, kNH>(S, b, b % (kTile / g));
       break;
     case Stage::dots:
+      if (S.task->rope != nullptr) {
+        k::RopeKeyState& P = k::rope_key_state(true);
+        for (std::size_t a = a0; a < a0 + kSpan; a += kTile) k::rope_keys<kNV, KB, kNH>(S, P, a, kTile);
+        break;
+      }
       for (std::size_t a = a0; a < a0 + kSpan; a += 16) k::int_keys16<kNV, KB, kNH>(S, a, (a - a0) % kTile, (a - a0) % kTile / g);
       break;
     case Stage::softmax:
@@ -120,15 +127,18 @@ int main(int argc, char** argv) {
   const Cache caches[] = {{"K4V2-post", "k4c32-v2t32-r128-s0-post", 4, 2},
                           {"K2V2-post", "k2c32-v2t32-r128-s0-post", 2, 2},
                           {"K4V4-post", "k4c32-v4t32-r128-s0-post", 4, 4},
-                          {"K8V8-post", "k8c32-v8t32-r128-s0-post", 8, 8}};
+                          {"K8V8-post", "k8c32-v8t32-r128-s0-post", 8, 8},
+                          {"K4V2-pre", "k4c32-v2t32-r128-s0", 4, 2}};
   const std::pair<const char*, Stage> stages[] = {{"fold", Stage::fold},       {"dots", Stage::dots},
                                                   {"softmax", Stage::softmax}, {"values", Stage::values},
                                                   {"tiles", Stage::tiles}};
   for (const Cache& c : caches)
-    for (const auto& [name, stage] : stages)
+    for (const auto& [name, stage] : stages) {
+      if (stage == Stage::fold && std::string(c.name).ends_with("-pre")) continue;  // pre-RoPE keys fold nothing
       benchmark::RegisterBenchmark((std::string("stages/") + c.name + "/" + name).c_str(), stage_bench, std::string(c.config),
                                    c.kbits, c.vbits, stage)
           ->Unit(benchmark::kMicrosecond);
+    }
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

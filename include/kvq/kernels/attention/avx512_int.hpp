@@ -321,9 +321,9 @@ KVQ_INT_INLINE inline void int_keys16(IntState& S, std::size_t s0, std::size_t o
   for (int i = 0; i < R / 4; ++i)  // 16 rows = 4R bytes
     _mm_prefetch(reinterpret_cast<const char*>(rows + prefetch_bytes + 64 * std::size_t(i)), _MM_HINT_T1);
   // One accumulator per field (two for 8-bit codes, by dword parity): field f is masked in place,
-  // without a shift (codes times 2^(KB f) stay within u8), and its sums are scaled back in float,
-  // exactly: each stays below 2^17 and gains at most 6 fraction bits. Separate accumulators also
-  // shorten each head's dependency chain.
+  // without a shift (codes times 2^(KB f) stay within u8), and its sums are scaled back in float.
+  // That is exact: the raw sums stay below 2^24, the scaled ones below 2^17 with at most 6
+  // fraction bits. Separate accumulators also shorten each head's dependency chain.
   constexpr int NA = F == 1 ? 2 : F;
   __m512i acc[NA][NH];
   for (int a = 0; a < NA; ++a)
