@@ -64,7 +64,7 @@ std::vector<Kernel> kernels() {
 
 DecodeOptions options_for(Kernel k) {
   DecodeOptions o;
-  o.reference_kernel = k == Kernel::reference;
+  if (k == Kernel::reference) o.max_isa = kvq::isa::Level::scalar;
   if (k == Kernel::avx2) o.max_isa = kvq::isa::Level::avx2;
   return o;
 }

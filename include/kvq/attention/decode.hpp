@@ -56,9 +56,8 @@ struct DecodeOptions {
   Executor* executor = nullptr;
   /// nullptr: a per-thread workspace of the library's own.
   DecodeWorkspace* workspace = nullptr;
-  /// Use the scalar reference kernel whatever the CPU supports (tests, bisecting).
-  bool reference_kernel = false;
-  /// Kernels above this level are not used (tests, bisecting, benchmarks).
+  /// Kernels above this level are not used (tests, bisecting, benchmarks); isa::Level::scalar
+  /// runs the scalar reference kernel whatever the CPU supports.
   isa::Level max_isa = isa::Level::avx512;
 };
 
@@ -150,9 +149,7 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
 
   const RopeTable* rope = pre ? &cache.rope() : nullptr;
   const kernels::attention::Path path =
-      options.reference_kernel ? kernels::attention::Path::reference
-                               : kernels::attention::select_path(cache.keys(layer, 0), cache.values(layer, 0), plan.group, rope,
-                                                                 options.max_isa);
+      kernels::attention::select_path(cache.keys(layer, 0), cache.values(layer, 0), plan.group, rope, options.max_isa);
   const std::size_t sinks = cache.config().sinks;
   auto task_at = [&](std::size_t i) {
     const std::size_t kvh = i / plan.chunks, j = i % plan.chunks;
