@@ -1,4 +1,4 @@
-// Where the integer tier's decode time goes: each stage of the AVX-512 integer kernel run alone
+// Where the decode time goes: each stage of the AVX-512 packed-span kernels run alone
 // over 1024 packed positions of one KV head (head_dim 128, 4 query heads per KV head), the data
 // in L2, so that the figures are the stages' compute cost without memory stalls. Reported as ns
 // per (position, KV head); a decode step over context C with 8 KV heads costs about 8 C times the
@@ -9,7 +9,8 @@
 //   softmax  online softmax of the tile's scores, 4 heads side by side
 //   values   weight quantization and P.V on vpdpbusd, into the float accumulators
 //   tiles    the whole packed-span kernel (the stages in their real order)
-// Names: stages/<cache>/<stage>.
+// Caches named "-exact" run the exact tier's stages (avx512_exact.hpp: fp32 fold, key dots and
+// P.V; its softmax is the integer tier's). Names: stages/<cache>/<stage>.
 #include <benchmark/benchmark.h>
 
 #include <cmath>
@@ -35,7 +36,7 @@ struct Setup {
   std::vector<float> queries, max, sum, acc;
   kvq::kernels::attention::DecodeTask task;
 
-  explicit Setup(const std::string& config)
+  Setup(const std::string& config, kvq::Tier tier)
       : cache(kvq::CacheShape{1, kKvHeads, kDim, kSpan + 128}, kvq::parse_cache_config(config)),
         queries(kGroup * kDim), max(kGroup), sum(kGroup), acc(kGroup * kDim) {
     const std::size_t tokens = kSpan + 128;
@@ -53,7 +54,7 @@ struct Setup {
     task.group = kGroup;
     task.begin = 0;
     task.end = tokens;
-    task.tier = kvq::Tier::integer;
+    task.tier = tier;
     task.max = max.data();
     task.sum = sum.data();
     task.acc = acc.data();
@@ -61,8 +62,33 @@ struct Setup {
 };
 
 template <int KB, int VB>
+KVQ_TARGET_AVX512_ATTENTION void run_exact_stage(k::IntState& S, Stage stage) {
+  const std::size_t a0 = S.task->keys.first_quantized, g = S.task->keys.spec.group;
+  k::ExactState& E = k::exact_state();
+  switch (stage) {
+    case Stage::fold:
+      for (std::size_t b = 0; b < kSpan / g; ++b) k::exact_fold<kNV, kNH>(S, E, b, b % (kTile / g));
+      break;
+    case Stage::dots:
+      for (std::size_t a = a0; a < a0 + kSpan; a += 16)
+        k::exact_keys16<kNV, KB, kNH>(S, E, a, (a - a0) % kTile, (a - a0) % kTile / g);
+      break;
+    case Stage::softmax:
+      for (std::size_t a = a0; a < a0 + kSpan; a += kTile) k::tile_softmax<kNH>(S, kTile);
+      break;
+    case Stage::values:
+      for (std::size_t a = a0; a < a0 + kSpan; a += kTile) k::exact_values<kNV, VB, kNH>(S, E, a, kTile);
+      break;
+    case Stage::tiles:
+      k::exact_tiles<kNV, KB, VB, kNH>(S, E, a0, a0 + kSpan, kTile);
+      break;
+  }
+}
+
+template <int KB, int VB>
 KVQ_TARGET_AVX512_ATTENTION void run_stage(k::IntState& S, Stage stage) {
   const std::size_t a0 = S.task->keys.first_quantized, g = S.task->keys.spec.group;
+  if (S.task->tier == kvq::Tier::exact) return run_exact_stage<KB, VB>(S, stage);
   switch (stage) {
     case Stage::fold:
       for (std::size_t b = 0; b < kSpan / g; ++b) k::int_fold<kNV, kNH>(S, b, b % (kTile / g));
@@ -87,12 +113,12 @@ KVQ_TARGET_AVX512_ATTENTION void run_stage(k::IntState& S, Stage stage) {
   }
 }
 
-void stage_bench(benchmark::State& state, std::string config, int kbits, int vbits, Stage stage) {
+void stage_bench(benchmark::State& state, std::string config, kvq::Tier tier, int kbits, int vbits, Stage stage) {
   if (!kvq::kernels::attention::avx512::supported()) {
     state.SkipWithError("needs the AVX-512 kernels (VNNI, VBMI)");
     return;
   }
-  Setup setup(config);
+  Setup setup(config, tier);
   k::IntState& S = k::int_state();
   k::int_init(S, setup.task);
   S.h0 = 0;
@@ -111,6 +137,7 @@ void stage_bench(benchmark::State& state, std::string config, int kbits, int vbi
   for (auto _ : state) {
     run();
     benchmark::DoNotOptimize(S.accf);
+    benchmark::DoNotOptimize(setup.acc.data());
     benchmark::ClobberMemory();
   }
   state.counters["ns_per_position"] =
@@ -122,21 +149,26 @@ void stage_bench(benchmark::State& state, std::string config, int kbits, int vbi
 int main(int argc, char** argv) {
   struct Cache {
     const char *name, *config;
+    kvq::Tier tier;
     int kbits, vbits;
   };
-  const Cache caches[] = {{"K4V2-post", "k4c32-v2t32-r128-s0-post", 4, 2},
-                          {"K2V2-post", "k2c32-v2t32-r128-s0-post", 2, 2},
-                          {"K4V4-post", "k4c32-v4t32-r128-s0-post", 4, 4},
-                          {"K8V8-post", "k8c32-v8t32-r128-s0-post", 8, 8},
-                          {"K4V2-pre", "k4c32-v2t32-r128-s0", 4, 2}};
+  constexpr kvq::Tier integer = kvq::Tier::integer, exact = kvq::Tier::exact;
+  const Cache caches[] = {{"K4V2-post", "k4c32-v2t32-r128-s0-post", integer, 4, 2},
+                          {"K2V2-post", "k2c32-v2t32-r128-s0-post", integer, 2, 2},
+                          {"K4V4-post", "k4c32-v4t32-r128-s0-post", integer, 4, 4},
+                          {"K8V8-post", "k8c32-v8t32-r128-s0-post", integer, 8, 8},
+                          {"K4V2-pre", "k4c32-v2t32-r128-s0", integer, 4, 2},
+                          {"K4V2-post-exact", "k4c32-v2t32-r128-s0-post", exact, 4, 2},
+                          {"K8V8-post-exact", "k8c32-v8t32-r128-s0-post", exact, 8, 8}};
   const std::pair<const char*, Stage> stages[] = {{"fold", Stage::fold},       {"dots", Stage::dots},
                                                   {"softmax", Stage::softmax}, {"values", Stage::values},
                                                   {"tiles", Stage::tiles}};
   for (const Cache& c : caches)
     for (const auto& [name, stage] : stages) {
       if (stage == Stage::fold && std::string(c.name).ends_with("-pre")) continue;  // pre-RoPE keys fold nothing
+      if (stage == Stage::softmax && c.tier == exact) continue;                     // the integer tier's
       benchmark::RegisterBenchmark((std::string("stages/") + c.name + "/" + name).c_str(), stage_bench, std::string(c.config),
-                                   c.kbits, c.vbits, stage)
+                                   c.tier, c.kbits, c.vbits, stage)
           ->Unit(benchmark::kMicrosecond);
     }
   benchmark::Initialize(&argc, argv);

@@ -6,7 +6,7 @@
 //   keys: the transposed codes (one row per lane) are converted field by field to fp32 and
 //         multiplied with the block-folded query q~ = q * scale broadcast per channel, so the 16
 //         scores of a head accumulate in one vector; bias q.zero per block and head;
-//   values: each row is unpacked once per 64 channels, converted to fp32 and multiplied with the
+//   values: each row is converted to fp32 once, 16 channels at a time, and multiplied with the
 //           weights w = p * scale of 4 heads (registers over the tile); the zero points add
 //           sum p * zero per group.
 // Matches the reference attention to fp32 rounding.
@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "kvq/kernels/attention/reference.hpp"
 
@@ -107,10 +108,38 @@ KVQ_EXACT_INLINE inline void exact_keys16(IntState& S, const ExactState& E, std:
     _mm512_store_ps(S.score[h] + off, _mm512_add_ps(acc[h], _mm512_set1_ps(E.bias[slot][4 * h])));
 }
 
+/// Value codes of VB = 2 or 4 bits as fp32, 16 channels at a time: the 2 VB bytes that hold the
+/// 16 codes are broadcast to every qword (a load, no shuffle), vpmultishiftqb moves the code of
+/// channel l to the low bits of dword lane l, and vpermps turns its low 4 bits into the float
+/// code through a 16-entry table (the bits above the code, from the next channel, are masked off
+/// by the table). Two ALU uops per 16 codes, where unpacking the row to bytes, widening them and
+/// converting took about 3.5.
+template <int VB>
+struct ValueLanes {
+  alignas(64) std::uint8_t offset[64];  // vpmultishiftqb: byte 0 of dword lane l <- bit VB l
+  alignas(64) float code[16];           // vpermps table: low 4 bits -> code of the low VB bits
+};
+
+template <int VB>
+inline constexpr ValueLanes<VB> value_lanes = [] {
+  ValueLanes<VB> L{};
+  for (int l = 0; l < 16; ++l) L.offset[4 * l] = std::uint8_t(VB * l);
+  for (int j = 0; j < 16; ++j) L.code[j] = float(j & ((1 << VB) - 1));
+  return L;
+}();
+
+/// 16 codes from `bytes` (VB = 2 or 4) as fp32, with the tables above.
+template <int VB>
+KVQ_EXACT_INLINE inline __m512 value_codes16(const std::uint8_t* bytes, __m512i offset, __m512 table) noexcept {
+  std::uint64_t raw = 0;
+  std::memcpy(&raw, bytes, 2 * VB);
+  const __m512i src = VB == 4 ? _mm512_set1_epi64(std::int64_t(raw)) : _mm512_set1_epi32(std::int32_t(raw));
+  return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(offset, src), table);
+}
+
 /// P.V of the tile (exact): task.acc (natural channel order) = acc * corr + e * sum_t p'_t v_t.
 template <int NV, int VB, int NH>
-KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E, const Unpacker& vu, std::size_t a,
-                                                     std::size_t n) noexcept {
+KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E, std::size_t a, std::size_t n) noexcept {
   const StreamView& v = S.task->values;
   constexpr int G = NV / 2;
   constexpr std::size_t dim = 16 * NV;
@@ -139,6 +168,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
     _mm_store_ps(E.zs[h], _mm512_castps512_ps128(c));
   }
   const std::uint8_t* base = v.code_row(a);
+  const __m512i offset = _mm512_load_si512(value_lanes<VB>.offset);
+  const __m512 table = _mm512_load_ps(value_lanes<VB>.code);
   for (unsigned u = 0; u < unsigned(NV / 4); ++u) {
     __m512 acc[NH][4];
     for (int h = 0; h < NH; ++h)
@@ -146,12 +177,13 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
     for (std::size_t t = 0; t < n; ++t) {
       const std::uint8_t* row = base + t * v.row_bytes;
       if (u == 0 && (t * v.row_bytes) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_bytes), _MM_HINT_T1);
-      const __m512i c = vu.codes(row, vu.load(row), u);
       __m512 x[4];
-      x[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(c)));
-      x[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 1)));
-      x[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 2)));
-      x[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 3)));
+      if constexpr (VB == 8) {
+        for (int i = 0; i < 4; ++i)
+          x[i] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 64 * u + 16 * unsigned(i)))));
+      } else {
+        for (int i = 0; i < 4; ++i) x[i] = value_codes16<VB>(row + (64 * u + 16 * unsigned(i)) * VB / 8, offset, table);
+      }
 #pragma GCC unroll 4
       for (int h = 0; h < NH; ++h)
 #pragma GCC unroll 4
@@ -170,8 +202,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
 }
 
 template <int NV, int KB, int VB, int NH>
-KVQ_TARGET_AVX512_ATTENTION void exact_tiles(IntState& S, ExactState& E, const Unpacker& vu, std::size_t a0,
-                                             std::size_t a1, std::size_t T) noexcept {
+KVQ_TARGET_AVX512_ATTENTION void exact_tiles(IntState& S, ExactState& E, std::size_t a0, std::size_t a1,
+                                             std::size_t T) noexcept {
   const StreamView& k = S.task->keys;
   const std::size_t g = k.spec.group;
   RopeKeyState& P = rope_key_state(true);
@@ -185,7 +217,7 @@ KVQ_TARGET_AVX512_ATTENTION void exact_tiles(IntState& S, ExactState& E, const U
       for (std::size_t o = 0; o < n; o += 16) exact_keys16<NV, KB, NH>(S, E, a + o, o, (a + o - k.first_quantized) / g - b0);
     }
     tile_softmax<NH>(S, n);
-    exact_values<NV, VB, NH>(S, E, vu, a, n);
+    exact_values<NV, VB, NH>(S, E, a, n);
   }
 }
 
@@ -196,10 +228,7 @@ struct ExactSpan {
   KVQ_TARGET_AVX512_ATTENTION static void store(IntState&) noexcept {}
   template <int NH>
   KVQ_TARGET_AVX512_ATTENTION static void tiles(IntState& S, std::size_t a0, std::size_t a1, std::size_t T) noexcept {
-    ExactState& E = exact_state();
-    Unpacker vu;
-    vu.init(S.task->values.spec.bits, S.task->values.row_bytes);
-    exact_tiles<NV, KB, VB, NH>(S, E, vu, a0, a1, T);
+    exact_tiles<NV, KB, VB, NH>(S, exact_state(), a0, a1, T);
   }
 };
 
