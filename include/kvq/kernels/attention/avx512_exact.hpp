@@ -3,9 +3,11 @@
 // keys through avx512_rope.hpp,
 // 2/4/8 bits, blocks of a multiple of 16; values per token, 2/4/8 bits, groups of 32; head_dim
 // 64 or 128): the structure of the integer kernel (avx512_int.hpp) with fp32 arithmetic.
-//   keys: the transposed codes (one row per lane) are converted field by field to fp32 and
+//   keys: the transposed codes (one row per lane) are converted field by field to fp32 (a shift
+//         and a vpermps table lookup for 2 and 4 bits, mask and convert for 8) and
 //         multiplied with the block-folded query q~ = q * scale broadcast per channel, so the 16
-//         scores of a head accumulate in one vector; bias q.zero per block and head;
+//         scores of a head accumulate in one vector (two, alternating); bias q.zero per block
+//         and head;
 //   values: each row is converted to fp32 once, 16 channels at a time, and multiplied with the
 //           weights w = p * scale of 4 heads (registers over the tile); the zero points add
 //           sum p * zero per group.
@@ -68,6 +70,34 @@ KVQ_EXACT_INLINE inline void exact_fold(const IntState& S, ExactState& E, std::s
   _mm512_store_ps(E.bias[slot], reduce4<false>(bs[0], bs[1], bs[2], bs[3]));
 }
 
+/// Codes of B = 2 or 4 bits as fp32 without a conversion: vpermps reads the low 4 bits of each
+/// lane as an index into this table, which maps them to the low B bits (2-bit tables repeat with
+/// period 4), so the bits above a code need no mask.
+template <int B>
+struct CodeTable {
+  alignas(64) float code[16];
+};
+
+template <int B>
+inline constexpr CodeTable<B> code_table = [] {
+  CodeTable<B> t{};
+  for (int j = 0; j < 16; ++j) t.code[j] = float(j & ((1 << B) - 1));
+  return t;
+}();
+
+/// vpmultishiftqb offsets that put bit B l of a qword into byte 0 of dword lane l.
+template <int B>
+struct LaneOffsets {
+  alignas(64) std::uint8_t bit[64];
+};
+
+template <int B>
+inline constexpr LaneOffsets<B> lane_offsets = [] {
+  LaneOffsets<B> o{};
+  for (int l = 0; l < 16; ++l) o.bit[4 * l] = std::uint8_t(B * l);
+  return o;
+}();
+
 /// Scores of the 16 positions at s0 (exact): score[h][off ..].
 template <int NV, int KB, int NH>
 KVQ_EXACT_INLINE inline void exact_keys16(IntState& S, const ExactState& E, std::size_t s0, std::size_t off,
@@ -77,9 +107,13 @@ KVQ_EXACT_INLINE inline void exact_keys16(IntState& S, const ExactState& E, std:
   const std::uint8_t* rows = k.code_row(s0);
   for (int i = 0; i < R / 4; ++i)  // 16 rows = 4R bytes, into L2 (see avx512_int.hpp)
     _mm_prefetch(reinterpret_cast<const char*>(rows + prefetch_bytes + 64 * std::size_t(i)), _MM_HINT_T1);
-  __m512 acc[NH];
-  for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
+  // Two accumulators per head (by byte of the dword): with one, each head's chain of dependent
+  // FMAs, not the ports, set the pace.
+  __m512 acc[2][NH];
+  for (int a = 0; a < 2; ++a)
+    for (int h = 0; h < NH; ++h) acc[a][h] = _mm512_setzero_ps();
   const __m512i mask = _mm512_set1_epi32((1 << KB) - 1);
+  const __m512 table = _mm512_load_ps(code_table<KB < 8 ? KB : 4>.code);
   const float* qbase = E.qf[slot][0];
   __asm__("" : "+r"(qbase));
 #define KVQ_EXACT_DOTS(T, j)                                                                      \
@@ -87,9 +121,11 @@ KVQ_EXACT_INLINE inline void exact_keys16(IntState& S, const ExactState& E, std:
     _Pragma("GCC unroll 4") for (int f = 0; f < F; ++f) {                                         \
       const int sh = 8 * i + KB * f;                                                              \
       const __m512i ci = sh == 0 ? (T) : _mm512_srli_epi32((T), unsigned(sh));                    \
-      const __m512 c = _mm512_cvtepi32_ps(sh + KB == 32 ? ci : _mm512_and_si512(ci, mask));      \
-      _Pragma("GCC unroll 4") for (int h = 0; h < NH; ++h) acc[h] = _mm512_fmadd_ps(             \
-          c, _mm512_set1_ps(qbase[max_head_dim * std::size_t(h) + 4 * std::size_t((j) * F + f) + std::size_t(i)]), acc[h]); \
+      const __m512 c = KB < 8           ? _mm512_permutexvar_ps(ci, table)                        \
+                       : sh + KB == 32 ? _mm512_cvtepi32_ps(ci)                                   \
+                                       : _mm512_cvtepi32_ps(_mm512_and_si512(ci, mask));          \
+      _Pragma("GCC unroll 4") for (int h = 0; h < NH; ++h) acc[i % 2][h] = _mm512_fmadd_ps(      \
+          c, _mm512_set1_ps(qbase[max_head_dim * std::size_t(h) + 4 * std::size_t((j) * F + f) + std::size_t(i)]), acc[i % 2][h]); \
     }                                                                                             \
   }
   if constexpr (ND <= 8) {
@@ -105,30 +141,13 @@ KVQ_EXACT_INLINE inline void exact_keys16(IntState& S, const ExactState& E, std:
   }
 #undef KVQ_EXACT_DOTS
   for (int h = 0; h < NH; ++h)
-    _mm512_store_ps(S.score[h] + off, _mm512_add_ps(acc[h], _mm512_set1_ps(E.bias[slot][4 * h])));
+    _mm512_store_ps(S.score[h] + off, _mm512_add_ps(_mm512_add_ps(acc[0][h], acc[1][h]), _mm512_set1_ps(E.bias[slot][4 * h])));
 }
 
-/// Value codes of VB = 2 or 4 bits as fp32, 16 channels at a time: the 2 VB bytes that hold the
-/// 16 codes are broadcast to every qword (a load, no shuffle), vpmultishiftqb moves the code of
-/// channel l to the low bits of dword lane l, and vpermps turns its low 4 bits into the float
-/// code through a 16-entry table (the bits above the code, from the next channel, are masked off
-/// by the table). Two ALU uops per 16 codes, where unpacking the row to bytes, widening them and
-/// converting took about 3.5.
-template <int VB>
-struct ValueLanes {
-  alignas(64) std::uint8_t offset[64];  // vpmultishiftqb: byte 0 of dword lane l <- bit VB l
-  alignas(64) float code[16];           // vpermps table: low 4 bits -> code of the low VB bits
-};
-
-template <int VB>
-inline constexpr ValueLanes<VB> value_lanes = [] {
-  ValueLanes<VB> L{};
-  for (int l = 0; l < 16; ++l) L.offset[4 * l] = std::uint8_t(VB * l);
-  for (int j = 0; j < 16; ++j) L.code[j] = float(j & ((1 << VB) - 1));
-  return L;
-}();
-
-/// 16 codes from `bytes` (VB = 2 or 4) as fp32, with the tables above.
+/// Value codes of VB = 2 or 4 bits as fp32, 16 channels at a time: the 2 VB bytes that hold them
+/// are broadcast to every qword (by the load, no shuffle), vpmultishiftqb moves the code of channel
+/// l to the low bits of dword lane l, and vpermps looks it up in code_table: two ALU uops per 16
+/// codes, where unpacking the row to bytes, widening them and converting took about 3.5.
 template <int VB>
 KVQ_EXACT_INLINE inline __m512 value_codes16(const std::uint8_t* bytes, __m512i offset, __m512 table) noexcept {
   std::uint64_t raw = 0;
@@ -168,8 +187,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
     _mm_store_ps(E.zs[h], _mm512_castps512_ps128(c));
   }
   const std::uint8_t* base = v.code_row(a);
-  const __m512i offset = _mm512_load_si512(value_lanes<VB>.offset);
-  const __m512 table = _mm512_load_ps(value_lanes<VB>.code);
+  const __m512i offset = _mm512_load_si512(lane_offsets<VB>.bit);
+  const __m512 table = _mm512_load_ps(code_table<VB>.code);
   for (unsigned u = 0; u < unsigned(NV / 4); ++u) {
     __m512 acc[NH][4];
     for (int h = 0; h < NH; ++h)
