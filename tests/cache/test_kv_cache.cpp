@@ -67,6 +67,41 @@ TEST(KVCacheWindow, QuantizesExactlyWhatTheRuleSays) {
   }
 }
 
+// Every packed key block holds exactly the reference quantization of the rows appended, as the
+// residual type stored them: whether the block was read in place from the ring or, where it wraps
+// around the ring's end (windows that are not a multiple of the group), through floats.
+TEST(KVCacheWindow, PackedKeyBlocksAreTheReferenceQuantizationOfTheStoredRows) {
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4t32-r32-s0-bf16", "k8c32-v8t32-r128-s1-f32", "k3c8-v5t16-r5-s0",
+                           "k4c32s-v2t32-r40-s0"}) {
+    const CacheShape shape{1, 2, 64, 400};
+    const std::size_t n = 301, dim = 64;
+    const auto k = kvq::test::outlier_keys(n, 2, dim, 3, 8.0f, 12), v = kvq::test::normal_vector(n * 2 * dim, 13);
+    BasicKVCache cache(shape, config_of(text));
+    for (std::size_t p = 0; p < n; ++p) append_all(cache, k, v, p, p + 1);
+    for (std::size_t h = 0; h < 2; ++h) {
+      const kvq::StreamView s = cache.keys(0, h);
+      const std::size_t g = s.spec.group, param_bytes = kvq::size_of(s.spec.param);
+      ASSERT_GT(s.end_quantized, s.first_quantized + 4 * g) << text;
+      for (std::size_t b0 = s.first_quantized; b0 < s.end_quantized; b0 += g) {
+        std::vector<float> rows(g * dim);
+        std::vector<std::uint8_t> stored(dim * 4);
+        for (std::size_t r = 0; r < g; ++r) {  // the appended keys as the residual type rounds them
+          kvq::store_row(s.residual, k.data() + ((b0 + r) * 2 + h) * dim, dim, stored.data());
+          kvq::load_row(s.residual, stored.data(), dim, rows.data() + r * dim);
+        }
+        std::vector<std::uint8_t> codes(g * s.row_bytes), scales(dim * param_bytes), zeros(dim * param_bytes);
+        kvq::kernels::reference::quantize_block_per_channel(s.spec, rows.data(), g, dim, dim, scales.data(), zeros.data(),
+                                                           codes.data(), s.row_bytes);
+        const std::size_t p = s.param_index(b0) * param_bytes;
+        EXPECT_TRUE(std::equal(codes.begin(), codes.end(), s.code_row(b0))) << text << " head " << h << " block at " << b0;
+        EXPECT_TRUE(std::equal(scales.begin(), scales.end(), s.scales + p)) << text << " head " << h << " block at " << b0;
+        if (s.zeros != nullptr)
+          EXPECT_TRUE(std::equal(zeros.begin(), zeros.end(), s.zeros + p)) << text << " head " << h << " block at " << b0;
+      }
+    }
+  }
+}
+
 TEST(KVCacheWindow, ZeroWindowQuantizesEveryCompleteGroupAtOnce) {
   BasicKVCache cache(CacheShape{1, 1, 8, 64}, config_of("k2c4-v2t8-r0"));
   const auto k = kvq::test::normal_vector(10 * 8, 3), v = kvq::test::normal_vector(10 * 8, 4);

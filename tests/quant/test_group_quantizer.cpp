@@ -467,6 +467,40 @@ TEST(GroupQuantizerFastPath, DispatchedRowsPerTokenMatchReferenceByteForByte) {
           }
 }
 
+// A per-channel block read in place as f32, f16 or bf16 rows with gaps between them (the cache's
+// ring): the bytes of the reference on the rows as floats, and nothing outside its output written.
+TEST(GroupQuantizerFastPath, DispatchedBlockFromStoredRowsMatchesReferenceByteForByte) {
+  std::mt19937 rng(9);
+  for (const std::size_t dim : awkward_dims)
+    for (const std::size_t rows : {1, 7, 32})
+      for (const Pattern pattern : all_patterns)
+        for (const QuantizerSpec& spec : all_specs(Axis::per_channel, rows))
+          for (const Scalar in : {Scalar::f32, Scalar::f16, Scalar::bf16}) {
+            if (dim >= 1024 && rows > 7) continue;
+            std::vector<float> x = make_data(pattern, spec, rows * dim, rng);
+            if (in == Scalar::f16 && pattern == Pattern::huge)  // keep the rows finite in f16
+              for (auto& v : x) v = std::clamp(v, -65504.0f, 65504.0f);
+            const std::size_t x_stride = dim * kvq::size_of(in) + 8, row_bytes = kvq::packed_bytes(dim, spec.bits) + 3;
+            std::vector<std::uint8_t> stored(rows * x_stride, sentinel);
+            std::vector<float> as_floats(rows * dim);
+            for (std::size_t r = 0; r < rows; ++r) {
+              kvq::store_row(in, x.data() + r * dim, dim, stored.data() + r * x_stride);
+              kvq::load_row(in, stored.data() + r * x_stride, dim, as_floats.data() + r * dim);
+            }
+            Buffers want(dim, rows * row_bytes), got = want;
+            ref::quantize_block_per_channel(spec, as_floats.data(), rows, dim, dim, want.scales.data(), want.zeros.data(),
+                                            want.codes.data(), row_bytes);
+            std::vector<float> scratch(rows * dim);
+            kvq::kernels::quantize_block_per_channel(spec, in, stored.data(), rows, dim, x_stride, got.scales.data(),
+                                                     got.zeros.data(), got.codes.data(), row_bytes, scratch.data());
+            SCOPED_TRACE(std::string(name(pattern)) + " " + describe(spec) + " input " + kvq::to_string(in) + " rows " +
+                         std::to_string(rows) + " dim " + std::to_string(dim));
+            ASSERT_EQ(got.codes, want.codes);
+            ASSERT_EQ(got.scales, want.scales);
+            ASSERT_EQ(got.zeros, want.zeros);
+          }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The thesis in miniature: keys with a fixed outlier channel want per-channel groups.
 

@@ -416,16 +416,26 @@ class BasicKVCache {
       }
       return;
     }
+    // The due rows are read in place from the ring unless they wrap around its end (a window
+    // that is not a multiple of the group), then through the scratch rows as floats.
+    const std::size_t first_slot = row0 % lay.ring_rows;
+    const bool contiguous = first_slot + (end - begin) <= lay.ring_rows;
     for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
       std::uint8_t* base = stream_base(t, layer, h);
-      float* rows = scratch_.data();  // the due rows as floats; they may wrap around the ring's end
+      std::uint8_t* codes = base + lay.code_offset + row0 * lay.row_bytes;
+      void* scales = base + lay.scale_offset + param0;
+      void* zeros = base + lay.zero_offset + param0;
+      if (contiguous) {
+        kernels::quantize_block_per_channel(lay.spec, lay.residual, base + lay.ring_offset + first_slot * row_bytes,
+                                            end - begin, dim, row_bytes, scales, zeros, codes, lay.row_bytes,
+                                            scratch_.data());
+        continue;
+      }
+      float* rows = scratch_.data();
       for (std::size_t q = begin; q < end; ++q) {
         const std::uint8_t* src = base + lay.ring_offset + (q - lay.sinks) % lay.ring_rows * row_bytes;
         load_row(lay.residual, src, dim, rows + (q - begin) * dim);
       }
-      std::uint8_t* codes = base + lay.code_offset + row0 * lay.row_bytes;
-      void* scales = base + lay.scale_offset + param0;
-      void* zeros = base + lay.zero_offset + param0;
       kernels::quantize_block_per_channel(lay.spec, rows, end - begin, dim, dim, scales, zeros, codes, lay.row_bytes);
     }
   }

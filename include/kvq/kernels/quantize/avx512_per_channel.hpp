@@ -1,6 +1,7 @@
 #pragma once
 // AVX-512 per-channel blocks (keys): each channel's range over the block's tokens, 16 channels per
-// vector, then every token row encoded and packed as in avx512_encode.hpp.
+// vector, then every token row encoded and packed as in avx512_encode.hpp. Rows may be stored as
+// f32, f16 or bf16 (the cache's full-precision ring), read in place.
 
 #include <immintrin.h>
 
@@ -18,22 +19,46 @@
 
 namespace kvq::inline v0::kernels::avx512 {
 
-KVQ_TARGET_AVX512 inline void quantize_block_per_channel(const QuantizerSpec& spec, const float* x, std::size_t rows,
-                                                         std::size_t dim, std::size_t stride, void* scales, void* zeros,
+/// rows x dim values of type In, row r at x + r * x_stride bytes (the cache's full-precision ring
+/// read in place) -> one parameter pair per channel and the packed code rows at out + r * row_bytes.
+template <Scalar In>
+KVQ_TARGET_AVX512 inline void quantize_block_per_channel(const QuantizerSpec& spec, const void* x, std::size_t rows,
+                                                         std::size_t dim, std::size_t x_stride, void* scales, void* zeros,
                                                          std::uint8_t* out, std::size_t row_bytes) noexcept {
+  const auto row_at = [&](std::size_t r) { return static_cast<const std::uint8_t*>(x) + r * x_stride; };
   Params16 params[max_head_dim / 16];
   for (std::size_t c = 0, v = 0; c < dim; c += 16, ++v) {
     const __mmask16 m = tail_mask(dim - c);
-    __m512 lo = _mm512_maskz_loadu_ps(m, x + c), hi = lo;
+    __m512 lo = load16<In>(row_at(0), c, m), hi = lo;
     for (std::size_t r = 1; r < rows; ++r) {
-      const __m512 value = _mm512_maskz_loadu_ps(m, x + r * stride + c);
+      const __m512 value = load16<In>(row_at(r), c, m);
       lo = _mm512_min_ps(lo, value);
       hi = _mm512_max_ps(hi, value);
     }
     params[v] = make_params(spec, lo, hi, scales, zeros, c, m);
   }
   for (std::size_t r = 0; r < rows; ++r)
-    encode_row<Scalar::f32>(spec, x + r * stride, dim, [&](std::size_t c) KVQ_TARGET_AVX512 { return params[c / 16]; }, out + r * row_bytes);
+    encode_row<In>(spec, row_at(r), dim, [&](std::size_t c) KVQ_TARGET_AVX512 { return params[c / 16]; }, out + r * row_bytes);
+}
+
+/// The same with the storage type chosen at run time.
+KVQ_TARGET_AVX512 inline void quantize_block_per_channel(const QuantizerSpec& spec, Scalar in, const void* x,
+                                                         std::size_t rows, std::size_t dim, std::size_t x_stride,
+                                                         void* scales, void* zeros, std::uint8_t* out,
+                                                         std::size_t row_bytes) noexcept {
+  if (in == Scalar::f16)
+    quantize_block_per_channel<Scalar::f16>(spec, x, rows, dim, x_stride, scales, zeros, out, row_bytes);
+  else if (in == Scalar::bf16)
+    quantize_block_per_channel<Scalar::bf16>(spec, x, rows, dim, x_stride, scales, zeros, out, row_bytes);
+  else
+    quantize_block_per_channel<Scalar::f32>(spec, x, rows, dim, x_stride, scales, zeros, out, row_bytes);
+}
+
+/// f32 rows, `stride` floats apart.
+KVQ_TARGET_AVX512 inline void quantize_block_per_channel(const QuantizerSpec& spec, const float* x, std::size_t rows,
+                                                         std::size_t dim, std::size_t stride, void* scales, void* zeros,
+                                                         std::uint8_t* out, std::size_t row_bytes) noexcept {
+  quantize_block_per_channel<Scalar::f32>(spec, x, rows, dim, stride * sizeof(float), scales, zeros, out, row_bytes);
 }
 
 }  // namespace kvq::inline v0::kernels::avx512

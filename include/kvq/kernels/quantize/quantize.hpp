@@ -49,4 +49,18 @@ inline void quantize_block_per_channel(const QuantizerSpec& spec, const float* x
   reference::quantize_block_per_channel(spec, x, rows, dim, stride, scales, zeros, out, row_bytes);
 }
 
+/// A block of rows stored as `in` (f32, f16, bf16), row r at x + r * x_stride bytes (the cache's
+/// ring, read in place): the same bytes as quantize_block_per_channel on the rows as floats.
+/// scratch: room for rows * dim floats, used where no fast path reads the rows in place.
+inline void quantize_block_per_channel(const QuantizerSpec& spec, Scalar in, const void* x, std::size_t rows,
+                                       std::size_t dim, std::size_t x_stride, void* scales, void* zeros,
+                                       std::uint8_t* out, std::size_t row_bytes, float* scratch) noexcept {
+#if defined(KVQ_HAVE_X86_KERNELS)
+  if (isa::detected() == isa::Level::avx512 && avx512::supports(spec))
+    return avx512::quantize_block_per_channel(spec, in, x, rows, dim, x_stride, scales, zeros, out, row_bytes);
+#endif
+  for (std::size_t r = 0; r < rows; ++r) load_row(in, static_cast<const std::uint8_t*>(x) + r * x_stride, dim, scratch + r * dim);
+  reference::quantize_block_per_channel(spec, scratch, rows, dim, dim, scales, zeros, out, row_bytes);
+}
+
 }  // namespace kvq::inline v0::kernels
