@@ -95,8 +95,9 @@ TEST(KVCacheWindow, PackedKeyBlocksAreTheReferenceQuantizationOfTheStoredRows) {
         const std::size_t p = s.param_index(b0) * param_bytes;
         EXPECT_TRUE(std::equal(codes.begin(), codes.end(), s.code_row(b0))) << text << " head " << h << " block at " << b0;
         EXPECT_TRUE(std::equal(scales.begin(), scales.end(), s.scales + p)) << text << " head " << h << " block at " << b0;
-        if (s.zeros != nullptr)
+        if (s.zeros != nullptr) {
           EXPECT_TRUE(std::equal(zeros.begin(), zeros.end(), s.zeros + p)) << text << " head " << h << " block at " << b0;
+        }
       }
     }
   }
