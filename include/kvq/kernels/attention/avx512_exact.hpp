@@ -85,17 +85,22 @@ inline constexpr CodeTable<B> code_table = [] {
   return t;
 }();
 
-/// vpmultishiftqb offsets that put bit B l of a qword into byte 0 of dword lane l.
+/// Dword lane l of 16 value codes of B bits (2 or 4): the dword of their 2B bytes that holds code
+/// l, and the shift that brings it to the lane's low bits (vpermd, then vpsrlvd).
 template <int B>
-struct LaneOffsets {
-  alignas(64) std::uint8_t bit[64];
+struct ValueLanes {
+  alignas(64) std::int32_t dword[16];
+  alignas(64) std::int32_t shift[16];
 };
 
 template <int B>
-inline constexpr LaneOffsets<B> lane_offsets = [] {
-  LaneOffsets<B> o{};
-  for (int l = 0; l < 16; ++l) o.bit[4 * l] = std::uint8_t(B * l);
-  return o;
+inline constexpr ValueLanes<B> value_lanes = [] {
+  ValueLanes<B> v{};
+  for (int l = 0; l < 16; ++l) {
+    v.dword[l] = B * l / 32;
+    v.shift[l] = B * l % 32;
+  }
+  return v;
 }();
 
 /// Scores of the 16 positions at s0 (exact): score[h][off ..].
@@ -145,15 +150,24 @@ KVQ_EXACT_INLINE inline void exact_keys16(IntState& S, const ExactState& E, std:
 }
 
 /// Value codes of VB = 2 or 4 bits as fp32, 16 channels at a time: the 2 VB bytes that hold them
-/// are broadcast to every qword (by the load, no shuffle), vpmultishiftqb moves the code of channel
-/// l to the low bits of dword lane l, and vpermps looks it up in code_table: two ALU uops per 16
-/// codes, where unpacking the row to bytes, widening them and converting took about 3.5.
+/// are broadcast to every lane (2 bits: by the load; 4 bits: the low dword to lanes 0-7, the high
+/// one to lanes 8-15 by vpermd), vpsrlvd brings the code of channel l to the low bits of lane l,
+/// and vpermps looks it up in code_table (its 2-bit table repeats with period 4, so the bits above
+/// need no mask). On Zen 4 these issue beside the FMAs; vpmultishiftqb, used here before, takes
+/// a slot of the FMA pipes (bench_pipes).
 template <int VB>
-KVQ_EXACT_INLINE inline __m512 value_codes16(const std::uint8_t* bytes, __m512i offset, __m512 table) noexcept {
-  std::uint64_t raw = 0;
-  std::memcpy(&raw, bytes, 2 * VB);
-  const __m512i src = VB == 4 ? _mm512_set1_epi64(std::int64_t(raw)) : _mm512_set1_epi32(std::int32_t(raw));
-  return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(offset, src), table);
+KVQ_EXACT_INLINE inline __m512 value_codes16(const std::uint8_t* bytes, __m512i dword, __m512i shift,
+                                             __m512 table) noexcept {
+  __m512i src;
+  if constexpr (VB == 2) {
+    std::int32_t raw = 0;
+    std::memcpy(&raw, bytes, 4);
+    src = _mm512_set1_epi32(raw);
+  } else {
+    const __m128i both = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
+    src = _mm512_permutexvar_epi32(dword, _mm512_castsi128_si512(both));
+  }
+  return _mm512_permutexvar_ps(_mm512_srlv_epi32(src, shift), table);
 }
 
 /// P.V of the tile (exact): task.acc (natural channel order) = acc * corr + e * sum_t p'_t v_t.
@@ -187,7 +201,7 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
     _mm_store_ps(E.zs[h], _mm512_castps512_ps128(c));
   }
   const std::uint8_t* base = v.code_row(a);
-  const __m512i offset = _mm512_load_si512(lane_offsets<VB>.bit);
+  const __m512i dword = _mm512_load_si512(value_lanes<VB>.dword), shift = _mm512_load_si512(value_lanes<VB>.shift);
   const __m512 table = _mm512_load_ps(code_table<VB>.code);
   for (unsigned u = 0; u < unsigned(NV / 4); ++u) {
     __m512 acc[NH][4];
@@ -201,7 +215,7 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
         for (int i = 0; i < 4; ++i)
           x[i] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 64 * u + 16 * unsigned(i)))));
       } else {
-        for (int i = 0; i < 4; ++i) x[i] = value_codes16<VB>(row + (64 * u + 16 * unsigned(i)) * VB / 8, offset, table);
+        for (int i = 0; i < 4; ++i) x[i] = value_codes16<VB>(row + (64 * u + 16 * unsigned(i)) * VB / 8, dword, shift, table);
       }
 #pragma GCC unroll 4
       for (int h = 0; h < NH; ++h)
