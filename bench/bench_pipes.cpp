@@ -22,9 +22,10 @@ namespace {
 
 #define KVQ_PIPES_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"), noinline))
 
-enum class Mix { none, vmulps, vfmadd231ps, vpermt2b, vpmultishiftqb, vpmaddubsw, vaddps, vmaxps, vcvtps2dq,
-                 vcvtdq2ps, vcvtph2ps, vpermps, vpermd, vpackssdw, vpandd, vpsrld, vpsrlvd, vpshufb, vpmovzxbd,
-                 vshufi32x4, vpunpckldq, vscalefps, vrndscaleps, vrangeps, vpbroadcastq_load };
+enum class Mix { none, vmulps, vfmadd231ps, vpermt2b, vpmultishiftqb, vpmaddubsw, vpmaddwd, vpermb, vpmovdb,
+                 vaddps, vmaxps, vcvtps2dq, vcvtdq2ps, vcvtph2ps, vpermps, vpermd, vpackssdw, vpandd, vpsrld,
+                 vpsrlvd, vpshufb, vpmovzxbd, vshufi32x4, vpunpckldq, vscalefps, vrndscaleps, vrangeps,
+                 vpbroadcastq_load };
 
 constexpr long kRounds = 1 << 16;
 
@@ -57,6 +58,9 @@ KVQ_PIPES_TARGET std::int32_t rounds(long n) {
     KVQ_MIX(vpermt2b, "vpermt2b %1, %2, %0", "+v", i, "v"(u), "v"(s))
     KVQ_MIX(vpmultishiftqb, "vpmultishiftqb %1, %2, %0", "=v", i, "v"(u), "v"(s))
     KVQ_MIX(vpmaddubsw, "vpmaddubsw %1, %2, %0", "=v", i, "v"(u), "v"(s))
+    KVQ_MIX(vpmaddwd, "vpmaddwd %1, %2, %0", "=v", i, "v"(u), "v"(s))
+    KVQ_MIX(vpermb, "vpermb %1, %2, %0", "=v", i, "v"(u), "v"(s))
+    KVQ_MIX(vpmovdb, "vpmovdb %1, %x0", "=v", i, "v"(u))
     KVQ_MIX(vaddps, "vaddps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))
     KVQ_MIX(vmaxps, "vmaxps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))
     KVQ_MIX(vcvtps2dq, "vcvtps2dq %1, %0", "=v", i, "v"(fa))
@@ -125,6 +129,9 @@ KVQ_PIPES(vfmadd231ps);
 KVQ_PIPES(vpermt2b);
 KVQ_PIPES(vpmultishiftqb);
 KVQ_PIPES(vpmaddubsw);
+KVQ_PIPES(vpmaddwd);
+KVQ_PIPES(vpermb);
+KVQ_PIPES(vpmovdb);
 KVQ_PIPES(vaddps);
 KVQ_PIPES(vmaxps);
 KVQ_PIPES(vcvtps2dq);
