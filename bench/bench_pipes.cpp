@@ -24,7 +24,7 @@ namespace {
 
 enum class Mix { none, vmulps, vfmadd231ps, vpermt2b, vpmultishiftqb, vpmaddubsw, vpmaddwd, vpermb, vpmovdb,
                  vaddps, vmaxps, vcvtps2dq, vcvtdq2ps, vcvtph2ps, vpermps, vpermd, vpackssdw, vpandd, vpsrld,
-                 vpsrlvd, vpshufb, vpmovzxbd, vshufi32x4, vpunpckldq, vscalefps, vrndscaleps, vrangeps,
+                 vpsrlvd, vpsrlvq, vpshufb, vpmovzxbd, vshufi32x4, vpunpckldq, vscalefps, vrndscaleps, vrangeps,
                  vpbroadcastq_load };
 
 constexpr long kRounds = 1 << 16;
@@ -72,6 +72,7 @@ KVQ_PIPES_TARGET std::int32_t rounds(long n) {
     KVQ_MIX(vpandd, "vpandd %1, %2, %0", "=v", i, "v"(u), "v"(s))
     KVQ_MIX(vpsrld, "vpsrld $4, %1, %0", "=v", i, "v"(u))
     KVQ_MIX(vpsrlvd, "vpsrlvd %1, %2, %0", "=v", i, "v"(u), "v"(s))
+    KVQ_MIX(vpsrlvq, "vpsrlvq %1, %2, %0", "=v", i, "v"(u), "v"(s))
     KVQ_MIX(vpshufb, "vpshufb %1, %2, %0", "=v", i, "v"(u), "v"(s))
     KVQ_MIX(vpmovzxbd, "vpmovzxbd %x1, %0", "=v", i, "v"(u))
     KVQ_MIX(vshufi32x4, "vshufi32x4 $0x44, %1, %2, %0", "=v", i, "v"(u), "v"(s))
@@ -143,6 +144,7 @@ KVQ_PIPES(vpackssdw);
 KVQ_PIPES(vpandd);
 KVQ_PIPES(vpsrld);
 KVQ_PIPES(vpsrlvd);
+KVQ_PIPES(vpsrlvq);
 KVQ_PIPES(vpshufb);
 KVQ_PIPES(vpmovzxbd);
 KVQ_PIPES(vshufi32x4);
@@ -152,6 +154,5 @@ KVQ_PIPES(vrndscaleps);
 KVQ_PIPES(vrangeps);
 KVQ_PIPES(vpbroadcastq_load);
 #endif
-
 
 BENCHMARK_MAIN();

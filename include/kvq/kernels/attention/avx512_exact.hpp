@@ -85,20 +85,22 @@ inline constexpr CodeTable<B> code_table = [] {
   return t;
 }();
 
-/// Dword lane l of 16 value codes of B bits (2 or 4): the dword of their 2B bytes that holds code
-/// l, and the shift that brings it to the lane's low bits (vpermd, then vpsrlvd).
+/// Shift counts that bring 16 value codes of B bits to the low bits of the lanes by one variable
+/// shift of their broadcast 2B bytes. 2 bits: dword lane l by 2l, so lane l holds code l. 4 bits:
+/// qword lane j by 4j (vpsrlvq), so dword lane 2j holds code j and lane 2j + 1 code 8 + j; `lane`
+/// gives the lane of each code, to put the channels back in order once per tile.
 template <int B>
 struct ValueLanes {
-  alignas(64) std::int32_t dword[16];
   alignas(64) std::int32_t shift[16];
+  alignas(64) std::int32_t lane[16];
 };
 
 template <int B>
 inline constexpr ValueLanes<B> value_lanes = [] {
   ValueLanes<B> v{};
   for (int l = 0; l < 16; ++l) {
-    v.dword[l] = B * l / 32;
-    v.shift[l] = B * l % 32;
+    v.shift[l] = B == 2 ? 2 * l : l % 2 == 0 ? 2 * l : 0;  // B = 4: the low dword of qword count 4j
+    v.lane[l] = B == 2 ? l : l < 8 ? 2 * l : 2 * (l - 8) + 1;
   }
   return v;
 }();
@@ -150,24 +152,18 @@ KVQ_EXACT_INLINE inline void exact_keys16(IntState& S, const ExactState& E, std:
 }
 
 /// Value codes of VB = 2 or 4 bits as fp32, 16 channels at a time: the 2 VB bytes that hold them
-/// are broadcast to every lane (2 bits: by the load; 4 bits: the low dword to lanes 0-7, the high
-/// one to lanes 8-15 by vpermd), vpsrlvd brings the code of channel l to the low bits of lane l,
-/// and vpermps looks it up in code_table (its 2-bit table repeats with period 4, so the bits above
-/// need no mask). On Zen 4 these issue beside the FMAs; vpmultishiftqb, used here before, takes
-/// a slot of the FMA pipes (bench_pipes).
+/// are broadcast by the load, one variable shift (value_lanes) brings each code to the low bits of
+/// its lane, and vpermps looks it up in code_table (its 2-bit table repeats with period 4, so the
+/// bits above need no mask). 4-bit codes come out in the lane order of value_lanes<4>.lane. On Zen 4
+/// the shifts issue beside the FMAs; vpmultishiftqb, used here before, takes a slot of the FMA
+/// pipes (bench_pipes).
 template <int VB>
-KVQ_EXACT_INLINE inline __m512 value_codes16(const std::uint8_t* bytes, __m512i dword, __m512i shift,
-                                             __m512 table) noexcept {
-  __m512i src;
-  if constexpr (VB == 2) {
-    std::int32_t raw = 0;
-    std::memcpy(&raw, bytes, 4);
-    src = _mm512_set1_epi32(raw);
-  } else {
-    const __m128i both = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
-    src = _mm512_permutexvar_epi32(dword, _mm512_castsi128_si512(both));
-  }
-  return _mm512_permutexvar_ps(_mm512_srlv_epi32(src, shift), table);
+KVQ_EXACT_INLINE inline __m512 value_codes16(const std::uint8_t* bytes, __m512i shift, __m512 table) noexcept {
+  std::uint64_t raw = 0;
+  std::memcpy(&raw, bytes, 2 * VB);
+  const __m512i codes = VB == 4 ? _mm512_srlv_epi64(_mm512_set1_epi64(std::int64_t(raw)), shift)
+                                : _mm512_srlv_epi32(_mm512_set1_epi32(std::int32_t(raw)), shift);
+  return _mm512_permutexvar_ps(codes, table);
 }
 
 /// P.V of the tile (exact): task.acc (natural channel order) = acc * corr + e * sum_t p'_t v_t.
@@ -201,7 +197,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
     _mm_store_ps(E.zs[h], _mm512_castps512_ps128(c));
   }
   const std::uint8_t* base = v.code_row(a);
-  const __m512i dword = _mm512_load_si512(value_lanes<VB>.dword), shift = _mm512_load_si512(value_lanes<VB>.shift);
+  const __m512i shift = _mm512_load_si512(value_lanes<VB < 8 ? VB : 2>.shift);
+  const __m512i lane = _mm512_load_si512(value_lanes<VB < 8 ? VB : 2>.lane);
   const __m512 table = _mm512_load_ps(code_table<VB>.code);
   for (unsigned u = 0; u < unsigned(NV / 4); ++u) {
     __m512 acc[NH][4];
@@ -215,7 +212,7 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
         for (int i = 0; i < 4; ++i)
           x[i] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 64 * u + 16 * unsigned(i)))));
       } else {
-        for (int i = 0; i < 4; ++i) x[i] = value_codes16<VB>(row + (64 * u + 16 * unsigned(i)) * VB / 8, dword, shift, table);
+        for (int i = 0; i < 4; ++i) x[i] = value_codes16<VB>(row + (64 * u + 16 * unsigned(i)) * VB / 8, shift, table);
       }
 #pragma GCC unroll 4
       for (int h = 0; h < NH; ++h)
@@ -227,7 +224,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
       const __m512 cr = _mm512_set1_ps(S.corr[4 * h]), e = _mm512_set1_ps(S.scale[4 * h]);
       float* o = S.task->acc + (S.h0 + std::size_t(h)) * dim + 64 * u;
       for (int i = 0; i < 4; ++i) {
-        const __m512 tile = _mm512_add_ps(acc[h][i], _mm512_set1_ps(E.zs[h][(64 * u + 16 * unsigned(i)) / 32]));
+        const __m512 sum = VB == 4 ? _mm512_permutexvar_ps(lane, acc[h][i]) : acc[h][i];  // channel order
+        const __m512 tile = _mm512_add_ps(sum, _mm512_set1_ps(E.zs[h][(64 * u + 16 * unsigned(i)) / 32]));
         _mm512_storeu_ps(o + 16 * i, _mm512_fmadd_ps(tile, e, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * i), cr)));
       }
     }
