@@ -18,14 +18,46 @@
 
 #include "kvq/kernels/attention/avx512.hpp"
 
+// The instructions measured: name, then the asm template, output constraint, output registers (f:
+// float, i: integer) and inputs of one copy. One list makes the enum, the loop body and the
+// benchmarks, so an instruction is added in one place.
+#define KVQ_PIPE_MIXES(X)                                                  \
+  X(vmulps, "vmulps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))                \
+  X(vfmadd231ps, "vfmadd231ps %1, %2, %0", "+v", f, "v"(fa), "v"(fb))      \
+  X(vpermt2b, "vpermt2b %1, %2, %0", "+v", i, "v"(u), "v"(s))              \
+  X(vpmultishiftqb, "vpmultishiftqb %1, %2, %0", "=v", i, "v"(u), "v"(s))  \
+  X(vpmaddubsw, "vpmaddubsw %1, %2, %0", "=v", i, "v"(u), "v"(s))          \
+  X(vpmaddwd, "vpmaddwd %1, %2, %0", "=v", i, "v"(u), "v"(s))              \
+  X(vpermb, "vpermb %1, %2, %0", "=v", i, "v"(u), "v"(s))                  \
+  X(vpmovdb, "vpmovdb %1, %x0", "=v", i, "v"(u))                           \
+  X(vaddps, "vaddps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))                \
+  X(vmaxps, "vmaxps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))                \
+  X(vcvtps2dq, "vcvtps2dq %1, %0", "=v", i, "v"(fa))                       \
+  X(vcvtdq2ps, "vcvtdq2ps %1, %0", "=v", f, "v"(u))                        \
+  X(vcvtph2ps, "vcvtph2ps %t1, %0", "=v", f, "v"(u))                       \
+  X(vpermps, "vpermps %1, %2, %0", "=v", f, "v"(fa), "v"(u))               \
+  X(vpermd, "vpermd %1, %2, %0", "=v", i, "v"(u), "v"(s))                  \
+  X(vpackssdw, "vpackssdw %1, %2, %0", "=v", i, "v"(u), "v"(s))            \
+  X(vpandd, "vpandd %1, %2, %0", "=v", i, "v"(u), "v"(s))                  \
+  X(vpsrld, "vpsrld $4, %1, %0", "=v", i, "v"(u))                          \
+  X(vpsrlvd, "vpsrlvd %1, %2, %0", "=v", i, "v"(u), "v"(s))                \
+  X(vpsrlvq, "vpsrlvq %1, %2, %0", "=v", i, "v"(u), "v"(s))                \
+  X(vpshufb, "vpshufb %1, %2, %0", "=v", i, "v"(u), "v"(s))                \
+  X(vpmovzxbd, "vpmovzxbd %x1, %0", "=v", i, "v"(u))                       \
+  X(vshufi32x4, "vshufi32x4 $0x44, %1, %2, %0", "=v", i, "v"(u), "v"(s))   \
+  X(vpunpckldq, "vpunpckldq %1, %2, %0", "=v", i, "v"(u), "v"(s))          \
+  X(vscalefps, "vscalefps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))          \
+  X(vrndscaleps, "vrndscaleps $8, %1, %0", "=v", f, "v"(fa))               \
+  X(vrangeps, "vrangeps $11, %1, %2, %0", "=v", f, "v"(fa), "v"(fb))       \
+  X(vpbroadcastq_load, "vpbroadcastq %1, %0", "=v", i, "m"(word[J]))
+
 namespace {
 
 #define KVQ_PIPES_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"), noinline))
 
-enum class Mix { none, vmulps, vfmadd231ps, vpermt2b, vpmultishiftqb, vpmaddubsw, vpmaddwd, vpermb, vpmovdb,
-                 vaddps, vmaxps, vcvtps2dq, vcvtdq2ps, vcvtph2ps, vpermps, vpermd, vpackssdw, vpandd, vpsrld,
-                 vpsrlvd, vpsrlvq, vpshufb, vpmovzxbd, vshufi32x4, vpunpckldq, vscalefps, vrndscaleps, vrangeps,
-                 vpbroadcastq_load };
+#define KVQ_NAME(name, ...) name,
+enum class Mix { none, KVQ_PIPE_MIXES(KVQ_NAME) };
+#undef KVQ_NAME
 
 constexpr long kRounds = 1 << 16;
 
@@ -53,34 +85,7 @@ KVQ_PIPES_TARGET std::int32_t rounds(long n) {
     { [[maybe_unused]] constexpr int J = 2; KVQ_ONE(fmt, cons, out, 2, __VA_ARGS__) } \
     { [[maybe_unused]] constexpr int J = 3; KVQ_ONE(fmt, cons, out, 3, __VA_ARGS__) } \
   }
-    KVQ_MIX(vmulps, "vmulps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))
-    KVQ_MIX(vfmadd231ps, "vfmadd231ps %1, %2, %0", "+v", f, "v"(fa), "v"(fb))
-    KVQ_MIX(vpermt2b, "vpermt2b %1, %2, %0", "+v", i, "v"(u), "v"(s))
-    KVQ_MIX(vpmultishiftqb, "vpmultishiftqb %1, %2, %0", "=v", i, "v"(u), "v"(s))
-    KVQ_MIX(vpmaddubsw, "vpmaddubsw %1, %2, %0", "=v", i, "v"(u), "v"(s))
-    KVQ_MIX(vpmaddwd, "vpmaddwd %1, %2, %0", "=v", i, "v"(u), "v"(s))
-    KVQ_MIX(vpermb, "vpermb %1, %2, %0", "=v", i, "v"(u), "v"(s))
-    KVQ_MIX(vpmovdb, "vpmovdb %1, %x0", "=v", i, "v"(u))
-    KVQ_MIX(vaddps, "vaddps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))
-    KVQ_MIX(vmaxps, "vmaxps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))
-    KVQ_MIX(vcvtps2dq, "vcvtps2dq %1, %0", "=v", i, "v"(fa))
-    KVQ_MIX(vcvtdq2ps, "vcvtdq2ps %1, %0", "=v", f, "v"(u))
-    KVQ_MIX(vcvtph2ps, "vcvtph2ps %t1, %0", "=v", f, "v"(u))
-    KVQ_MIX(vpermps, "vpermps %1, %2, %0", "=v", f, "v"(fa), "v"(u))
-    KVQ_MIX(vpermd, "vpermd %1, %2, %0", "=v", i, "v"(u), "v"(s))
-    KVQ_MIX(vpackssdw, "vpackssdw %1, %2, %0", "=v", i, "v"(u), "v"(s))
-    KVQ_MIX(vpandd, "vpandd %1, %2, %0", "=v", i, "v"(u), "v"(s))
-    KVQ_MIX(vpsrld, "vpsrld $4, %1, %0", "=v", i, "v"(u))
-    KVQ_MIX(vpsrlvd, "vpsrlvd %1, %2, %0", "=v", i, "v"(u), "v"(s))
-    KVQ_MIX(vpsrlvq, "vpsrlvq %1, %2, %0", "=v", i, "v"(u), "v"(s))
-    KVQ_MIX(vpshufb, "vpshufb %1, %2, %0", "=v", i, "v"(u), "v"(s))
-    KVQ_MIX(vpmovzxbd, "vpmovzxbd %x1, %0", "=v", i, "v"(u))
-    KVQ_MIX(vshufi32x4, "vshufi32x4 $0x44, %1, %2, %0", "=v", i, "v"(u), "v"(s))
-    KVQ_MIX(vpunpckldq, "vpunpckldq %1, %2, %0", "=v", i, "v"(u), "v"(s))
-    KVQ_MIX(vscalefps, "vscalefps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))
-    KVQ_MIX(vrndscaleps, "vrndscaleps $8, %1, %0", "=v", f, "v"(fa))
-    KVQ_MIX(vrangeps, "vrangeps $11, %1, %2, %0", "=v", f, "v"(fa), "v"(fb))
-    KVQ_MIX(vpbroadcastq_load, "vpbroadcastq %1, %0", "=v", i, "m"(word[J]))
+    KVQ_PIPE_MIXES(KVQ_MIX)
 #undef KVQ_MIX
 #undef KVQ_ONE
   }
@@ -124,35 +129,11 @@ void mix(benchmark::State& state) {
 
 }  // namespace
 
-#define KVQ_PIPES(M) BENCHMARK(mix<Mix::M>)->Name("pipes/" #M)->Iterations(3)->Unit(benchmark::kMillisecond)
-KVQ_PIPES(vmulps);
-KVQ_PIPES(vfmadd231ps);
-KVQ_PIPES(vpermt2b);
-KVQ_PIPES(vpmultishiftqb);
-KVQ_PIPES(vpmaddubsw);
-KVQ_PIPES(vpmaddwd);
-KVQ_PIPES(vpermb);
-KVQ_PIPES(vpmovdb);
-KVQ_PIPES(vaddps);
-KVQ_PIPES(vmaxps);
-KVQ_PIPES(vcvtps2dq);
-KVQ_PIPES(vcvtdq2ps);
-KVQ_PIPES(vcvtph2ps);
-KVQ_PIPES(vpermps);
-KVQ_PIPES(vpermd);
-KVQ_PIPES(vpackssdw);
-KVQ_PIPES(vpandd);
-KVQ_PIPES(vpsrld);
-KVQ_PIPES(vpsrlvd);
-KVQ_PIPES(vpsrlvq);
-KVQ_PIPES(vpshufb);
-KVQ_PIPES(vpmovzxbd);
-KVQ_PIPES(vshufi32x4);
-KVQ_PIPES(vpunpckldq);
-KVQ_PIPES(vscalefps);
-KVQ_PIPES(vrndscaleps);
-KVQ_PIPES(vrangeps);
-KVQ_PIPES(vpbroadcastq_load);
+#define KVQ_PIPES(name, ...) \
+  BENCHMARK(mix<Mix::name>)->Name("pipes/" #name)->Iterations(3)->Unit(benchmark::kMillisecond);
+KVQ_PIPE_MIXES(KVQ_PIPES)
+#undef KVQ_PIPES
+#undef KVQ_PIPE_MIXES
 #endif
 
 BENCHMARK_MAIN();
