@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs what kvq needs to build, test and benchmark on Debian 12 (bookworm), and does
 # nothing when everything is already present. Needs root (or sudo) only when something is missing.
+# clang and its runtime libraries build the libFuzzer targets (the test-fuzz workflow).
 set -euo pipefail
 
-packages=(g++ cmake make libeigen3-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev)
+packages=(g++ cmake make libeigen3-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev clang libclang-rt-14-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

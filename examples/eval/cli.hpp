@@ -190,8 +190,8 @@ inline int run_synthetic(std::ostream& out) {
          "attention and carries small values, head_dim 128, 512 tokens, 2 bits, group 32, no window.\n\n";
   const SyntheticSpec spec;
   auto run = [&](const char* c) { return synthetic_errors(spec, parse_cache_config(c)); };
-  const AttentionErrors tt = run("k2t32-v2t32-r0"), cc = run("k2c32-v2c32-r0"), tc = run("k2t32-v2c32-r0"),
-                        ct = run("k2c32-v2t32-r0");
+  const AttentionErrors tt = run("k2t32-v2t32-r0-s0"), cc = run("k2c32-v2c32-r0-s0"), tc = run("k2t32-v2c32-r0-s0"),
+                        ct = run("k2c32-v2t32-r0-s0");
   out << fmt::format("{:<44} {:>10} {:>12}   KIVI (Llama-2-13B): per-token / per-channel\n", "relative error",
                      "per-token", "per-channel");
   out << fmt::format("{:<44} {:>10.4f} {:>12.4f}   13.67 / 4.55\n", "key reconstruction ||K-K^||/||K||", tt.key_error,

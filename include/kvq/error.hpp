@@ -16,6 +16,7 @@ enum class ErrorCode {
   out_of_order,         // a position that does not continue the sequence
   unsupported,          // a configuration the library does not implement
   io,                   // a file that cannot be read or is malformed
+  out_of_memory,        // an allocation the system refused (the message says how many bytes)
 };
 
 constexpr const char* to_string(ErrorCode code) noexcept {
@@ -28,6 +29,7 @@ constexpr const char* to_string(ErrorCode code) noexcept {
     case ErrorCode::out_of_order: return "position out of order";
     case ErrorCode::unsupported: return "unsupported";
     case ErrorCode::io: return "i/o";
+    case ErrorCode::out_of_memory: return "out of memory";
   }
   return "unknown";
 }

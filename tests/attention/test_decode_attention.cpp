@@ -9,6 +9,7 @@
 
 #include "kvq/attention/decode.hpp"
 #include "kvq/kvq.hpp"
+#include "support/compare.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -33,14 +34,7 @@ BasicKVCache make_cache(const Case& c, unsigned seed) {
   return cache;
 }
 
-double relative_error(const std::vector<float>& a, const std::vector<float>& ref) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
-    den += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / den);
-}
+using kvq::test::relative_error;
 
 std::vector<float> run(const BasicKVCache& cache, const Case& c, const std::vector<float>& q, DecodeOptions o) {
   std::vector<float> out(q.size());

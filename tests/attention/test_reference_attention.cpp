@@ -44,7 +44,7 @@ struct Case {
 
 TEST(ReferenceAttention, MatchesANaiveLoopWithGqaAndMqa) {
   for (const Case c : {Case{4, 4, 8, 17}, Case{8, 2, 16, 33}, Case{6, 1, 12, 5}, Case{8, 1, 64, 70}}) {
-    BasicKVCache cache(CacheShape{1, c.kv_heads, c.dim, 128}, kvq::parse_cache_config("k16-v16-r0-post-f32"));
+    BasicKVCache cache(CacheShape{1, c.kv_heads, c.dim, 128}, kvq::parse_cache_config("k16-v16-r0-s0-post-f32"));
     const auto k = kvq::test::normal_vector(c.tokens * c.kv_heads * c.dim, 1);
     const auto v = kvq::test::normal_vector(k.size(), 2);
     const auto q = kvq::test::normal_vector(c.heads * c.dim, 3, 2.0f);
@@ -85,7 +85,7 @@ TEST(ReferenceAttention, PreRopeStorageMatchesPlainPostRopeAttention) {
     rope.rotate_heads(q_rot, T - 1);
     const auto expect = naive_attention(q_rot, k_rot, v, heads, kvh, dim, T - 1);
 
-    for (const char* text : {"k16-v16-r0-f32", "k8c16-v8t32-r0-s0", "k8c16-v8t32-r16-s2-f32"}) {
+    for (const char* text : {"k16-v16-r0-s0-f32", "k8c16-v8t32-r0-s0", "k8c16-v8t32-r16-s2-f32"}) {
       BasicKVCache cache(shape, kvq::parse_cache_config(text));
       cache.append(0, 0, k, v);
       std::vector<float> out(q.size());
@@ -160,7 +160,7 @@ double score_error(const char* config, std::size_t outlier_pair, unsigned seed) 
 TEST(ReferenceAttention, PerChannelPreRopeKeysBeatPostRopeWhichBeatPerToken) {
   for (int bits : {2, 4}) {
     const std::string b = std::to_string(bits);
-    const std::string pre = "k" + b + "c32-v16-r0", post = pre + "-post", token = "k" + b + "t32-v16-r0";
+    const std::string pre = "k" + b + "c32-v16-r0-s0", post = pre + "-post", token = "k" + b + "t32-v16-r0-s0";
     for (unsigned seed : {1u, 2u}) {
       const double e_pre = score_error(pre.c_str(), 1, seed), e_post = score_error(post.c_str(), 1, seed);
       const double e_token = score_error(token.c_str(), 1, seed);

@@ -36,7 +36,7 @@ TEST(KVCacheWindow, QuantizesExactlyWhatTheRuleSays) {
   const std::size_t R = 16, G = 8;
   for (std::size_t S : {0u, 1u, 4u}) {
     for (std::size_t n : {R - 1, R, R + 1, R + G - 1, R + G, R + G + S, R + G + S + 1, 3 * R + 5}) {
-      CacheConfig c = config_of("k4c8-v2t8-r16-f32");
+      CacheConfig c = config_of("k4c8-v2t8-r16-s0-f32");
       c.sinks = S;
       BasicKVCache cache(CacheShape{1, 2, 16, 200}, c);
       const auto k = kvq::test::normal_vector(n * 2 * 16, 1), v = kvq::test::normal_vector(n * 2 * 16, 2);
@@ -104,7 +104,7 @@ TEST(KVCacheWindow, PackedKeyBlocksAreTheReferenceQuantizationOfTheStoredRows) {
 }
 
 TEST(KVCacheWindow, ZeroWindowQuantizesEveryCompleteGroupAtOnce) {
-  BasicKVCache cache(CacheShape{1, 1, 8, 64}, config_of("k2c4-v2t8-r0"));
+  BasicKVCache cache(CacheShape{1, 1, 8, 64}, config_of("k2c4-v2t8-r0-s0"));
   const auto k = kvq::test::normal_vector(10 * 8, 3), v = kvq::test::normal_vector(10 * 8, 4);
   append_all(cache, k, v, 0, 10);
   EXPECT_EQ(cache.keys(0, 0).end_quantized, 8u);
@@ -203,7 +203,7 @@ TEST_F(KVCacheBadInput, ShapesOrderCapacityAndValues) {
 
 TEST(KVCacheBadParams, GroupWhoseScaleOverflowsIsRejectedWholly) {
   // f32 residual holds 60000 and -60000, but the 1-bit f16 scale of their range (120000) cannot.
-  BasicKVCache cache(CacheShape{1, 1, 8, 64}, config_of("k1c4-v8t8-r0-f32"));
+  BasicKVCache cache(CacheShape{1, 1, 8, 64}, config_of("k1c4-v8t8-r0-s0-f32"));
   std::vector<float> k(4 * 8, 0.0f), v(4 * 8, 0.0f);
   k[0] = 60000.0f;
   k[8] = -60000.0f;
@@ -225,7 +225,7 @@ TEST(KVCacheBadParams, GroupWhoseScaleOverflowsIsRejectedWholly) {
 }
 
 TEST(KVCacheBadInput2, ConstantGroupsReconstructExactly) {
-  BasicKVCache cache(CacheShape{1, 1, 16, 64}, config_of("k2c8-v3t16-r0-f32"));
+  BasicKVCache cache(CacheShape{1, 1, 16, 64}, config_of("k2c8-v3t16-r0-s0-f32"));
   std::vector<float> k(16 * 16, 1.25f), v(16 * 16, -3.5f);
   cache.append(0, 0, k, v);
   std::vector<float> row(16);
@@ -238,7 +238,7 @@ TEST(KVCacheBadInput2, ConstantGroupsReconstructExactly) {
 }
 
 TEST(KVCacheOperations, TruncateForkAndClear) {
-  BasicKVCache cache(CacheShape{1, 1, 8, 64}, config_of("k4c4-v4t8-r8"));
+  BasicKVCache cache(CacheShape{1, 1, 8, 64}, config_of("k4c4-v4t8-r8-s0"));
   const auto k = kvq::test::normal_vector(20 * 8, 14), v = kvq::test::normal_vector(20 * 8, 15);
   append_all(cache, k, v, 0, 20);  // keys quantized up to 12, values up to 12
   BasicKVCache fork = cache;

@@ -18,7 +18,7 @@ kvq::AttentionErrors synthetic(const char* config) { return synthetic_errors(Syn
 
 // KIVI's error table, row by row: per-token vs per-channel.
 TEST(EvalSynthetic, ReproducesTheDirectionOfEveryRowOfKivisErrorTable) {
-  const auto token = synthetic("k2t32-v2t32-r0"), channel = synthetic("k2c32-v2c32-r0");
+  const auto token = synthetic("k2t32-v2t32-r0-s0"), channel = synthetic("k2c32-v2c32-r0-s0");
   EXPECT_GT(token.key_error, channel.key_error);                      // 13.67 > 4.55
   EXPECT_GT(token.score_error, channel.score_error);                  // 47.00 > 9.60
   EXPECT_GT(token.value_error, channel.value_error);                  // 4.57 > 3.73: reconstruction lies
@@ -26,8 +26,8 @@ TEST(EvalSynthetic, ReproducesTheDirectionOfEveryRowOfKivisErrorTable) {
 }
 
 TEST(EvalSynthetic, PerChannelValuesCollapseWhenSinksDominate) {
-  const auto right = synthetic("k2c32-v2t32-r0"), wrong_values = synthetic("k2c32-v2c32-r0");
-  const auto keys_per_token = synthetic("k2t32-v2t32-r0"), both_wrong = synthetic("k2t32-v2c32-r0");
+  const auto right = synthetic("k2c32-v2t32-r0-s0"), wrong_values = synthetic("k2c32-v2c32-r0-s0");
+  const auto keys_per_token = synthetic("k2t32-v2t32-r0-s0"), both_wrong = synthetic("k2t32-v2c32-r0-s0");
   EXPECT_GT(wrong_values.output_error_values, 1.5 * right.output_error_values);
   EXPECT_LT(right.output_error, wrong_values.output_error);
   EXPECT_LT(right.output_error, keys_per_token.output_error);
@@ -35,8 +35,8 @@ TEST(EvalSynthetic, PerChannelValuesCollapseWhenSinksDominate) {
   // Without a sink the per-channel penalty on values shrinks: the sink is what collapses it.
   SyntheticSpec no_sink;
   no_sink.sink_logit = 0.0f;
-  const double ratio_no_sink = synthetic_errors(no_sink, kvq::parse_cache_config("k2c32-v2c32-r0")).output_error_values /
-                               synthetic_errors(no_sink, kvq::parse_cache_config("k2c32-v2t32-r0")).output_error_values;
+  const double ratio_no_sink = synthetic_errors(no_sink, kvq::parse_cache_config("k2c32-v2c32-r0-s0")).output_error_values /
+                               synthetic_errors(no_sink, kvq::parse_cache_config("k2c32-v2t32-r0-s0")).output_error_values;
   EXPECT_LT(ratio_no_sink, wrong_values.output_error_values / right.output_error_values);
 }
 
@@ -75,8 +75,8 @@ class EvalModel : public ::testing::Test {
 TEST_F(EvalModel, PerChannelPreRopeKeysBeatPostRopeWhichBeatPerTokenKeys) {
   for (const char* b : {"2", "4"}) {
     const std::string s(b);
-    const auto pre = run(("k" + s + "c32-v8t8-r0").c_str()), post = run(("k" + s + "c32-v8t8-r0-post").c_str());
-    const auto token = run(("k" + s + "t8-v8t8-r0").c_str());
+    const auto pre = run(("k" + s + "c32-v8t8-r0-s0").c_str()), post = run(("k" + s + "c32-v8t8-r0-s0-post").c_str());
+    const auto token = run(("k" + s + "t8-v8t8-r0-s0").c_str());
     EXPECT_LT(pre.mean_kl, post.mean_kl) << b << " bits";
     EXPECT_LT(post.mean_kl, token.mean_kl) << b << " bits";
     EXPECT_LT(pre.all.score_error, post.all.score_error) << b << " bits";
@@ -85,7 +85,7 @@ TEST_F(EvalModel, PerChannelPreRopeKeysBeatPostRopeWhichBeatPerTokenKeys) {
 }
 
 TEST_F(EvalModel, EightBitsAreNearlyLossless) {
-  const auto r = run("k8c32-v8t8-r0");
+  const auto r = run("k8c32-v8t8-r0-s0");
   EXPECT_LT(r.mean_kl, 1e-4);  // measured 1e-5 on the whole excerpt
   EXPECT_GT(r.top1, 0.99);
   EXPECT_LT(std::abs(r.mean_nll - eval_->baseline_nll()), 2e-3);
@@ -93,10 +93,10 @@ TEST_F(EvalModel, EightBitsAreNearlyLossless) {
 }
 
 TEST_F(EvalModel, FullPrecisionCacheReproducesTheBaselineAndWindowsHelp) {
-  const auto exact = run("k16-v16-r0-f32");
+  const auto exact = run("k16-v16-r0-s0-f32");
   EXPECT_LT(exact.mean_kl, 1e-7);  // double vs float accumulation only
   EXPECT_EQ(exact.top1, 1.0);
-  const auto no_window = run("k2c32-v2t8-r0"), window = run("k2c32-v2t8-r64");
+  const auto no_window = run("k2c32-v2t8-r0-s0"), window = run("k2c32-v2t8-r64-s0");
   EXPECT_LT(window.mean_kl, no_window.mean_kl);
   EXPECT_GT(window.bits_per_value, no_window.bits_per_value);
 }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kvq/cache/cache_config.hpp"
+#include "kvq/cache/kv_cache.hpp"
 #include "kvq/error.hpp"
 #include "kvq/quant/kv_policy.hpp"
 #include "kvq/quant/policies.hpp"
@@ -83,7 +84,7 @@ std::vector<QuantizerSpec> spec_grid() {
   std::vector<QuantizerSpec> grid;
   for (int bits = 1; bits <= 8; ++bits)
     for (const Axis axis : {Axis::per_channel, Axis::per_token})
-      for (const std::size_t group : {1, 16, 32, 128, 1024, 99999})
+      for (const std::size_t group : {1, 16, 32, 128, 1024, 4096})
         for (const Mode mode : {Mode::asymmetric, Mode::symmetric})
           for (const Scalar param : {Scalar::f16, Scalar::bf16, Scalar::f32})
             grid.push_back(QuantizerSpec{bits, group, axis, mode, param});
@@ -98,11 +99,11 @@ TEST(Spec, QuantizerStringRoundTrip) {
       ASSERT_EQ(kvq::parse_quantizer(text, tensor), spec) << text;
       ASSERT_EQ(kvq::to_string(kvq::parse_quantizer(text, tensor), tensor), text);
     }
-  // Hand-written forms, including the explicit default suffix.
+  // Hand-written forms; the default suffix is never written, so it is not read either.
   EXPECT_EQ(kvq::to_string(QuantizerSpec{4, 32, Axis::per_channel, Mode::asymmetric, Scalar::f16}, 'k'), "k4c32");
   EXPECT_EQ(kvq::to_string(QuantizerSpec{2, 64, Axis::per_token, Mode::symmetric, Scalar::f16}, 'v'), "v2t64s");
   EXPECT_EQ(kvq::to_string(QuantizerSpec{8, 128, Axis::per_token, Mode::asymmetric, Scalar::bf16}, 'v'), "v8t128.bf16");
-  EXPECT_EQ(kvq::parse_quantizer("k4c32.f16", 'k'), (QuantizerSpec{4, 32, Axis::per_channel, Mode::asymmetric, Scalar::f16}));
+  EXPECT_THROW((void)kvq::parse_quantizer("k4c32.f16", 'k'), kvq::Error);
   EXPECT_EQ(kvq::parse_quantizer("v3t8s.f32", 'v'), (QuantizerSpec{3, 8, Axis::per_token, Mode::symmetric, Scalar::f32}));
 }
 
@@ -147,7 +148,6 @@ TEST(Spec, CacheConfigStringRoundTrip) {
   EXPECT_EQ(c.sinks, 2u);
   EXPECT_EQ(c.key_rope, KeyRope::post);
   EXPECT_EQ(c.residual, Scalar::bf16);
-  EXPECT_EQ(kvq::parse_cache_config("k4c32-v2t32-pre-f16-r128-s0"), kvq::K4V2::config());  // explicit defaults
   EXPECT_EQ(kvq::to_string(kvq::full_precision_config()), "k16-v16-r0-s0-f32");
 }
 
@@ -200,6 +200,54 @@ TEST(Spec, InvalidCacheConfigStringsThrowNamingTheText) {
   expect_error([] { (void)kvq::parse_cache_config("k4c32-v9t32"); }, {"'v9t32'"});
   expect_error([] { (void)kvq::parse_cache_config("v4t32-v2t32"); }, {"'v4t32'", "must start with 'k'"});
   expect_error([] { (void)kvq::parse_cache_config(""); }, {"''"});
+}
+
+// One spelling per configuration: each part once, in order, nothing implied, no leading zeros.
+TEST(Spec, ParserAcceptsOnlyTheCanonicalForm) {
+  for (const char* text : {"k4c32-v2t32", "k4c32-v2t32-r128", "k4c32-v2t32-s0-r128", "k4c32-v2t32-r1-r2-s0",
+                           "k4c32-v2t32-r128-s0-s1", "k4c32-v2t32-r128-s0-pre", "k4c32-v2t32-r128-s0-f16",
+                           "k4c32-v2t32-r128-s0-post-post", "k4c32-v2t32-r128-s0-f32-post", "k4c32-v2t32-r128-s0-f32-bf16",
+                           "k4c32-v2t32-r0128-s0", "k4c32-v2t32-r128-s00", "k04c32-v2t32-r128-s0", "k4c032-v2t32-r128-s0",
+                           "k4c32.f16-v2t32-r128-s0", "k4c32-v2t32-r+5-s0", "k4c32-v2t32-r 5-s0", "k4c32-v2t32-r1234567890-s0",
+                           "k4c4097-v2t32-r128-s0", "k4c999999999-v2t32-r128-s0"}) {
+    SCOPED_TRACE(text);
+    expect_error([&] { (void)kvq::parse_cache_config(text); }, {std::string("'") + text + "'"});
+  }
+  EXPECT_NO_THROW((void)kvq::parse_cache_config("k4c4096-v2t32-r999999999-s0"));
+  expect_error([] { (void)kvq::parse_cache_config("k4c32-v2t32-r128"); }, {"sinks"});
+  expect_error([] { (void)kvq::parse_cache_config("k4c32-v2t32-r128-s0-pre"); }, {"'pre'"});
+  expect_error([] { (void)kvq::parse_cache_config("k4c999999999-v2t32-r128-s0"); }, {"4096"});
+}
+
+// Configurations built in code go through the same checks as parsed ones.
+TEST(Spec, ValidateConfigRejectsValuesOutsideTheirEnums) {
+  EXPECT_NO_THROW(kvq::validate(CacheConfig{}));
+  auto expect_bad = [](CacheConfig c, const char* needle) {
+    expect_error([&] { kvq::validate(c); }, {needle});
+    expect_error([&] { kvq::BasicKVCache cache(kvq::CacheShape{1, 1, 32, 64}, c); }, {needle});
+  };
+  CacheConfig c;
+  c.key.axis = static_cast<Axis>(9);
+  expect_bad(c, "axis 9");
+  c = {};
+  c.value.param = static_cast<Scalar>(7);
+  expect_bad(c, "parameter type 7");
+  c = {};
+  c.value.mode = static_cast<Mode>(3);
+  expect_bad(c, "mode 3");
+  c = {};
+  c.residual = static_cast<Scalar>(7);
+  expect_bad(c, "residual type 7");
+  c = {};
+  c.key_rope = static_cast<kvq::KeyRope>(2);
+  expect_bad(c, "key_rope 2");
+  c = {};
+  c.key.group = kvq::max_group_tokens + 1;
+  expect_bad(c, "4097");
+  c = {};
+  c.quantize_keys = false;  // an unused quantizer is not checked
+  c.key.axis = static_cast<Axis>(9);
+  EXPECT_NO_THROW(kvq::validate(c));
 }
 
 TEST(Spec, ValidateRejectsWhatTheKernelsCannotRun) {

@@ -31,6 +31,7 @@
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/error.hpp"
 #include "kvq/isa.hpp"
+#include "kvq/kernels/attention/integer_range.hpp"
 #include "kvq/kernels/attention/reference.hpp"
 #if defined(KVQ_HAVE_X86_KERNELS)
 #include "kvq/kernels/attention/avx2.hpp"
@@ -161,7 +162,8 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
     t.group = plan.group;
     t.begin = j == 0 ? 0 : sinks + j * plan.chunk;
     t.end = std::min(plan.tokens, sinks + (j + 1) * plan.chunk);
-    t.tier = options.tier;
+    // Outlier scales the integer tier cannot carry: this task runs exact (integer_range.hpp).
+    t.tier = options.tier == Tier::integer && !kernels::attention::integer_tier_carries(t) ? Tier::exact : options.tier;
     float* base = ws.partial.data() + i * stride;
     t.max = base;
     t.sum = base + plan.group;

@@ -84,7 +84,7 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
     throw Error(ErrorCode::shape_mismatch, "attention: " + std::to_string(heads) +
                                                " query heads are not a multiple of " + std::to_string(s.kv_heads) +
                                                " KV heads");
-  if (first_position + tokens > cache.length(layer))
+  if (tokens > cache.length(layer) || first_position > cache.length(layer) - tokens)  // no sum that could wrap
     throw Error(ErrorCode::invalid_argument, "attention: layer " + std::to_string(layer) + " holds " +
                                                  std::to_string(cache.length(layer)) + " tokens; query positions up to " +
                                                  std::to_string(first_position + tokens - 1) + " need them appended first");
@@ -93,6 +93,21 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
     throw Error(ErrorCode::non_finite_input, "attention: layer " + std::to_string(layer) + ", query head " +
                                                  std::to_string(at / s.head_dim % (q_size / tokens / s.head_dim)) +
                                                  ", channel " + std::to_string(at % s.head_dim) + " is not finite");
+  }
+  // Scores |q.k| / sqrt(d) <= sum|q| x (largest |key|) x sqrt(2) (a RoPE pair rotates into one
+  // channel) must stay finite in float with room for the kernels' sums and the dequantized keys'
+  // rounding; past that an fp32 kernel would produce inf - inf = NaN where the oracle is finite.
+  const double key_peak = cache.key_peak(layer);
+  const double limit = double(std::numeric_limits<float>::max()) / 64;
+  for (std::size_t row = 0; row < q_size / s.head_dim; ++row) {
+    double l1 = 0;
+    for (std::size_t c = 0; c < s.head_dim; ++c) l1 += std::fabs(double(q[row * s.head_dim + c]));
+    if (l1 * key_peak * 2 * std::sqrt(2.0) / std::sqrt(double(s.head_dim)) > limit)
+      throw Error(ErrorCode::unrepresentable,
+                  "attention: layer " + std::to_string(layer) + ", query head " + std::to_string(row % heads) +
+                      " at position " + std::to_string(first_position + row / heads) + ": |q|_1 = " +
+                      std::to_string(l1) + " against keys up to " + std::to_string(key_peak) +
+                      " gives scores beyond float's range");
   }
 }
 }  // namespace detail

@@ -54,11 +54,27 @@ inline std::string to_string(const CacheConfig& c) {
   return s;
 }
 
+/// Throws unless `c` is a configuration kvq implements for some head_dim: every field in its
+/// range (configs built in code may hold cast enum values). The cache adds the head_dim checks.
+inline void validate(const CacheConfig& c) {
+  if (c.quantize_keys) validate(c.key, "key quantizer");
+  if (c.quantize_values) validate(c.value, "value quantizer");
+  if (c.key_rope != KeyRope::pre && c.key_rope != KeyRope::post)
+    throw Error(ErrorCode::invalid_argument,
+                "cache configuration: key_rope " + std::to_string(int(c.key_rope)) + " is not a KeyRope");
+  if (!is_valid(c.residual))
+    throw Error(ErrorCode::invalid_argument,
+                "cache configuration: residual type " + std::to_string(int(c.residual)) + " is not a Scalar");
+}
+
+/// Parses exactly the form to_string writes: key, value, window and sinks in that order, then
+/// "-post" and a residual type other than f16 when they apply. Each part appears once and none
+/// is implied, so a string names one configuration and reads back as itself.
 inline CacheConfig parse_cache_config(std::string_view text) {
   const std::string original(text);
   auto fail = [&](const std::string& why) -> CacheConfig {
     throw Error(ErrorCode::invalid_argument,
-                "cache configuration '" + original + "': " + why + " (expected e.g. k4c32-v2t32-r128-s1[-post][-f32])");
+                "cache configuration '" + original + "': " + why + " (expected e.g. k4c32-v2t32-r128-s1[-post][-f32|-bf16])");
   };
   std::vector<std::string_view> parts;
   if (!text.empty() && text.back() == '-') return fail("trailing '-'");
@@ -69,28 +85,40 @@ inline CacheConfig parse_cache_config(std::string_view text) {
   }
   if (parts.size() < 2) return fail("needs a key and a value quantizer");
   CacheConfig c;
-  if (parts[0] == "k16") c.quantize_keys = false;
-  else c.key = parse_quantizer(parts[0], 'k');
-  if (parts[1] == "v16") c.quantize_values = false;
-  else c.value = parse_quantizer(parts[1], 'v');
-  for (std::size_t i = 2; i < parts.size(); ++i) {
-    std::string_view p = parts[i];
-    if (p.empty()) return fail("empty part");
-    if (p == "post") c.key_rope = KeyRope::post;
-    else if (p == "pre") c.key_rope = KeyRope::pre;
-    else if (p == "f32") c.residual = Scalar::f32;
-    else if (p == "bf16") c.residual = Scalar::bf16;
-    else if (p == "f16") c.residual = Scalar::f16;
-    else if ((p.front() == 'r' || p.front() == 's') && p.size() > 1) {
-      const char kind = p.front();
-      p.remove_prefix(1);
-      std::size_t n = 0;
-      if (!detail::parse_size(p, n) || !p.empty()) return fail("'" + std::string(parts[i]) + "' is not a number");
-      (kind == 'r' ? c.window : c.sinks) = n;
-    } else {
-      return fail("unknown part '" + std::string(p) + "'");
+  auto quantizer = [&](std::string_view part, char tensor) {
+    try {
+      return parse_quantizer(part, tensor);
+    } catch (const Error& e) {  // name the whole string too: the part alone may be ambiguous
+      const std::string prefix = std::string("kvq: ") + to_string(e.code()) + ": ";
+      fail(std::string(e.what()).substr(prefix.size()));
+      return QuantizerSpec{};
     }
-  }
+  };
+  if (parts[0] == "k16") c.quantize_keys = false;
+  else c.key = quantizer(parts[0], 'k');
+  if (parts[1] == "v16") c.quantize_values = false;
+  else c.value = quantizer(parts[1], 'v');
+  if (parts.size() < 4) return fail("needs a window (r<number>) and sinks (s<number>) after the quantizers");
+  auto number = [&](std::size_t i, char letter, std::size_t& out) {
+    std::string_view p = parts[i];
+    if (p.size() < 2 || p.front() != letter)
+      return fail(std::string("part ") + std::to_string(i + 1) + " must be '" + letter + "<number>', got '" +
+                  std::string(parts[i]) + "'");
+    p.remove_prefix(1);
+    if (!detail::parse_size(p, out) || !p.empty())
+      return fail("'" + std::string(parts[i]) + "' is not a number of at most 9 digits without leading zeros");
+    return c;
+  };
+  number(2, 'r', c.window);
+  number(3, 's', c.sinks);
+  std::size_t i = 4;
+  if (i < parts.size() && parts[i] == "post") c.key_rope = KeyRope::post, ++i;
+  if (i < parts.size() && parts[i] == "f32") c.residual = Scalar::f32, ++i;
+  else if (i < parts.size() && parts[i] == "bf16") c.residual = Scalar::bf16, ++i;
+  if (i < parts.size())
+    return fail("unexpected part '" + std::string(parts[i]) +
+                "' (after the sinks come only 'post' and then 'f32' or 'bf16', each at most once)");
+  validate(c);
   return c;
 }
 

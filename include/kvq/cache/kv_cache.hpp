@@ -23,6 +23,7 @@
 #include "kvq/cache/stream_layout.hpp"
 #include "kvq/cache/stream_view.hpp"
 #include "kvq/core/aligned_buffer.hpp"
+#include "kvq/core/checked.hpp"
 #include "kvq/core/convert.hpp"
 #include "kvq/error.hpp"
 #include "kvq/kernels/quantize/quantize.hpp"
@@ -35,7 +36,11 @@ enum class Tensor : unsigned char { keys, values };
 
 constexpr const char* to_string(Tensor t) noexcept { return t == Tensor::keys ? "key" : "value"; }
 
-/// The model-side geometry a cache is built for.
+/// Most tokens a cache holds: positions and row counts stay far from any integer's end.
+inline constexpr std::size_t max_capacity = RopeTable::max_positions_limit;
+
+/// The model-side geometry a cache is built for. Limits: head_dim <= max_head_dim, capacity <=
+/// max_capacity, and the storage of layers x kv_heads x capacity must fit a size_t (checked).
 struct CacheShape {
   std::size_t layers = 1;
   std::size_t kv_heads = 1;
@@ -47,26 +52,43 @@ struct CacheShape {
   RopeConfig rope() const { return RopeConfig{head_dim, rope_style, rope_theta, 0, 0}; }
 };
 
+/// Throws kvq::Error naming the field unless a cache of this shape and configuration can exist.
+inline void validate(const CacheShape& shape, const CacheConfig& config) {
+  if (shape.layers == 0 || shape.kv_heads == 0 || shape.capacity == 0)
+    throw Error(ErrorCode::invalid_argument, "cache shape needs at least one layer, KV head and token of capacity");
+  if (shape.head_dim == 0 || shape.head_dim > max_head_dim)
+    throw Error(ErrorCode::invalid_argument, "cache shape: head_dim must be in 1.." + std::to_string(max_head_dim) +
+                                                 ", got " + std::to_string(shape.head_dim));
+  check_limit(shape.capacity, max_capacity, "cache shape: capacity");
+  if (shape.rope_style != RopeStyle::adjacent_pairs && shape.rope_style != RopeStyle::half_split)
+    throw Error(ErrorCode::invalid_argument,
+                "cache shape: rope_style " + std::to_string(int(shape.rope_style)) + " is not a RopeStyle");
+  validate(config);
+  if (config.quantize_keys) validate(config.key, shape.head_dim, "key quantizer");
+  if (config.quantize_values) validate(config.value, shape.head_dim, "value quantizer");
+}
+
 class BasicKVCache {
  public:
   BasicKVCache(const CacheShape& shape, const CacheConfig& config) : shape_(shape), config_(config) {
-    if (shape.layers == 0 || shape.kv_heads == 0 || shape.capacity == 0)
-      throw Error(ErrorCode::invalid_argument, "cache shape needs at least one layer, KV head and token of capacity");
-    if (config.quantize_keys) validate(config.key, shape.head_dim, "key quantizer");
-    if (config.quantize_values) validate(config.value, shape.head_dim, "value quantizer");
-    if (!config.quantize_keys && !config.quantize_values && shape.head_dim > max_head_dim)
-      throw Error(ErrorCode::invalid_argument, "head_dim exceeds " + std::to_string(max_head_dim));
+    validate(shape, config);
     layouts_[0] = StreamLayout(config.key, config.quantize_keys, shape.head_dim, config, shape.capacity);
     layouts_[1] = StreamLayout(config.value, config.quantize_values, shape.head_dim, config, shape.capacity);
-    rope_ = RopeTable(shape.rope(), shape.capacity);
+    // Each stream is below 2^47 bytes (capacity and head_dim limits); the products over layers
+    // and heads are what can wrap.
     head_bytes_ = layouts_[0].bytes + layouts_[1].bytes;
-    storage_ = AlignedBuffer(head_bytes_ * shape.layers * shape.kv_heads);
+    const std::size_t streams = checked_mul(shape.layers, shape.kv_heads, "cache shape: layers x kv_heads");
+    storage_ = AlignedBuffer(checked_mul(head_bytes_, streams, "cache storage bytes"));
+    rope_ = RopeTable(shape.rope(), shape.capacity);
     lengths_.assign(shape.layers, 0);
+    key_peaks_.assign(shape.layers, 0.0f);
     quantized_ends_.resize(shape.layers * 2);
     clear();
-    const std::size_t largest_group = std::max(config.quantize_keys && config.key.axis == Axis::per_channel ? config.key.group : 1,
-                                               config.quantize_values && config.value.axis == Axis::per_channel ? config.value.group : 1);
-    scratch_.resize(largest_group * shape.head_dim);
+    // Scratch holds one due per-channel group; a group longer than the stream never comes due.
+    auto due_rows = [&](const StreamLayout& lay) {
+      return lay.quantized && lay.spec.axis == Axis::per_channel ? std::min(lay.spec.group, lay.ring_rows) : 1;
+    };
+    scratch_.resize(std::max(due_rows(layouts_[0]), due_rows(layouts_[1])) * shape.head_dim);
   }
 
   const CacheShape& shape() const noexcept { return shape_; }
@@ -81,6 +103,7 @@ class BasicKVCache {
   /// length(layer). Throws kvq::Error and leaves the cache unchanged on any bad input.
   void append(std::size_t layer, std::size_t position, std::span<const float> keys, std::span<const float> values) {
     const std::size_t tokens = check_append(layer, position, keys, values);
+    for (const float k : keys) key_peaks_[layer] = std::max(key_peaks_[layer], std::fabs(k));
     for (std::size_t t = 0; t < tokens; ++t) {
       const std::size_t p = position + t;
       for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
@@ -146,8 +169,13 @@ class BasicKVCache {
 
   void clear() noexcept {
     std::fill(lengths_.begin(), lengths_.end(), 0);
+    std::fill(key_peaks_.begin(), key_peaks_.end(), 0.0f);
     for (std::size_t i = 0; i < quantized_ends_.size(); ++i) quantized_ends_[i] = layouts_[i % 2].sinks;
   }
+
+  /// The largest |key| appended to `layer` since the cache was built or cleared (an upper bound
+  /// after truncate and erase). Attention uses it to refuse queries whose scores could overflow.
+  float key_peak(std::size_t layer) const { return key_peaks_.at(layer); }
 
   /// First position of `layer` that `t` holds unquantized (= sinks while nothing is quantized).
   std::size_t quantized_end(Tensor t, std::size_t layer) const { return quantized_ends_.at(layer * 2 + index(t)); }
@@ -325,7 +353,7 @@ class BasicKVCache {
 
   /// Validates erase(first, count) completely.
   void check_erase(std::size_t first, std::size_t count) const {
-    const std::string range = "erasing positions [" + std::to_string(first) + ", " + std::to_string(first + count) + ")";
+    const std::string range = "erasing " + std::to_string(count) + " positions from " + std::to_string(first);
     if (first < config_.sinks)
       throw Error(ErrorCode::invalid_argument, range + ": the first " + std::to_string(config_.sinks) +
                                                    " positions are sink tokens and are kept");
@@ -447,6 +475,7 @@ class BasicKVCache {
   std::size_t head_bytes_ = 0;
   AlignedBuffer storage_;
   std::vector<std::size_t> lengths_;
+  std::vector<float> key_peaks_;             // (layers): see key_peak
   std::vector<std::size_t> quantized_ends_;  // (layers, 2): first unquantized key / value position
   std::vector<float> scratch_;  // one group of due rows, as floats
 };

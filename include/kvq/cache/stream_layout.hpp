@@ -12,12 +12,14 @@
 // 0 and R full-precision keys; here every key group leaves as soon as it is due, so the newest
 // R tokens are always full precision and at most R + G - 1 keys are. Values match KIVI exactly:
 // a FIFO of R where the oldest token is quantized on its own. R = 0 quantizes every complete
-// group at once.
+// group at once; any R or S up to SIZE_MAX is valid (R >= capacity: nothing is ever quantized),
+// and no sum of them is formed that could wrap.
 
 #include <algorithm>
 #include <cstddef>
 
 #include "kvq/cache/cache_config.hpp"
+#include "kvq/core/checked.hpp"
 #include "kvq/pack/bitpack.hpp"
 #include "kvq/quant/spec.hpp"
 
@@ -46,7 +48,7 @@ struct StreamLayout {
     const std::size_t after_sinks = capacity > sinks ? capacity - sinks : 0;
     if (quantized) {
       const std::size_t step = spec.axis == Axis::per_channel ? spec.group : 1;
-      ring_rows = std::min(window + step, after_sinks);
+      ring_rows = std::min(saturating_add(window, step), after_sinks);  // a window of SIZE_MAX: never quantized
       max_quantized_rows = after_sinks / step * step;
       row_bytes = packed_bytes(head_dim, spec.bits);
       param_count = spec.axis == Axis::per_channel ? max_quantized_rows / spec.group * head_dim
@@ -67,8 +69,8 @@ struct StreamLayout {
 
   /// First position that is not quantized when the stream holds `length` tokens.
   std::size_t quantized_end(std::size_t length) const noexcept {
-    if (!quantized || length <= sinks + window) return sinks;
-    const std::size_t eligible = length - window - sinks;  // tokens past the sinks and out of the window
+    if (!quantized || length <= sinks || length - sinks <= window) return sinks;  // no sum that could wrap
+    const std::size_t eligible = length - sinks - window;  // tokens past the sinks and out of the window
     const std::size_t step = spec.axis == Axis::per_channel ? spec.group : 1;
     return sinks + std::min(eligible / step * step, max_quantized_rows);
   }

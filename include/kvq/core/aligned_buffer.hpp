@@ -1,5 +1,6 @@
 #pragma once
-// Owning, zero-initialised byte buffer with cache-line alignment. Buffers of 2 MiB and more are
+// Owning, zero-initialised byte buffer with cache-line alignment; a refused allocation is a
+// kvq::Error (out_of_memory), never std::bad_alloc. Buffers of 2 MiB and more are
 // 2 MiB-aligned and advised as huge pages: decode attention streams the whole cache every step,
 // and one core reads about a third faster from huge pages than from 4 KiB pages on x86-64.
 
@@ -7,12 +8,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <new>
+#include <string>
 #include <utility>
 
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+
+#include "kvq/error.hpp"
 
 namespace kvq::inline v0 {
 
@@ -26,9 +29,11 @@ class AlignedBuffer {
   explicit AlignedBuffer(std::size_t bytes) : size_(bytes) {
     if (bytes == 0) return;
     const std::size_t alignment = bytes >= huge_page ? huge_page : cache_line;
-    const std::size_t rounded = (bytes + alignment - 1) / alignment * alignment;
-    data_ = static_cast<std::uint8_t*>(std::aligned_alloc(alignment, rounded));
-    if (data_ == nullptr) throw std::bad_alloc();
+    // A request within one alignment of SIZE_MAX would wrap while rounding up; no system has it.
+    const std::size_t rounded = bytes > std::size_t(-1) - alignment ? 0 : (bytes + alignment - 1) / alignment * alignment;
+    data_ = rounded == 0 ? nullptr : static_cast<std::uint8_t*>(std::aligned_alloc(alignment, rounded));
+    if (data_ == nullptr)
+      throw Error(ErrorCode::out_of_memory, "allocating " + std::to_string(bytes) + " bytes failed");
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     if (alignment == huge_page) (void)madvise(data_, rounded, MADV_HUGEPAGE);  // advisory: ignore failure
 #endif

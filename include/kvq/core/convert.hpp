@@ -29,7 +29,9 @@ namespace detail {
 #if defined(KVQ_HAVE_X86_KERNELS)
 #pragma GCC diagnostic push
 #if !defined(__clang__)
+#if !defined(__clang__)  // a GCC-only warning; clang warns about the unknown name
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 /// load_scalar with the F16C conversion for fp16: the kernels (AVX2 and AVX-512, both with F16C)

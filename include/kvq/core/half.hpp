@@ -78,6 +78,9 @@ enum class Scalar : std::uint8_t { f32, f16, bf16 };
 
 constexpr std::size_t size_of(Scalar s) noexcept { return s == Scalar::f32 ? 4 : 2; }
 
+/// False for a value cast from outside the enumeration (configs read from files or casts).
+constexpr bool is_valid(Scalar s) noexcept { return s == Scalar::f32 || s == Scalar::f16 || s == Scalar::bf16; }
+
 constexpr const char* to_string(Scalar s) noexcept {
   return s == Scalar::f32 ? "f32" : s == Scalar::f16 ? "f16" : "bf16";
 }

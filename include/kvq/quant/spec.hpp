@@ -31,6 +31,9 @@ inline constexpr int min_bits = 1;
 inline constexpr int max_bits = 8;
 /// Longest head vector the kernels accept; bounds their stack scratch.
 inline constexpr std::size_t max_head_dim = 1024;
+/// Most tokens in one per-channel group. A due group is quantized from a scratch block of
+/// group x head_dim floats, so the group bounds that allocation (16 MiB at the limits).
+inline constexpr std::size_t max_group_tokens = 4096;
 
 struct QuantizerSpec {
   int bits = 4;
@@ -44,12 +47,28 @@ struct QuantizerSpec {
   constexpr bool operator==(const QuantizerSpec&) const = default;
 };
 
-/// Throws if the spec cannot be used with vectors of `head_dim` channels.
-inline void validate(const QuantizerSpec& spec, std::size_t head_dim, std::string_view what) {
+/// Throws if the spec is not a quantizer kvq implements, whatever the shape.
+inline void validate(const QuantizerSpec& spec, std::string_view what) {
   const std::string prefix = std::string(what) + ": ";
   if (spec.bits < min_bits || spec.bits > max_bits)
     throw Error(ErrorCode::invalid_argument, prefix + "bits must be in 1..8, got " + std::to_string(spec.bits));
+  if (spec.axis != Axis::per_channel && spec.axis != Axis::per_token)
+    throw Error(ErrorCode::invalid_argument, prefix + "axis " + std::to_string(int(spec.axis)) + " is not an Axis");
+  if (spec.mode != Mode::asymmetric && spec.mode != Mode::symmetric)
+    throw Error(ErrorCode::invalid_argument, prefix + "mode " + std::to_string(int(spec.mode)) + " is not a Mode");
+  if (!is_valid(spec.param))
+    throw Error(ErrorCode::invalid_argument,
+                prefix + "parameter type " + std::to_string(int(spec.param)) + " is not a Scalar");
   if (spec.group == 0) throw Error(ErrorCode::invalid_argument, prefix + "group size must be positive");
+  if (spec.axis == Axis::per_channel && spec.group > max_group_tokens)
+    throw Error(ErrorCode::invalid_argument, prefix + "a per-channel group of " + std::to_string(spec.group) +
+                                                 " tokens exceeds the limit of " + std::to_string(max_group_tokens));
+}
+
+/// Throws if the spec cannot be used with vectors of `head_dim` channels.
+inline void validate(const QuantizerSpec& spec, std::size_t head_dim, std::string_view what) {
+  validate(spec, what);
+  const std::string prefix = std::string(what) + ": ";
   if (head_dim == 0 || head_dim > max_head_dim)
     throw Error(ErrorCode::invalid_argument,
                 prefix + "head_dim must be in 1.." + std::to_string(max_head_dim) + ", got " + std::to_string(head_dim));
@@ -76,9 +95,14 @@ inline std::string to_string(const QuantizerSpec& spec, char tensor) {
 }
 
 namespace detail {
+/// Reads a decimal number of at most 9 digits from the front of `text`: no sign, no space, no
+/// leading zero (so each number has one spelling, the one to_string writes).
 inline bool parse_size(std::string_view& text, std::size_t& out) {
   std::size_t i = 0, value = 0;
-  while (i < text.size() && text[i] >= '0' && text[i] <= '9' && i < 9) value = value * 10 + std::size_t(text[i++] - '0');
+  while (i < text.size() && text[i] >= '0' && text[i] <= '9') {
+    if (i == 9 || (i == 1 && text[0] == '0')) return false;
+    value = value * 10 + std::size_t(text[i++] - '0');
+  }
   if (i == 0) return false;
   out = value;
   text.remove_prefix(i);
@@ -86,7 +110,8 @@ inline bool parse_size(std::string_view& text, std::size_t& out) {
 }
 }  // namespace detail
 
-/// Parses the form written by to_string; `tensor` is 'k' or 'v'. Throws naming the bad text.
+/// Parses exactly the form written by to_string (one spelling per spec: no leading zeros, no
+/// suffix that names the default); `tensor` is 'k' or 'v'. Throws naming the bad text.
 inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
   const std::string original(text);
   auto fail = [&](const std::string& why) -> QuantizerSpec {
@@ -104,6 +129,8 @@ inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
   spec.axis = text.front() == 'c' ? Axis::per_channel : Axis::per_token;
   text.remove_prefix(1);
   if (!detail::parse_size(text, spec.group) || spec.group == 0) return fail("group size must be a positive number");
+  if (spec.axis == Axis::per_channel && spec.group > max_group_tokens)
+    return fail("a per-channel group may hold at most " + std::to_string(max_group_tokens) + " tokens");
   if (!text.empty() && text.front() == 's') {
     spec.mode = Mode::symmetric;
     text.remove_prefix(1);
@@ -111,7 +138,6 @@ inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
   if (!text.empty()) {
     if (text == ".f32") spec.param = Scalar::f32;
     else if (text == ".bf16") spec.param = Scalar::bf16;
-    else if (text == ".f16") spec.param = Scalar::f16;
     else return fail("unknown suffix '" + std::string(text) + "'");
   }
   return spec;

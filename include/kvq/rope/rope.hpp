@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kvq/core/aligned_buffer.hpp"
+#include "kvq/core/checked.hpp"
 #include "kvq/error.hpp"
 
 namespace kvq::inline v0 {
@@ -56,6 +57,8 @@ class RopeTable {
   RopeTable(const RopeConfig& config, std::size_t max_positions) : config_(config), max_positions_(max_positions) {
     validate(config);
     const std::size_t pairs = config.dims() / 2;
+    // Bounded first: a wrapped size would allocate a short table and index past it.
+    check_limit(max_positions, max_positions_limit, "RoPE table positions");
     cos_ = Table(max_positions * pairs);
     sin_ = Table(max_positions * pairs);
     // Angles in double, rounded once: every entry is cos/sin of the exact angle to float rounding
@@ -90,6 +93,9 @@ class RopeTable {
         step_sin_[i * steps + t] = float(std::sin(double(t) * freq[i]));
       }
   }
+
+  /// Most positions a table holds (a cache's capacity is bounded the same way).
+  static constexpr std::size_t max_positions_limit = std::size_t(1) << 32;
 
   /// Positions per row of the step tables.
   static constexpr std::size_t steps = 32;

@@ -40,7 +40,9 @@
 // GCC 12 warns on its own intrinsic headers (_mm512_undefined_* placeholders) when inlined
 // through target attributes; the warning is about GCC's code, not ours.
 #pragma GCC diagnostic push
+#if !defined(__clang__)  // a GCC-only warning; clang warns about the unknown name
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
 namespace kvq::inline v0::kernels::attention::avx512 {

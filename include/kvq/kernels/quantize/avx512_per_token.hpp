@@ -15,7 +15,9 @@
 
 #pragma GCC diagnostic push
 #if !defined(__clang__)
+#if !defined(__clang__)  // a GCC-only warning; clang warns about the unknown name
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 

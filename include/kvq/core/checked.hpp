@@ -1,0 +1,35 @@
+#pragma once
+// Size arithmetic that cannot wrap. Shapes, capacities and groups come from users and files; a
+// product that wraps would allocate too little and let later writes run past the end, so every
+// size the library derives from them goes through these and fails with the field's name.
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+#include "kvq/error.hpp"
+
+namespace kvq::inline v0 {
+
+/// a * b, or kvq::Error naming `what` when the product does not fit a size_t.
+inline std::size_t checked_mul(std::size_t a, std::size_t b, std::string_view what) {
+  std::size_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out))
+    throw Error(ErrorCode::invalid_argument, std::string(what) + ": " + std::to_string(a) + " x " + std::to_string(b) +
+                                                 " overflows the size type");
+  return out;
+}
+
+/// a + b, or SIZE_MAX when the sum does not fit: for "never" thresholds such as a window of SIZE_MAX.
+constexpr std::size_t saturating_add(std::size_t a, std::size_t b) noexcept {
+  return a > std::size_t(-1) - b ? std::size_t(-1) : a + b;
+}
+
+/// Throws kvq::Error naming `what` unless value <= limit.
+inline void check_limit(std::size_t value, std::size_t limit, std::string_view what) {
+  if (value > limit)
+    throw Error(ErrorCode::invalid_argument,
+                std::string(what) + " of " + std::to_string(value) + " exceeds the limit of " + std::to_string(limit));
+}
+
+}  // namespace kvq::inline v0

@@ -1,0 +1,70 @@
+#pragma once
+// Where the integer tier can carry a range of the cache. Its int8 query is stepped by the largest
+// q x scale of a key block, and its value weights by the largest weight x scale of a tile: when
+// one channel's (or one row's) scale dwarfs the others, the step rounds their contributions to
+// nothing (one key of 60,000 among unit keys, or Mixtral's outlier channels of ~7,000 against a
+// median of 0.3). decode_attention asks this per task and runs such a task in the exact tier, so
+// the integer tier's bound holds on outlier data too; on data without such outliers nothing
+// changes. The check reads only the parameters, a sixteenth of a 4-bit block's bytes or less.
+
+#include <algorithm>
+#include <cstddef>
+
+#include "kvq/cache/stream_view.hpp"
+#include "kvq/core/convert.hpp"
+#include "kvq/kernels/attention/reference.hpp"
+
+namespace kvq::inline v0::kernels::attention {
+
+/// Largest channel scale of a key block over the block's mean channel scale that the int8 query
+/// carries within the tier's bound. Measured on random keys with one channel's scale multiplied by
+/// R (head_dim 128, K2/K4/K8): relative error 1.3-1.7e-2 at R = 1, 1.8-2.3e-2 at R = 4 (spread
+/// 3.9), 4.2-5.2e-2 at R = 8 (spread 7.6) against the bound of 2.5e-2.
+inline constexpr float integer_key_spread_limit = 4.0f;
+/// Largest value scale over the mean scale of a task's value rows. Value outliers cost the bound
+/// little where they dominate the output (1.7-2.6e-2 measured up to a 64x group or row); past
+/// this the rows around a rare large one lose their weights entirely.
+inline constexpr float integer_value_spread_limit = 64.0f;
+
+namespace detail {
+
+/// Largest and summed parameter of entries [first, first + count) of a parameter array.
+inline std::pair<float, double> scale_extent(const StreamView& s, std::size_t first, std::size_t count) noexcept {
+  float buffer[256];
+  float top = 0.0f;
+  double sum = 0.0;
+  for (std::size_t i = 0; i < count; i += 256) {
+    const std::size_t n = std::min<std::size_t>(256, count - i);
+    load_row(s.spec.param, s.scales + (first + i) * size_of(s.spec.param), n, buffer);
+    for (std::size_t j = 0; j < n; ++j) {
+      top = std::max(top, std::fabs(buffer[j]));
+      sum += std::fabs(buffer[j]);
+    }
+  }
+  return {top, sum};
+}
+
+}  // namespace detail
+
+/// False when some key block or the value rows of [task.begin, task.end) have a scale spread the
+/// integer tier cannot carry (see the limits above).
+inline bool integer_tier_carries(const DecodeTask& task) noexcept {
+  const StreamView &k = task.keys, &v = task.values;
+  if (task.rope == nullptr && k.quantized && k.spec.axis == Axis::per_channel) {
+    const std::size_t first = std::max(task.begin, k.first_quantized), last = std::min(task.end, k.end_quantized);
+    const std::size_t g = k.spec.group;
+    for (std::size_t p = first; p < last; p = k.first_quantized + ((p - k.first_quantized) / g + 1) * g) {
+      const auto [top, sum] = detail::scale_extent(k, k.param_index(p), k.head_dim);
+      if (double(top) * double(k.head_dim) > double(integer_key_spread_limit) * sum) return false;
+    }
+  }
+  const auto [a, b] = quantized_value_rows(v, task.begin, task.end);
+  if (a < b) {
+    const std::size_t count = (b - a) * groups_per_row(v.spec, v.head_dim);
+    const auto [top, sum] = detail::scale_extent(v, v.param_index(a), count);
+    if (double(top) * double(count) > double(integer_value_spread_limit) * sum) return false;
+  }
+  return true;
+}
+
+}  // namespace kvq::inline v0::kernels::attention

@@ -1,0 +1,221 @@
+// Reproducers of sizes and positions that used to overflow or corrupt silently: each must now be a
+// kvq::Error naming the field, or work exactly, with nothing changed on failure.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kvq/kvq.hpp"
+#include "support/compare.hpp"
+#include "support/random.hpp"
+
+namespace {
+
+using kvq::BasicKVCache;
+using kvq::CacheConfig;
+using kvq::CacheShape;
+using kvq::ErrorCode;
+
+constexpr std::size_t size_max = std::numeric_limits<std::size_t>::max();
+
+template <class F>
+void expect_error(F&& f, ErrorCode code, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "no kvq::Error thrown; expected one mentioning '" << needle << "'";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "'" << e.what() << "' lacks '" << needle << "'";
+  }
+}
+
+CacheConfig config(const char* text) { return kvq::parse_cache_config(text); }
+
+TEST(Limits, ShapeProductsThatWrapAreRefused) {
+  // kv_heads = 2^61 x head_dim 8 once made a cache of 0 bytes whose first append divided by zero.
+  for (const std::size_t kv_heads : {std::size_t(1) << 61, std::size_t(1) << 58, size_max}) {
+    SCOPED_TRACE(kv_heads);
+    expect_error([&] { BasicKVCache c(CacheShape{1, kv_heads, 8, 16}, config("k4c32-v2t8-r0-s0")); }, ErrorCode::invalid_argument,
+                 "overflows");
+  }
+  expect_error([&] { BasicKVCache c(CacheShape{size_max, 2, 8, 16}, config("k4c32-v2t8-r0-s0")); }, ErrorCode::invalid_argument,
+               "layers x kv_heads");
+  expect_error([&] { BasicKVCache c(CacheShape{1, 1, 2048, 16}, kvq::full_precision_config()); },
+               ErrorCode::invalid_argument, "head_dim");
+  expect_error([&] { BasicKVCache c(CacheShape{1, 1, 0, 16}, CacheConfig{}); }, ErrorCode::invalid_argument, "head_dim");
+}
+
+TEST(Limits, CapacityBeyondTheLimitIsRefusedBeforeAnyTable) {
+  // 2^62 crashed in the RoPE table, SIZE_MAX wrote past it, 2^40 ended in std::bad_alloc.
+  for (const std::size_t capacity : {std::size_t(1) << 62, size_max, std::size_t(1) << 40, kvq::max_capacity + 1}) {
+    SCOPED_TRACE(capacity);
+    expect_error([&] { BasicKVCache c(CacheShape{1, 1, 64, capacity}, CacheConfig{}); }, ErrorCode::invalid_argument,
+                 "capacity");
+  }
+  volatile std::size_t opaque = size_max;  // not a constant: GCC would warn about the loop it guards
+  expect_error([&] { kvq::RopeTable t(kvq::RopeConfig{64}, opaque); }, ErrorCode::invalid_argument, "RoPE table positions");
+  expect_error([] { kvq::AlignedBuffer b(size_max - 10); }, ErrorCode::out_of_memory, "bytes");
+}
+
+// A window of SIZE_MAX is the natural way to say "never quantize": every sum with it once wrapped.
+TEST(Limits, HugeWindowsAndSinksNeverQuantizeAndNeverWrap) {
+  const std::size_t dim = 16, heads = 2, tokens = 100;
+  const auto keys = kvq::test::normal_vector(tokens * heads * dim, 3);
+  const auto values = kvq::test::normal_vector(tokens * heads * dim, 4);
+  for (const std::size_t sinks : {std::size_t(0), std::size_t(4), size_max, size_max - 3}) {
+    for (const std::size_t window : {size_max, size_max - 1, size_max - 31}) {
+      SCOPED_TRACE("sinks " + std::to_string(sinks) + ", window " + std::to_string(window));
+      CacheConfig c = config("k4c32-v2t8-r0-s0-f32");
+      c.window = window;
+      c.sinks = sinks;
+      BasicKVCache cache(CacheShape{1, heads, dim, 128}, c);
+      for (std::size_t t = 0; t < tokens; t += 7) {  // chunks, so the checks run at many lengths
+        const std::size_t n = std::min<std::size_t>(7, tokens - t), at = t * heads * dim;
+        cache.append(0, t, std::span(keys).subspan(at, n * heads * dim), std::span(values).subspan(at, n * heads * dim));
+      }
+      EXPECT_EQ(cache.memory().code_bytes, 0u);
+      std::vector<float> row(dim);
+      for (std::size_t p = 0; p < tokens; ++p)
+        for (std::size_t h = 0; h < heads; ++h) {
+          cache.keys(0, h).read_row(p, row.data());
+          for (std::size_t i = 0; i < dim; ++i) ASSERT_EQ(row[i], keys[(p * heads + h) * dim + i]) << p;
+          cache.values(0, h).read_row(p, row.data());
+          for (std::size_t i = 0; i < dim; ++i) ASSERT_EQ(row[i], values[(p * heads + h) * dim + i]) << p;
+        }
+    }
+  }
+}
+
+TEST(Limits, PerChannelGroupsAreBoundedAndScratchFollowsTheCapacity) {
+  expect_error([] { (void)config("k4c20000000-v2t32-r0-s0"); }, ErrorCode::invalid_argument, "4096");
+  expect_error([] { (void)config("k4c999999999-v2t32-r0-s0"); }, ErrorCode::invalid_argument, "4096");
+  // A group longer than the stream never comes due: its scratch is not allocated.
+  BasicKVCache cache(CacheShape{1, 1, 128, 16}, config("k4c4096-v2t32-r0-s0"));
+  EXPECT_LT(cache.allocated_bytes(), std::size_t(1) << 20);
+}
+
+BasicKVCache filled_cache(const char* text, std::size_t tokens, float key_scale = 1.0f) {
+  const std::size_t dim = 64, heads = 2;
+  BasicKVCache cache(CacheShape{1, heads, dim, 256}, config(text));
+  auto keys = kvq::test::normal_vector(tokens * heads * dim, 5);
+  for (float& k : keys) k *= key_scale;
+  cache.append(0, 0, keys, kvq::test::normal_vector(tokens * heads * dim, 6));
+  return cache;
+}
+
+TEST(Limits, AttentionPositionsThatWouldWrapAreRefused) {
+  const BasicKVCache cache = filled_cache("k4c32-v2t32-r0-s0", 100);
+  const auto q = kvq::test::normal_vector(4 * 64, 7);
+  std::vector<float> out(q.size(), 42.0f);
+  for (const std::size_t position : {size_max, size_max - 1, std::size_t(100)}) {
+    SCOPED_TRACE(position);
+    for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer})
+      expect_error([&] { kvq::decode_attention(cache, 0, position, q, out, {.tier = tier}); },
+                   ErrorCode::invalid_argument, "holds 100 tokens");
+    expect_error([&] { kvq::reference_attention(cache, 0, position, q, out); }, ErrorCode::invalid_argument,
+                 "holds 100 tokens");
+    expect_error([&] { kvq::reference_attention_block(cache, 0, position, 2, std::span(q).first(2 * 64 * 2), out); },
+                 ErrorCode::invalid_argument, "holds 100 tokens");
+  }
+  for (const float x : out) EXPECT_EQ(x, 42.0f);
+}
+
+// A finite query so large that q.k overflows float once gave NaN in every fp32 kernel. The limit
+// is sum|q| x key_peak x 2 sqrt(2) / sqrt(d) <= FLT_MAX / 64: just past it a call is refused with
+// nothing written, just below it every tier stays finite.
+TEST(Limits, QueriesWhoseScoresOverflowFloatAreRefusedAndLargeOnesStayFinite) {
+  for (const char* text : {"k4c32-v2t32-r0-s0", "k4c32-v2t32-r0-s0-post", "k3c4s-v3t8s-r0-s0-post", "k16-v16-r0-s0-f32"}) {
+    SCOPED_TRACE(text);
+    const BasicKVCache cache = filled_cache(text, 100);
+    const auto q = kvq::test::normal_vector(4 * 64, 8);
+    const double limit = std::numeric_limits<float>::max() / 64.0;
+    auto with_channel = [&](double share) {  // query head 1, channel 6 holds `share` of the limit
+      std::vector<float> out = q;
+      out[64 + 6] = float(share * limit * 8.0 / (cache.key_peak(0) * 2 * std::sqrt(2.0)));
+      return out;
+    };
+    std::vector<float> out(q.size(), 42.0f);
+    for (const double share : {1.01, 16.0}) {
+      const std::vector<float> huge = with_channel(share);
+      for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer})
+        expect_error([&] { kvq::decode_attention(cache, 0, 99, huge, out, {.tier = tier}); },
+                     ErrorCode::unrepresentable, "query head 1");
+      expect_error([&] { kvq::reference_attention(cache, 0, 99, huge, out); }, ErrorCode::unrepresentable,
+                   "query head 1");
+      for (const float x : out) ASSERT_EQ(x, 42.0f);
+    }
+    for (const double share : {0.97, 1e-3, 1e-9}) {
+      SCOPED_TRACE(share);
+      const std::vector<float> large = with_channel(share);
+      std::vector<float> oracle(q.size()), exact(q.size()), integer(q.size());
+      kvq::reference_attention(cache, 0, 99, large, oracle);
+      kvq::decode_attention(cache, 0, 99, large, exact, {.tier = kvq::Tier::exact});
+      kvq::decode_attention(cache, 0, 99, large, integer, {.tier = kvq::Tier::integer});
+      for (std::size_t i = 0; i < q.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(oracle[i]) && std::isfinite(exact[i]) && std::isfinite(integer[i])) << i;
+        EXPECT_NEAR(exact[i], oracle[i], 1e-4 * (1 + std::fabs(oracle[i]))) << i;
+      }
+    }
+  }
+}
+
+using kvq::test::relative_error;
+
+// One key or value of 1e3 to 6e4 among unit ones once moved the integer tier up to 0.16 from the
+// oracle (0 where the oracle gave 0.05): its int8 step, set by the outlier, rounded the rest away.
+TEST(Limits, IntegerTierKeepsItsBoundOnOutlierData) {
+  const std::size_t dim = 64, heads = 2, tokens = 200, query_heads = 8;
+  const auto q = kvq::test::normal_vector(query_heads * dim, 3);
+  for (const char* text : {"k3c4s-v3t8s-r0-s0-post", "k4c32-v2t32-r0-s0-post", "k2c32-v4t32-r8-s1-post",
+                           "k8c32-v8t32-r0-s0-post"}) {
+    for (const char* where : {"keys", "values", "both"}) {
+      for (const float magnitude : {1e3f, 7e3f, 6e4f}) {
+        SCOPED_TRACE(std::string(text) + ", " + where + ", " + std::to_string(magnitude));
+        BasicKVCache cache(CacheShape{1, heads, dim, 256}, config(text));
+        auto keys = kvq::test::normal_vector(tokens * heads * dim, 1);
+        auto values = kvq::test::normal_vector(tokens * heads * dim, 2);
+        const std::size_t at = (37 * heads + 1) * dim + 5;
+        if (where[0] != 'v') keys[at] = magnitude;
+        if (where[0] != 'k') values[at + 9 * heads * dim] = -magnitude;
+        cache.append(0, 0, keys, values);
+        std::vector<float> oracle(q.size());
+        kvq::reference_attention(cache, 0, tokens - 1, q, oracle);
+        for (const kvq::isa::Level isa : {kvq::isa::Level::avx512, kvq::isa::Level::avx2, kvq::isa::Level::scalar}) {
+          std::vector<float> out(q.size());
+          kvq::decode_attention(cache, 0, tokens - 1, q, out, {.tier = kvq::Tier::integer, .max_isa = isa});
+          EXPECT_LT(relative_error(out, oracle), 2.5e-2) << "max_isa " << int(isa);
+        }
+      }
+    }
+  }
+}
+
+// Without outliers the integer tier still runs: its answer differs from the exact tier's.
+TEST(Limits, IntegerTierStillRunsWhereNothingStandsOut) {
+  const BasicKVCache cache = filled_cache("k4c32-v2t32-r0-s0-post", 200);
+  const auto q = kvq::test::normal_vector(4 * 64, 9);
+  std::vector<float> exact(q.size()), integer(q.size());
+  kvq::decode_attention(cache, 0, 199, q, exact, {.tier = kvq::Tier::exact});
+  kvq::decode_attention(cache, 0, 199, q, integer, {.tier = kvq::Tier::integer});
+  EXPECT_GT(relative_error(integer, exact), 1e-5);
+  EXPECT_LT(relative_error(integer, exact), 2.5e-2);
+  kvq::kernels::attention::DecodeTask task;
+  task.keys = cache.keys(0, 0);
+  task.values = cache.values(0, 0);
+  task.end = 200;
+  EXPECT_TRUE(kvq::kernels::attention::integer_tier_carries(task));
+}
+
+TEST(Limits, TheKeyPeakBoundsWhatWasAppended) {
+  BasicKVCache cache = filled_cache("k4c32-v2t32-r0-s0", 10, 3.0f);
+  const float peak = cache.key_peak(0);
+  EXPECT_GT(peak, 3.0f);
+  EXPECT_LT(peak, 30.0f);
+  cache.clear();
+  EXPECT_EQ(cache.key_peak(0), 0.0f);
+}
+
+}  // namespace
