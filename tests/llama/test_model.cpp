@@ -8,10 +8,13 @@
 #include <cstring>
 #include <stdexcept>
 #include <functional>
+#include <variant>
 #include <string>
 #include <vector>
 
 #include "llama/full_precision_backend.hpp"
+#include "kvq/core/half.hpp"
+#include "llama/ggml_blocks.hpp"
 #include "llama/gguf.hpp"
 #include "llama/inference.hpp"
 #include "llama/llama_test_support.hpp"
@@ -237,6 +240,54 @@ TEST(Model, TensorsOfOneBlockMissingNamesBlockCount) {
   const std::string e = model_error(w.bytes());
   EXPECT_NE(e.find("llama.block_count = 2"), std::string::npos) << e;
   EXPECT_NE(e.find("blk.1.attn_norm.weight"), std::string::npos) << e;
+}
+
+// The real model re-written with every tensor whose rows are whole Q8_0 blocks in Q8_0 (ggml's
+// reference quantizer: d = amax / 127, codes rounded): it loads through the quantized path and
+// predicts as the F32 model does, within what 8-bit weights cost.
+TEST(Model, Q8_0WeightsRunEndToEnd) {
+  KVQ_REQUIRE_LLAMA_DATA();
+  const auto original = GgufFile::load(default_model_path());
+  GgufWriter w;
+  for (const auto& [key, value] : original.metadata()) {
+    if (value.type == GgufType::array) continue;  // only the tokenizer's arrays; the model needs none
+    if (const auto* s = std::get_if<std::string>(&value.data)) w.str(key, *s);
+    else if (value.type == GgufType::float32) w.f32(key, static_cast<float>(std::get<double>(value.data)));
+    else if (value.type == GgufType::uint32) w.u32(key, static_cast<std::uint32_t>(std::get<std::uint64_t>(value.data)));
+  }
+  std::size_t quantized = 0;
+  for (const GgufTensor& t : original.tensors()) {
+    if (t.dims[0] % 32 != 0) {
+      w.tensor_f32(t.name, t.dims, t.data);
+      continue;
+    }
+    std::vector<std::uint8_t> blocks;
+    for (std::size_t b = 0; b < t.data.size(); b += 32) {
+      float amax = 0.0f;
+      for (std::size_t j = 0; j < 32; ++j) amax = std::max(amax, std::abs(t.data[b + j]));
+      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      GgufWriter::put(blocks, to_fp16(d).bits);
+      for (std::size_t j = 0; j < 32; ++j)
+        blocks.push_back(static_cast<std::uint8_t>(static_cast<std::int8_t>(std::lround(t.data[b + j] * id))));
+    }
+    w.tensor(t.name, t.dims, ggml_type_q8_0, blocks);
+    ++quantized;
+  }
+  EXPECT_GE(quantized, 40u);
+  const auto file = GgufFile::parse(w.bytes(), "q8_0.gguf");
+  EXPECT_EQ(file.tensor("blk.0.attn_q.weight").type, ggml_type_q8_0);
+  const Model q8(file), f32(original);
+  const auto tokens = Tokenizer(original).encode(testing::read_stories()[0]);
+  const auto run = [&](const Model& m) {
+    return teacher_forced(m, [&] { return FullPrecisionBackend(m, tokens.size()); }, tokens);
+  };
+  const auto a = run(f32), b = run(q8);
+  const double nll_a = a.total_nll() / double(a.nll.size()), nll_b = b.total_nll() / double(b.nll.size());
+  EXPECT_NEAR(nll_b, nll_a, 0.02 * nll_a);
+  std::size_t agree = 0;
+  for (std::size_t i = 0; i + 1 < tokens.size(); ++i) agree += argmax(a.row(i)) == argmax(b.row(i));
+  EXPECT_GT(double(agree), 0.95 * double(tokens.size() - 1));
+  EXPECT_NE(nll_a, nll_b);  // the weights really were quantized
 }
 
 // The quantized cache rotates whole heads, so a model that rotates part of each head is refused
