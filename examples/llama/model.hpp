@@ -90,8 +90,9 @@ class Model {
       // RoPE would rotate every channel: refuse it rather than mis-rotate silently.
       const std::size_t rope_dims = hyper(file, "llama.rope.dimension_count");
       if (rope_dims != c.head_dim)
-        file.fail("llama.rope.dimension_count = " + std::to_string(rope_dims) + " rotates part of each head (head_dim " +
-                  std::to_string(c.head_dim) + "); partial RoPE is not supported by this engine");
+        throw Error(ErrorCode::unsupported, file.source() + ": llama.rope.dimension_count = " +
+                                                std::to_string(rope_dims) + " rotates part of each head (head_dim " +
+                                                std::to_string(c.head_dim) + "); partial RoPE is not supported");
     }
 
     embedding_ = load_matrix(file, "token_embd.weight", c.dim, c.vocab);
@@ -224,9 +225,8 @@ class Model {
         for (std::size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
         return s + "]";
       };
-      throw Error(ErrorCode::shape_mismatch, file.source() + ": tensor '" + name + "' has dims " + show(t.dims) +
-                                                 ", the hyper-parameters require " + show(dims) +
-                                                 (key ? std::string(" (see ") + key + ")" : std::string()));
+      file.fail("tensor '" + name + "' has dims " + show(t.dims) + ", the hyper-parameters require " + show(dims) +
+                (key ? std::string(" (see ") + key + ")" : std::string()));
     }
     return t;
   }

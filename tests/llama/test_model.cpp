@@ -199,6 +199,7 @@ TEST(Model, MetadataCountsMustBeBackedByTensors) {
     try {
       (void)Model(GgufFile::parse(real_model_with(key, value), "patched.gguf"));
     } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::io) << e.what();
       return std::string(e.what());
     }
     return std::string();
@@ -299,6 +300,7 @@ TEST(Model, PartialRopeIsRefusedByName) {
     (void)Model(GgufFile::parse(real_model_with("llama.rope.dimension_count", 4)));
     ADD_FAILURE() << "partial RoPE accepted";
   } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
     EXPECT_NE(std::string(e.what()).find("llama.rope.dimension_count = 4"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("head_dim 8"), std::string::npos) << e.what();
   }
