@@ -151,7 +151,7 @@ std::string model_error(const std::vector<std::uint8_t>& bytes) {
 TEST(Model, TinySyntheticModelRuns) {
   const Model model(GgufFile::parse(tiny_llama("llama")));
   EXPECT_EQ(model.config().head_dim, 2u);
-  FullPrecisionBackend kv(model);
+  FullPrecisionBackend kv(model, 10);
   const auto tokens = greedy_generate(model, kv, 10, std::vector<int>{1, 2, 3});
   EXPECT_EQ(tokens.size(), 11u);
   EXPECT_EQ(std::vector<int>(tokens.begin(), tokens.begin() + 3), (std::vector<int>{1, 2, 3}));
