@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -41,7 +42,8 @@ usage: kvq-eval [options]
   --set NAME           configuration set: default, axes, full (default: default)
   --configs A,B,...    explicit configurations, e.g. k4c32-v2t8-r0-s0 (overrides --set)
   --stories N          evaluate the first N stories (default: all)
-  --context N          truncate each story to N tokens (default: 512)
+  --context N          truncate each story to N tokens (default: 512, or the model's
+                       context length if shorter; more than that length is an error)
   --metric-stories N   stories that feed the per-layer attention metrics (default: 3)
   --attention NAME     what reads the quantized cache: exact (decode attention, fp32),
                        integer (decode attention on int8 dot products) or reference
@@ -60,18 +62,39 @@ struct EvalOptions {
   bool model_given = false, synthetic = false, help = false;
   std::string set = "default", attention = "exact";
   std::vector<std::string> configs;
-  std::size_t stories = 0, context = 512, metric_stories = 3;
+  std::size_t stories = 0, metric_stories = 3;
+  std::size_t context = 0;  // 0: default_context, capped at the model's context length
 };
 
-inline std::size_t parse_count(std::string_view flag, const std::string& text) {
-  std::size_t used = 0, value = 0;
-  try {
-    value = std::stoul(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
+inline constexpr std::size_t default_context = 512;
+
+/// Tokens per story: --context if given (an error above the model's context length: positions it
+/// was never trained on would be measured as if they were), else 512 capped at that length.
+inline std::size_t resolve_context(const EvalOptions& o, std::size_t model_context, std::ostream& note) {
+  if (o.context != 0) {
+    if (o.context > model_context)
+      throw Error(ErrorCode::invalid_argument, "--context " + std::to_string(o.context) +
+                                                   " exceeds the model's context length of " +
+                                                   std::to_string(model_context) + " tokens (llama.context_length)");
+    return o.context;
   }
-  if (used != text.size() || text.empty() || text[0] == '-')
-    throw Error(ErrorCode::invalid_argument, std::string(flag) + " needs a non-negative number, got '" + text + "'");
+  if (model_context >= default_context) return default_context;
+  note << "kvq-eval: note: --context defaults to " << default_context << " tokens; capped at the model's context length of "
+       << model_context << "\n";
+  return model_context;
+}
+
+/// A count written in plain digits: a sign, a space or a leading zero (' 5', '+5', '05') is a typo
+/// that std::stoul would accept, and a value past size_t is refused rather than wrapped.
+inline std::size_t parse_count(std::string_view flag, const std::string& text) {
+  const bool plain = !text.empty() && (text.size() == 1 || text[0] != '0') &&
+                     std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  if (!plain)
+    throw Error(ErrorCode::invalid_argument,
+                std::string(flag) + " needs a non-negative whole number in plain digits, got '" + text + "'");
+  std::size_t value = 0;
+  if (std::from_chars(text.data(), text.data() + text.size(), value).ec != std::errc())
+    throw Error(ErrorCode::invalid_argument, std::string(flag) + " value '" + text + "' is too large");
   return value;
 }
 
@@ -91,7 +114,10 @@ inline EvalOptions parse_options(const std::vector<std::string>& args) {
     else if (a == "--attention") o.attention = value();
     else if (a == "--out") o.out = value();
     else if (a == "--stories") o.stories = parse_count(a, value());
-    else if (a == "--context") o.context = parse_count(a, value());
+    else if (a == "--context") {
+      o.context = parse_count(a, value());
+      if (o.context < 2) throw Error(ErrorCode::invalid_argument, "--context must be at least 2 tokens");
+    }
     else if (a == "--metric-stories") o.metric_stories = parse_count(a, value());
     else if (a == "--synthetic") o.synthetic = true;
     else if (a == "--help" || a == "-h") o.help = true;
@@ -106,7 +132,6 @@ inline EvalOptions parse_options(const std::vector<std::string>& args) {
   if (o.set != "default" && o.set != "axes" && o.set != "full")
     throw Error(ErrorCode::invalid_argument, "unknown --set '" + o.set + "': expected default, axes or full");
   (void)attention_fn(o.attention);  // rejects unknown names here
-  if (o.context < 2) throw Error(ErrorCode::invalid_argument, "--context must be at least 2 tokens");
   return o;
 }
 
@@ -253,7 +278,8 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
     const llama::GgufFile file = llama::GgufFile::load(o.model);
     const llama::Model model(file);
     const llama::Tokenizer tokenizer(file);
-    const auto stories = tokenize_stories(read_file(o.text, "text"), tokenizer, o.context, o.stories);
+    const std::size_t context = resolve_context(o, model.config().context_length, err);
+    const auto stories = tokenize_stories(read_file(o.text, "text"), tokenizer, context, o.stories);
     if (stories.empty()) throw Error(ErrorCode::invalid_argument, "text '" + o.text.string() + "' holds no story");
     std::vector<CacheConfig> configs;
     for (const std::string& c : o.configs) configs.push_back(parse_cache_config(c));
@@ -268,7 +294,9 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
     out << fmt::format("full-precision (fp32) cache: {:.4f} nats/token, perplexity {:.4f}; quantized caches read by {} attention\n\n",
                        base, std::exp(base), o.attention);
     const std::vector<ConfigResult> results = evaluate_all(evaluation, configs, err);
-    print_table(out, results, base);
+    std::size_t longest = 0;
+    for (const auto& s : stories) longest = std::max(longest, s.size());
+    print_table(out, results, base, longest);
     out << "\nbits/value counts codes, scales, zero points and full-precision tokens at each story's length;\n"
            "KL and top-1 compare next-token distributions with the fp32 run; errors are relative L2 norms\n"
            "pooled over layers and heads, with each layer's exact q, k, v quantized on their own.\n";

@@ -22,20 +22,35 @@ inline std::string axes_label(const CacheConfig& c) {
   return fmt::format("K {} / V {}", axis(c.quantize_keys, c.key.axis), axis(c.quantize_values, c.value.axis));
 }
 
-inline void print_table(std::ostream& out, const std::vector<ConfigResult>& results, double baseline_nll) {
+/// True when sinks and the full-precision window hold every position of a story of `length`
+/// tokens: such a cache quantizes nothing, and its row measures fp16 storage, not the quantizer.
+inline bool window_covers(const CacheConfig& c, std::size_t length) noexcept {
+  return (c.quantize_keys || c.quantize_values) && c.sinks + c.window >= length;
+}
+
+/// `longest_story` (tokens) flags with a '*' the configurations whose window covers it; 0 flags none.
+inline void print_table(std::ostream& out, const std::vector<ConfigResult>& results, double baseline_nll,
+                        std::size_t longest_story = 0) {
   out << fmt::format("{:<28} {:<16} {:>6} {:>8} {:>9} {:>7} {:>8} {:>8} {:>8} {:>8}\n", "config", "axes", "bits",
                      "dPPL", "KL", "top-1", "key err", "val err", "score", "output");
   out << fmt::format("{:<28} {:<16} {:>6} {:>8} {:>9} {:>7} {:>8} {:>8} {:>8} {:>8}\n", "", "", "/value", "", "nats",
                      "", "", "", "err", "err");
   const double base_ppl = std::exp(baseline_nll);
+  bool flagged = false;
   for (const ConfigResult& r : results) {
     const bool measured = !r.layers.empty();  // --metric-stories 0 skips the attention metrics
     auto metric = [&](double v) { return measured ? fmt::format("{:>8.4f}", v) : fmt::format("{:>8}", "-"); };
-    out << fmt::format("{:<28} {:<16} {:>6.2f} {:>+8.4f} {:>9.5f} {:>7.4f} {} {} {} {}\n", to_string(r.config),
-                       axes_label(r.config), r.bits_per_value, r.perplexity - base_ppl, r.mean_kl, r.top1,
-                       metric(r.all.key_error), metric(r.all.value_error), metric(r.all.score_error),
-                       metric(r.all.output_error));
+    const bool covers = longest_story != 0 && window_covers(r.config, longest_story);
+    flagged = flagged || covers;
+    out << fmt::format("{:<28} {:<16} {:>6.2f} {:>+8.4f} {:>9.5f} {:>7.4f} {} {} {} {}\n",
+                       to_string(r.config) + (covers ? "*" : ""), axes_label(r.config), r.bits_per_value,
+                       r.perplexity - base_ppl, r.mean_kl, r.top1, metric(r.all.key_error), metric(r.all.value_error),
+                       metric(r.all.score_error), metric(r.all.output_error));
   }
+  if (flagged)
+    out << fmt::format("* sinks + window cover the longest story ({} tokens): nothing was quantized, so the row\n"
+                       "  measures full-precision storage, not the quantizer; use a longer --context or a shorter -r.\n",
+                       longest_story);
 }
 
 inline void write_csv(std::FILE* f, const std::vector<ConfigResult>& results, double baseline_nll) {

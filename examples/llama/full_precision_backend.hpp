@@ -20,10 +20,11 @@ namespace kvq::llama {
 
 class FullPrecisionBackend {
  public:
-  /// `max_positions` bounds the sequence (0 = the model's context length).
-  explicit FullPrecisionBackend(const Model& model, std::size_t max_positions = 0)
+  /// `max_positions` bounds the sequence. It is the caller's to choose, never llama.context_length:
+  /// no tensor backs that number, and a corrupt 2^24 would size gigabytes of RoPE table.
+  FullPrecisionBackend(const Model& model, std::size_t max_positions)
       : FullPrecisionBackend(model.config().layers, model.config().heads, model.config().kv_heads,
-                             model.rope_config(), max_positions ? max_positions : model.config().context_length) {}
+                             model.rope_config(), max_positions) {}
 
   FullPrecisionBackend(std::size_t layers, std::size_t heads, std::size_t kv_heads, const RopeConfig& rope,
                        std::size_t max_positions)

@@ -3,6 +3,7 @@
 
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -58,7 +59,8 @@ int run(int argc, char** argv) {
   const kvq::llama::Tokenizer tokenizer(file);
   const std::size_t context = model.config().context_length;
   if (steps > context) steps = context;
-  kvq::llama::FullPrecisionBackend kv(model, context);
+  // Sized by the positions that run, not by llama.context_length, which no tensor backs.
+  kvq::llama::FullPrecisionBackend kv(model, std::max<std::size_t>(steps, 1));
   const auto prompt_tokens = tokenizer.encode(prompt, true);
   const auto tokens = kvq::llama::greedy_generate(model, kv, steps, prompt_tokens, tokenizer.bos());
   fmt::print("{}\n", tokenizer.decode(tokens));

@@ -2,7 +2,8 @@
 // GGUF (v2, v3) reader for the example Llama engine. The whole file is read into memory and
 // every read is bounds-checked: a truncated or corrupted file throws kvq::Error(io) naming the
 // file and the problem, and no count is trusted for an allocation before it has been checked
-// against the bytes that remain. Tensors of type F32, F16 and BF16 are converted to float.
+// against the bytes that remain. Tensors are converted to float (ggml_blocks.hpp says which types);
+// tensor data ranges may not overlap, so the floats made are bounded by the bytes the file holds.
 
 #include <algorithm>
 #include <bit>
@@ -19,8 +20,8 @@
 #include <variant>
 #include <vector>
 
-#include "kvq/core/half.hpp"
 #include "kvq/error.hpp"
+#include "llama/ggml_blocks.hpp"
 
 namespace kvq::llama {
 
@@ -28,11 +29,6 @@ enum class GgufType : std::uint32_t {
   uint8 = 0, int8 = 1, uint16 = 2, int16 = 3, uint32 = 4, int32 = 5, float32 = 6, boolean = 7,
   string = 8, array = 9, uint64 = 10, int64 = 11, float64 = 12,
 };
-
-// ggml tensor type numbers this reader converts; every other number is rejected by name.
-inline constexpr std::uint32_t ggml_type_f32 = 0;
-inline constexpr std::uint32_t ggml_type_f16 = 1;
-inline constexpr std::uint32_t ggml_type_bf16 = 30;
 
 struct GgufValue;
 using GgufArray = std::vector<GgufValue>;
@@ -195,14 +191,20 @@ class GgufFile {
  public:
   /// Read and parse a file. Throws kvq::Error(io) naming the file when it cannot be read or is malformed.
   static GgufFile load(const std::filesystem::path& path) {
+    // Only a regular file has a size worth trusting: a directory's reads as 2^63-1 through a stream.
+    std::error_code ec;
+    const auto status = std::filesystem::status(path, ec);
+    if (std::filesystem::is_directory(status))
+      throw Error(ErrorCode::io, path.string() + ": is a directory, not a GGUF file");
+    if (std::filesystem::exists(status) && !std::filesystem::is_regular_file(status))
+      throw Error(ErrorCode::io, path.string() + ": is not a regular file (GGUF models are read whole from a file)");
     std::ifstream file(path, std::ios::binary);
     if (!file) throw Error(ErrorCode::io, path.string() + ": cannot open GGUF file");
-    file.seekg(0, std::ios::end);
-    const std::streamoff size = file.tellg();
-    file.seekg(0, std::ios::beg);
-    if (size < 0) throw Error(ErrorCode::io, path.string() + ": cannot determine the file size");
+    const std::uintmax_t size = std::filesystem::file_size(path, ec);
+    if (ec || size > std::numeric_limits<std::size_t>::max() / 2)
+      throw Error(ErrorCode::io, path.string() + ": cannot determine the file size");
     std::vector<std::uint8_t> bytes(static_cast<std::size_t>(size));
-    if (size > 0 && !file.read(reinterpret_cast<char*>(bytes.data()), size))
+    if (size > 0 && !file.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size)))
       throw Error(ErrorCode::io, path.string() + ": read error");
     return parse(bytes, path.string());
   }
@@ -283,32 +285,45 @@ class GgufFile {
       in.fail("file ends before the tensor data section (starts at byte " + std::to_string(data_start) + ")");
     const std::size_t data_size = bytes.size() - std::min(data_start, bytes.size());
 
-    for (GgufTensor& t : f.tensors_) {
-      std::size_t element_size = 0;
-      switch (t.type) {
-        case ggml_type_f32: element_size = 4; break;
-        case ggml_type_f16: case ggml_type_bf16: element_size = 2; break;
-        default:
-          in.fail("tensor '" + t.name + "' has ggml type " + std::to_string(t.type) +
-                  ", which this reader does not support (only F32 = 0, F16 = 1 and BF16 = 30)");
-      }
-      const std::size_t n = t.elements();  // bounded by the file size above, so no overflow
-      const std::size_t size = n * element_size;
+    // Sizes and bounds of every tensor first, then overlaps, and only then any conversion.
+    struct Extent {
+      std::size_t begin, end;
+      const GgufTensor* tensor;
+    };
+    std::vector<Extent> extents;
+    extents.reserve(f.tensors_.size());
+    for (const GgufTensor& t : f.tensors_) {
+      const GgmlBlockFormat* format = ggml_block_format(t.type);
+      const std::string_view name = ggml_type_name(t.type);
+      const std::string type = "ggml type " + std::to_string(t.type) + (name.empty() ? "" : " (" + std::string(name) + ")");
+      if (format == nullptr)
+        in.fail("tensor '" + t.name + "' has " + type + ", which this reader does not convert (it converts " +
+                ggml_converted_types() + ")");
+      if (t.dims[0] % format->elements != 0)
+        in.fail("tensor '" + t.name + "' rows of " + std::to_string(t.dims[0]) + " values are not whole blocks of " +
+                std::to_string(format->elements) + " (" + type + ")");
+      // elements < 2^60 and bytes per block / elements per block <= 4, so no overflow.
+      const std::size_t size = t.elements() / format->elements * format->bytes;
       if (t.offset > data_size || size > data_size - static_cast<std::size_t>(t.offset))
         in.fail("tensor '" + t.name + "' data (" + std::to_string(size) + " bytes at data offset " +
                 std::to_string(t.offset) + ") lies beyond the end of the file (data section has " +
                 std::to_string(data_size) + " bytes)");
-      const std::uint8_t* src = bytes.data() + data_start + static_cast<std::size_t>(t.offset);
-      t.data.resize(n);
-      for (std::size_t i = 0; i < n; ++i) {
-        if (t.type == ggml_type_f32) {
-          std::memcpy(&t.data[i], src + 4 * i, 4);
-        } else {
-          std::uint16_t bits;
-          std::memcpy(&bits, src + 2 * i, 2);
-          t.data[i] = t.type == ggml_type_f16 ? to_float(fp16{bits}) : to_float(bf16{bits});
-        }
-      }
+      extents.push_back({static_cast<std::size_t>(t.offset), static_cast<std::size_t>(t.offset) + size, &t});
+    }
+    // Aliased tensors would be converted once per name: two thousand infos over the same bytes
+    // would turn a 1 MB file into gigabytes of floats. ggml never writes overlapping tensors.
+    std::stable_sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+    for (std::size_t i = 1; i < extents.size(); ++i)
+      if (extents[i].begin < extents[i - 1].end)
+        in.fail("tensor '" + extents[i].tensor->name + "' data (data bytes " + std::to_string(extents[i].begin) + ".." +
+                std::to_string(extents[i].end) + ") overlaps tensor '" + extents[i - 1].tensor->name + "' (data bytes " +
+                std::to_string(extents[i - 1].begin) + ".." + std::to_string(extents[i - 1].end) + ")");
+
+    for (GgufTensor& t : f.tensors_) {
+      const GgmlBlockFormat& format = *ggml_block_format(t.type);
+      t.data.resize(t.elements());
+      format.dequantize(bytes.data() + data_start + static_cast<std::size_t>(t.offset), t.elements() / format.elements,
+                        t.data.data());
     }
     return f;
   }

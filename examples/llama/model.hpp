@@ -40,7 +40,7 @@ struct LlamaConfig {
   std::size_t context_length = 0;  // llama.context_length
   float norm_eps = 1e-5f;          // llama.attention.layer_norm_rms_epsilon
   float rope_theta = 10000.0f;     // llama.rope.freq_base
-  std::size_t rope_dims = 0;       // llama.rope.dimension_count; 0 = head_dim
+  std::size_t rope_dims = 0;       // rotated channels; 0 = head_dim (the only value loaded models have)
   int bos = 1, eos = 2;            // tokenizer.ggml.{bos,eos}_token_id
 
   std::size_t q_dim() const noexcept { return heads * head_dim; }
@@ -73,10 +73,6 @@ class Model {
                 " kv) do not divide embedding length " + std::to_string(c.dim) + " and each other");
     if (!(c.norm_eps > 0.0f) || !std::isfinite(c.norm_eps)) file.fail("RMSNorm epsilon must be positive");
     c.head_dim = c.dim / c.heads;
-    if (file.find("llama.rope.dimension_count")) {
-      c.rope_dims = hyper(file, "llama.rope.dimension_count");
-      if (c.rope_dims == c.head_dim) c.rope_dims = 0;
-    }
     if (file.find("tokenizer.ggml.bos_token_id")) c.bos = static_cast<int>(hyper(file, "tokenizer.ggml.bos_token_id", 0));
     if (file.find("tokenizer.ggml.eos_token_id")) c.eos = static_cast<int>(hyper(file, "tokenizer.ggml.eos_token_id", 0));
     try {
@@ -88,12 +84,23 @@ class Model {
     const GgufTensor& embd = file.tensor("token_embd.weight");
     if (embd.dims.size() != 2) file.fail("token_embd.weight must have 2 dimensions");
     c.vocab = static_cast<std::size_t>(embd.dims[1]);
+    check_tensors_back_metadata(file);  // before anything is sized by the metadata
+    if (file.find("llama.rope.dimension_count")) {
+      // The quantized cache rotates whole heads (kvq::CacheShape has no rotary_dims), so partial
+      // RoPE would rotate every channel: refuse it rather than mis-rotate silently.
+      const std::size_t rope_dims = hyper(file, "llama.rope.dimension_count");
+      if (rope_dims != c.head_dim)
+        throw Error(ErrorCode::unsupported, file.source() + ": llama.rope.dimension_count = " +
+                                                std::to_string(rope_dims) + " rotates part of each head (head_dim " +
+                                                std::to_string(c.head_dim) + "); partial RoPE is not supported");
+    }
+
     embedding_ = load_matrix(file, "token_embd.weight", c.dim, c.vocab);
     output_ = file.find_tensor("output.weight") ? load_matrix(file, "output.weight", c.dim, c.vocab) : embedding_;  // tied
     output_norm_ = load_vector(file, "output_norm.weight", c.dim);
     layers_.resize(c.layers);
     for (std::size_t l = 0; l < c.layers; ++l) {
-      const std::string p = "blk." + std::to_string(l) + ".";
+      const std::string p = block_prefix(l);
       Layer& L = layers_[l];
       L.attn_norm = load_vector(file, p + "attn_norm.weight", c.dim);
       L.wq = load_matrix(file, p + "attn_q.weight", c.dim, c.q_dim());
@@ -104,12 +111,6 @@ class Model {
       L.w_gate = load_matrix(file, p + "ffn_gate.weight", c.dim, c.ffn_dim);
       L.w_up = load_matrix(file, p + "ffn_up.weight", c.dim, c.ffn_dim);
       L.w_down = load_matrix(file, p + "ffn_down.weight", c.ffn_dim, c.dim);
-    }
-    if (file.find("tokenizer.ggml.tokens")) {
-      const std::size_t n = file.get_array("tokenizer.ggml.tokens", GgufType::string).size();
-      if (n != c.vocab)
-        file.fail("tokenizer has " + std::to_string(n) + " tokens but token_embd.weight has " +
-                  std::to_string(c.vocab) + " rows");
     }
   }
 
@@ -173,7 +174,50 @@ class Model {
     return static_cast<std::size_t>(v);
   }
 
-  static const GgufTensor& shaped(const GgufFile& file, const std::string& name, std::vector<std::uint64_t> dims) {
+  static constexpr std::size_t kTensorsPerBlock = 9;
+
+  static std::string block_prefix(std::size_t layer) { return "blk." + std::to_string(layer) + "."; }
+
+  // Every hyper-parameter that sizes a buffer must be backed by the tensors the file holds:
+  // a block count or head count the weights do not have is refused, naming the key, before any
+  // allocation (a corrupt llama.block_count of 2^24 would otherwise size 16M empty layers).
+  void check_tensors_back_metadata(const GgufFile& file) const {
+    const LlamaConfig& c = config_;
+    const std::size_t held = file.tensors().size();
+    if (c.layers > held / kTensorsPerBlock)
+      file.fail("llama.block_count = " + std::to_string(c.layers) + " needs " + std::to_string(kTensorsPerBlock) +
+                " tensors per block, but the file holds only " + std::to_string(held) + " tensors");
+    shaped(file, "token_embd.weight", {c.dim, c.vocab}, "llama.embedding_length");
+    if (file.find_tensor("output.weight")) shaped(file, "output.weight", {c.dim, c.vocab}, "llama.embedding_length");
+    shaped(file, "output_norm.weight", {c.dim}, "llama.embedding_length");
+    for (std::size_t l = 0; l < c.layers; ++l) {
+      const std::string p = block_prefix(l);
+      const auto need = [&](const char* name, std::vector<std::uint64_t> dims, const char* key) {
+        if (file.find_tensor(p + name) == nullptr)
+          file.fail("llama.block_count = " + std::to_string(c.layers) + " but tensor '" + p + name + "' is missing");
+        shaped(file, p + name, std::move(dims), key);
+      };
+      need("attn_norm.weight", {c.dim}, "llama.embedding_length");
+      need("attn_q.weight", {c.dim, c.q_dim()}, "llama.attention.head_count");
+      need("attn_k.weight", {c.dim, c.kv_dim()}, "llama.attention.head_count_kv");
+      need("attn_v.weight", {c.dim, c.kv_dim()}, "llama.attention.head_count_kv");
+      need("attn_output.weight", {c.q_dim(), c.dim}, "llama.attention.head_count");
+      need("ffn_norm.weight", {c.dim}, "llama.embedding_length");
+      need("ffn_gate.weight", {c.dim, c.ffn_dim}, "llama.feed_forward_length");
+      need("ffn_up.weight", {c.dim, c.ffn_dim}, "llama.feed_forward_length");
+      need("ffn_down.weight", {c.ffn_dim, c.dim}, "llama.feed_forward_length");
+    }
+    if (file.find("tokenizer.ggml.tokens")) {
+      const std::size_t n = file.get_array("tokenizer.ggml.tokens", GgufType::string).size();
+      if (n != c.vocab)
+        file.fail("tokenizer has " + std::to_string(n) + " tokens but token_embd.weight has " +
+                  std::to_string(c.vocab) + " rows");
+    }
+  }
+
+  // `key`, where given, names the metadata that set the expected shape.
+  static const GgufTensor& shaped(const GgufFile& file, const std::string& name, std::vector<std::uint64_t> dims,
+                                  const char* key = nullptr) {
     const GgufTensor& t = file.tensor(name);
     if (t.dims != dims) {
       const auto show = [](const std::vector<std::uint64_t>& d) {
@@ -181,8 +225,8 @@ class Model {
         for (std::size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
         return s + "]";
       };
-      throw Error(ErrorCode::shape_mismatch, file.source() + ": tensor '" + name + "' has dims " + show(t.dims) +
-                                                 ", the hyper-parameters require " + show(dims));
+      file.fail("tensor '" + name + "' has dims " + show(t.dims) + ", the hyper-parameters require " + show(dims) +
+                (key ? std::string(" (see ") + key + ")" : std::string()));
     }
     return t;
   }

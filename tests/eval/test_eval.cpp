@@ -137,6 +137,8 @@ TEST(EvalCli, BadInputGivesOneClearMessage) {
   EXPECT_NE(msg.find("missing.gguf"), std::string::npos) << msg;
   EXPECT_EQ(run_cli({"--configs", "k4x32-v2t8"}, msg), 1);
   EXPECT_NE(msg.find("k4x32"), std::string::npos) << msg;
+  EXPECT_EQ(run_cli({"--model", dir.string()}, msg), 1);  // a directory's size read as 2^63-1: bad_alloc
+  EXPECT_NE(msg.find("is a directory"), std::string::npos) << msg;
   EXPECT_EQ(run_cli({"--frobnicate"}, msg), 1);
   EXPECT_NE(msg.find("--frobnicate"), std::string::npos) << msg;
   EXPECT_EQ(run_cli({"--stories", "-3"}, msg), 1);
@@ -162,6 +164,84 @@ TEST(EvalCli, BadInputGivesOneClearMessage) {
   std::ostringstream out, err;
   EXPECT_EQ(kvq::eval::run_eval({"--help"}, out, err), 0);
   EXPECT_NE(out.str().find("usage"), std::string::npos);
+}
+
+// ' 5', '+5' and '05' were accepted by std::stoul; every count option takes plain digits only.
+TEST(EvalCli, CountsArePlainDigits) {
+  std::string msg;
+  for (const char* option : {"--context", "--stories", "--metric-stories"})
+    for (const char* bad : {" 5", "+5", "05", "5 ", "-0", "0x10", "", "1e3", "5,", "99999999999999999999999"}) {
+      EXPECT_EQ(run_cli({option, bad}, msg), 1) << option << " '" << bad << "'";
+      EXPECT_NE(msg.find(option), std::string::npos) << msg;
+      EXPECT_NE(msg.find(std::string("'") + bad + "'"), std::string::npos) << msg;
+    }
+  EXPECT_NE((run_cli({"--stories", "99999999999999999999999"}, msg), msg).find("too large"), std::string::npos) << msg;
+  for (const char* tiny : {"0", "1"}) {
+    EXPECT_EQ(run_cli({"--context", tiny}, msg), 1);
+    EXPECT_NE(msg.find("at least 2"), std::string::npos) << msg;
+  }
+  const auto o = kvq::eval::parse_options({"--context", "64", "--stories", "0", "--metric-stories", "10"});
+  EXPECT_EQ(o.context, 64u);
+  EXPECT_EQ(o.stories, 0u);
+  EXPECT_EQ(o.metric_stories, 10u);
+}
+
+TEST(EvalCli, ContextDefaultsTo512CappedAtTheModelAndRefusesMore) {
+  kvq::eval::EvalOptions o;
+  std::ostringstream note;
+  EXPECT_EQ(kvq::eval::resolve_context(o, 2048, note), 512u);
+  EXPECT_EQ(note.str(), "");
+  EXPECT_EQ(kvq::eval::resolve_context(o, 256, note), 256u);
+  EXPECT_NE(note.str().find("capped at the model's context length of 256"), std::string::npos) << note.str();
+  o.context = 2048;
+  EXPECT_EQ(kvq::eval::resolve_context(o, 2048, note), 2048u);
+  o.context = 2049;
+  EXPECT_THROW((void)kvq::eval::resolve_context(o, 2048, note), kvq::Error);
+
+  if (!std::filesystem::exists(kvq::llama::default_model_path())) return;
+  std::string msg;
+  EXPECT_EQ(run_cli({"--context", "4096"}, msg), 1);
+  EXPECT_NE(msg.find("--context 4096"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("context length of 2048"), std::string::npos) << msg;
+}
+
+kvq::eval::ConfigResult result_of(const char* config) {
+  kvq::eval::ConfigResult r;
+  r.config = kvq::parse_cache_config(config);
+  return r;
+}
+
+// A window (plus sinks) as long as the story quantizes nothing: such rows are flagged.
+TEST(EvalReport, FlagsConfigurationsWhoseWindowCoversTheLongestStory) {
+  const std::vector<kvq::eval::ConfigResult> results = {result_of("k2c32-v2t8-r128-s0"), result_of("k2c32-v2t8-r32-s0"),
+                                                        result_of("k2c32-v2t8-r96-s4"), result_of("k16-v16-r0-s0")};
+  std::ostringstream covered, longer, unknown;
+  kvq::eval::print_table(covered, results, 1.0, 100);
+  EXPECT_NE(covered.str().find("k2c32-v2t8-r128-s0* "), std::string::npos) << covered.str();
+  EXPECT_NE(covered.str().find("k2c32-v2t8-r96-s4* "), std::string::npos) << covered.str();  // 96 + 4 sinks
+  EXPECT_NE(covered.str().find("k2c32-v2t8-r32-s0 "), std::string::npos) << covered.str();
+  EXPECT_NE(covered.str().find("k16-v16-r0-s0 "), std::string::npos) << covered.str();  // nothing to quantize anyway
+  EXPECT_NE(covered.str().find("* sinks + window cover the longest story (100 tokens)"), std::string::npos)
+      << covered.str();
+  kvq::eval::print_table(longer, results, 1.0, 101);
+  EXPECT_NE(longer.str().find("r128-s0*"), std::string::npos);
+  EXPECT_EQ(longer.str().find("r96-s4*"), std::string::npos) << longer.str();
+  kvq::eval::print_table(unknown, results, 1.0);
+  EXPECT_EQ(unknown.str().find('*'), std::string::npos) << unknown.str();
+}
+
+TEST(EvalCli, ShortContextFlagsTheWindowEndToEnd) {
+  if (!std::filesystem::exists(kvq::llama::default_model_path())) GTEST_SKIP() << kvq::llama::data_help();
+  const auto dir = std::filesystem::temp_directory_path() / "kvq_eval_test_flag";
+  std::ostringstream out, err;
+  ASSERT_EQ(kvq::eval::run_eval({"--context", "48", "--stories", "1", "--metric-stories", "0", "--configs",
+                                 "k2c32-v2t8-r64-s0,k2c32-v2t8-r16-s0", "--out", dir.string()},
+                                out, err),
+            0)
+      << err.str();
+  EXPECT_NE(out.str().find("k2c32-v2t8-r64-s0*"), std::string::npos) << out.str();
+  EXPECT_EQ(out.str().find("k2c32-v2t8-r16-s0*"), std::string::npos) << out.str();
+  EXPECT_NE(out.str().find("longest story (48 tokens)"), std::string::npos) << out.str();
 }
 
 }  // namespace

@@ -147,6 +147,17 @@ class GgufWriter {
     ++tensor_count_;
     return *this;
   }
+  /// A tensor info pointing at data offset `offset` without adding data (aliases, overlaps).
+  GgufWriter& tensor_info(std::string_view name, const std::vector<std::uint64_t>& dims, std::uint32_t type,
+                          std::uint64_t offset) {
+    put_string(infos_, name);
+    put<std::uint32_t>(infos_, static_cast<std::uint32_t>(dims.size()));
+    for (const auto d : dims) put<std::uint64_t>(infos_, d);
+    put<std::uint32_t>(infos_, type);
+    put<std::uint64_t>(infos_, offset);
+    ++tensor_count_;
+    return *this;
+  }
   GgufWriter& tensor_f32(std::string_view name, const std::vector<std::uint64_t>& dims, const std::vector<float>& values) {
     std::vector<std::uint8_t> bytes;
     for (const float f : values) put(bytes, f);

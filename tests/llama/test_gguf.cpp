@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <random>
 #include <set>
 #include <string>
@@ -143,10 +144,51 @@ TEST(Gguf, ConvertsF16AndBf16) {
 }
 
 TEST(Gguf, UnsupportedTensorTypeNamesTensorAndType) {
-  GgufWriter w;
-  w.tensor("blk.0.attn_q.weight", {32}, 2 /* Q4_0 */, std::vector<std::uint8_t>(18, 0));
-  const auto bytes = w.bytes();
-  expect_io_error(bytes, {"blk.0.attn_q.weight", "type 2"});
+  const auto with_type = [](std::uint32_t type, std::size_t bytes) {
+    GgufWriter w;
+    w.tensor("blk.0.attn_q.weight", {256}, type, std::vector<std::uint8_t>(bytes, 0));
+    return w.bytes();
+  };
+  expect_io_error(with_type(16, 66), {"blk.0.attn_q.weight", "type 16 (IQ2_XXS)", "Q4_K"});  // IQ formats: refused
+  expect_io_error(with_type(23, 136), {"blk.0.attn_q.weight", "type 23 (IQ4_XS)"});
+  expect_io_error(with_type(15, 292), {"type 15 (Q8_K)"});  // ggml's dot-product intermediate, never a weight
+  expect_io_error(with_type(9, 288), {"type 9 (Q8_1)"});
+  expect_io_error(with_type(4, 256), {"type 4 (Q4_2)"});    // removed from ggml
+  expect_io_error(with_type(1000, 1024), {"type 1000,"});  // unknown number
+}
+
+// Issue "no allocation a file did not pay for": tensor infos aliasing the same bytes were each
+// converted, so 2,000 aliases of a 16 KB tensor made 32 MB of floats (4.7 GB in the reported file).
+TEST(Gguf, RefusesOverlappingTensorData) {
+  GgufWriter aliases;
+  aliases.tensor_f32("w", {64, 64}, std::vector<float>(64 * 64, 1.0f));
+  for (int i = 0; i < 2000; ++i) aliases.tensor_info("alias." + std::to_string(i), {64, 64}, ggml_type_f32, 0);
+  expect_io_error(aliases.bytes(), {"overlaps", "'w'", "alias."});
+
+  GgufWriter partial;  // 'b' starts inside 'a' (64 bytes from data offset 0), at the next alignment step
+  partial.tensor_f32("a", {16}, std::vector<float>(16, 1.0f)).tensor_f32("c", {16}, std::vector<float>(16, 2.0f));
+  partial.tensor_info("b", {8}, ggml_type_f32, 32);
+  expect_io_error(partial.bytes(), {"'b'", "overlaps tensor 'a'"});
+
+  GgufWriter touching;  // adjacent ranges share no byte
+  touching.tensor_f32("a", {8}, std::vector<float>(8, 1.0f)).tensor_f32("b", {8}, std::vector<float>(8, 2.0f));
+  const auto f = GgufFile::parse(touching.bytes());
+  EXPECT_EQ(f.tensor("b").offset, 32u);
+  EXPECT_EQ(f.tensor("b").data, std::vector<float>(8, 2.0f));
+}
+
+TEST(Gguf, RefusesDirectoriesAndNonRegularFilesByName) {
+  const auto dir = std::filesystem::temp_directory_path();
+  for (const auto& [path, words] : {std::pair{dir, "is a directory"}, std::pair{std::filesystem::path("/dev/null"), "not a regular file"}}) {
+    try {
+      (void)GgufFile::load(path);
+      ADD_FAILURE() << path << " loaded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::io);
+      EXPECT_NE(std::string(e.what()).find(path.string()), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Gguf, MalformedHeaders) {
@@ -297,7 +339,8 @@ TEST(Gguf, AbsurdCountsInRealFile) {
   expect_io_error(patch(info, std::uint32_t{100}), {name, "100 dimensions"});
   expect_io_error(patch(info + 4, huge), {name, "dimension"});
   expect_io_error(patch(info + 12, std::uint64_t{1} << 40), {name, "beyond the end"});
-  expect_io_error(patch(info + 20, std::uint32_t{12}), {name, "type 12"});
+  expect_io_error(patch(info + 20, std::uint32_t{12}), {name, "type 12 (Q4_K)", "blocks of 256"});  // rows of 64
+  expect_io_error(patch(info + 20, std::uint32_t{17}), {name, "type 17 (IQ2_XS)"});
   expect_io_error(patch(info + 24, std::uint64_t{1} << 40), {name, "beyond the end"});
 }
 

@@ -3,12 +3,18 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <stdexcept>
 #include <functional>
+#include <variant>
 #include <string>
 #include <vector>
 
 #include "llama/full_precision_backend.hpp"
+#include "kvq/core/half.hpp"
+#include "llama/ggml_blocks.hpp"
 #include "llama/gguf.hpp"
 #include "llama/inference.hpp"
 #include "llama/llama_test_support.hpp"
@@ -145,7 +151,7 @@ std::string model_error(const std::vector<std::uint8_t>& bytes) {
 TEST(Model, TinySyntheticModelRuns) {
   const Model model(GgufFile::parse(tiny_llama("llama")));
   EXPECT_EQ(model.config().head_dim, 2u);
-  FullPrecisionBackend kv(model);
+  FullPrecisionBackend kv(model, 10);
   const auto tokens = greedy_generate(model, kv, 10, std::vector<int>{1, 2, 3});
   EXPECT_EQ(tokens.size(), 11u);
   EXPECT_EQ(std::vector<int>(tokens.begin(), tokens.begin() + 3), (std::vector<int>{1, 2, 3}));
@@ -170,6 +176,134 @@ TEST(Model, RejectsOtherArchitecturesAndWrongShapes) {
   }));
   EXPECT_NE(missing.find("blk.0.ffn_up.weight"), std::string::npos) << missing;
   EXPECT_NE(missing.find("tiny.gguf"), std::string::npos) << missing;
+}
+
+// The real model with one uint32 metadata value replaced.
+std::vector<std::uint8_t> real_model_with(std::string_view key, std::uint32_t value) {
+  auto bytes = testing::read_bytes(default_model_path());
+  std::vector<std::uint8_t> needle;
+  GgufWriter::put_string(needle, key);
+  GgufWriter::put<std::uint32_t>(needle, static_cast<std::uint32_t>(GgufType::uint32));
+  const auto it = std::search(bytes.begin(), bytes.end(), needle.begin(), needle.end());
+  if (it == bytes.end()) throw std::runtime_error(std::string(key) + " is not a uint32 in the real model");
+  std::memcpy(&*(it + static_cast<std::ptrdiff_t>(needle.size())), &value, 4);
+  return bytes;
+}
+
+// Issue "no allocation a file did not pay for": llama.block_count = 2^24 in the real model sized
+// 16M empty layers (3.28 GB, 12-19 s) before "tensor missing". Counts are checked against the
+// tensors first, and the message names the key.
+TEST(Model, MetadataCountsMustBeBackedByTensors) {
+  KVQ_REQUIRE_LLAMA_DATA();
+  const auto error_of = [](std::string_view key, std::uint32_t value) {
+    try {
+      (void)Model(GgufFile::parse(real_model_with(key, value), "patched.gguf"));
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::io) << e.what();
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  for (const std::uint32_t blocks : {1u << 24, 6u}) {
+    const std::string e = error_of("llama.block_count", blocks);
+    EXPECT_NE(e.find("llama.block_count = " + std::to_string(blocks)), std::string::npos) << e;
+    EXPECT_NE(e.find("holds only 48 tensors"), std::string::npos) << e;
+    EXPECT_NE(e.find("patched.gguf"), std::string::npos) << e;
+  }
+  const std::string kv = error_of("llama.attention.head_count_kv", 2);
+  EXPECT_NE(kv.find("llama.attention.head_count_kv"), std::string::npos) << kv;
+  EXPECT_NE(kv.find("attn_k.weight"), std::string::npos) << kv;
+  const std::string heads = error_of("llama.attention.head_count", 1u << 24);
+  EXPECT_NE(heads.find("head counts"), std::string::npos) << heads;
+  const std::string dim = error_of("llama.embedding_length", 128);
+  EXPECT_NE(dim.find("llama.embedding_length"), std::string::npos) << dim;
+  const std::string ffn = error_of("llama.feed_forward_length", 1u << 24);
+  EXPECT_NE(ffn.find("llama.feed_forward_length"), std::string::npos) << ffn;
+  const std::string ctx = error_of("llama.context_length", (1u << 24) + 1);
+  EXPECT_NE(ctx.find("llama.context_length"), std::string::npos) << ctx;
+}
+
+TEST(Model, TensorsOfOneBlockMissingNamesBlockCount) {
+  // Block 1 of 2 is absent while the tensor count could hold it (extra tensors pad the count).
+  GgufWriter w;
+  auto bytes = tiny_llama("llama");
+  const auto one_block = GgufFile::parse(bytes);
+  w.str("general.architecture", "llama")
+      .u32("llama.embedding_length", 4)
+      .u32("llama.block_count", 2)
+      .u32("llama.attention.head_count", 2)
+      .u32("llama.attention.head_count_kv", 1)
+      .u32("llama.feed_forward_length", 3)
+      .u32("llama.context_length", 16)
+      .f32("llama.attention.layer_norm_rms_epsilon", 1e-5f);
+  for (const GgufTensor& t : one_block.tensors()) w.tensor_f32(t.name, t.dims, t.data);
+  for (int i = 0; i < 9; ++i) w.tensor_f32("pad." + std::to_string(i), {1}, {0.0f});
+  const std::string e = model_error(w.bytes());
+  EXPECT_NE(e.find("llama.block_count = 2"), std::string::npos) << e;
+  EXPECT_NE(e.find("blk.1.attn_norm.weight"), std::string::npos) << e;
+}
+
+// The real model re-written with every tensor whose rows are whole Q8_0 blocks in Q8_0 (ggml's
+// reference quantizer: d = amax / 127, codes rounded): it loads through the quantized path and
+// predicts as the F32 model does, within what 8-bit weights cost.
+TEST(Model, Q8_0WeightsRunEndToEnd) {
+  KVQ_REQUIRE_LLAMA_DATA();
+  const auto original = GgufFile::load(default_model_path());
+  GgufWriter w;
+  for (const auto& [key, value] : original.metadata()) {
+    if (value.type == GgufType::array) continue;  // only the tokenizer's arrays; the model needs none
+    if (const auto* s = std::get_if<std::string>(&value.data)) w.str(key, *s);
+    else if (value.type == GgufType::float32) w.f32(key, static_cast<float>(std::get<double>(value.data)));
+    else if (value.type == GgufType::uint32) w.u32(key, static_cast<std::uint32_t>(std::get<std::uint64_t>(value.data)));
+  }
+  std::size_t quantized = 0;
+  for (const GgufTensor& t : original.tensors()) {
+    if (t.dims[0] % 32 != 0) {
+      w.tensor_f32(t.name, t.dims, t.data);
+      continue;
+    }
+    std::vector<std::uint8_t> blocks;
+    for (std::size_t b = 0; b < t.data.size(); b += 32) {
+      float amax = 0.0f;
+      for (std::size_t j = 0; j < 32; ++j) amax = std::max(amax, std::abs(t.data[b + j]));
+      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      GgufWriter::put(blocks, to_fp16(d).bits);
+      for (std::size_t j = 0; j < 32; ++j)
+        blocks.push_back(static_cast<std::uint8_t>(static_cast<std::int8_t>(std::lround(t.data[b + j] * id))));
+    }
+    w.tensor(t.name, t.dims, ggml_type_q8_0, blocks);
+    ++quantized;
+  }
+  EXPECT_GE(quantized, 40u);
+  const auto file = GgufFile::parse(w.bytes(), "q8_0.gguf");
+  EXPECT_EQ(file.tensor("blk.0.attn_q.weight").type, ggml_type_q8_0);
+  const Model q8(file), f32(original);
+  const auto tokens = Tokenizer(original).encode(testing::read_stories()[0]);
+  const auto run = [&](const Model& m) {
+    return teacher_forced(m, [&] { return FullPrecisionBackend(m, tokens.size()); }, tokens);
+  };
+  const auto a = run(f32), b = run(q8);
+  const double nll_a = a.total_nll() / double(a.nll.size()), nll_b = b.total_nll() / double(b.nll.size());
+  EXPECT_NEAR(nll_b, nll_a, 0.02 * nll_a);
+  std::size_t agree = 0;
+  for (std::size_t i = 0; i + 1 < tokens.size(); ++i) agree += argmax(a.row(i)) == argmax(b.row(i));
+  EXPECT_GT(double(agree), 0.95 * double(tokens.size() - 1));
+  EXPECT_NE(nll_a, nll_b);  // the weights really were quantized
+}
+
+// The quantized cache rotates whole heads, so a model that rotates part of each head is refused
+// by name instead of being mis-rotated.
+TEST(Model, PartialRopeIsRefusedByName) {
+  KVQ_REQUIRE_LLAMA_DATA();
+  EXPECT_NO_THROW((void)Model(GgufFile::parse(real_model_with("llama.rope.dimension_count", 8))));
+  try {
+    (void)Model(GgufFile::parse(real_model_with("llama.rope.dimension_count", 4)));
+    ADD_FAILURE() << "partial RoPE accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
+    EXPECT_NE(std::string(e.what()).find("llama.rope.dimension_count = 4"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("head_dim 8"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

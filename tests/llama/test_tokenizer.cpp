@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -81,22 +82,63 @@ std::vector<int> naive_encode(const Tokenizer& tok, const std::vector<int>& init
   }
 }
 
+int piece_id(const Tokenizer& tok, const std::string& p) {
+  for (int id = 0; id < static_cast<int>(tok.size()); ++id)
+    if (tok.piece(id) == p) return id;
+  ADD_FAILURE() << "no piece '" << p << "'";
+  return 0;
+}
+
+// Unmerged start: BOS, dummy prefix "▁", one piece per character (all ASCII pieces exist here).
+std::vector<int> unmerged(const Tokenizer& tok, const std::string& text) {
+  std::vector<int> initial = {tok.bos(), piece_id(tok, "\xE2\x96\x81")};
+  for (const char c : text) initial.push_back(c == ' ' ? initial[1] : c == '\n' ? 13 : piece_id(tok, std::string(1, c)));
+  return initial;
+}
+
 TEST(Tokenizer, MergesLikeLlama2c) {
   KVQ_REQUIRE_LLAMA_DATA();
   const Tokenizer tok = real_tokenizer();
   for (const auto& story : testing::read_stories()) {
     const std::string text = story.substr(0, 160);
-    // Unmerged start: BOS, dummy prefix "▁", one piece per character (all ASCII pieces exist here).
-    const auto piece_id = [&](const std::string& p) {
-      for (int id = 0; id < static_cast<int>(tok.size()); ++id)
-        if (tok.piece(id) == p) return id;
-      ADD_FAILURE() << "no piece '" << p << "'";
-      return 0;
-    };
-    std::vector<int> initial = {tok.bos(), piece_id("\xE2\x96\x81")};
-    for (const char c : text) initial.push_back(c == ' ' ? initial[1] : c == '\n' ? 13 : piece_id(std::string(1, c)));
-    EXPECT_EQ(tok.encode(text), naive_encode(tok, initial)) << text;
+    EXPECT_EQ(tok.encode(text), naive_encode(tok, unmerged(tok, text))) << text;
   }
+}
+
+// Random texts over the letters the stories use most, merged by the heap and by llama2.c's scan.
+TEST(Tokenizer, HeapMergeMatchesLlama2cOnRandomText) {
+  KVQ_REQUIRE_LLAMA_DATA();
+  const Tokenizer tok = real_tokenizer();
+  const std::string alphabet = "aehilnorstdy ";
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 40; ++trial) {
+    std::string text;
+    for (std::size_t n = 1 + rng() % 120; n > 0; --n) text += alphabet[rng() % alphabet.size()];
+    EXPECT_EQ(tok.encode(text), naive_encode(tok, unmerged(tok, text))) << "'" << text << "'";
+  }
+}
+
+TEST(Tokenizer, EqualScoresMergeLeftmostFirst) {
+  std::vector<std::string> pieces = {"<unk>", "<s>", "</s>", "\xE2\x96\x81", "a", "aa", "b", "ab"};
+  std::vector<float> scores = {0, 0, 0, 0, 0, -1.0f, 0, -1e10f};  // "ab" at llama2.c's floor: never merged
+  const Tokenizer tok(pieces, scores, 1, 2);
+  EXPECT_EQ(tok.encode("aaa", false), (std::vector<int>{3, 5, 4}));        // ▁ aa a, not ▁ a aa
+  EXPECT_EQ(tok.encode("aaaaa", false), (std::vector<int>{3, 5, 5, 4}));   // ▁ aa aa a
+  EXPECT_EQ(tok.encode("ab", false), (std::vector<int>{3, 4, 6}));
+}
+
+// A story with no separators used to take 104 s (every merge rescanned every pair); the heap
+// merge is O(n log n). No timing assertion: a regression shows as a test that takes minutes.
+TEST(Tokenizer, LongTextWithoutSeparatorsEncodes) {
+  KVQ_REQUIRE_LLAMA_DATA();
+  const Tokenizer tok = real_tokenizer();
+  std::string text;
+  for (const auto& story : testing::read_stories()) text += story + " ";
+  while (text.size() < 320 * 1024) text += text;
+  text.resize(320 * 1024);
+  const auto ids = tok.encode(text);
+  EXPECT_LT(ids.size(), text.size() * 3 / 4);
+  EXPECT_EQ(tok.decode(ids), text);
 }
 
 TEST(Tokenizer, SyntheticVocabularies) {
