@@ -2,11 +2,13 @@
 // Bulk conversion between float and the storage types (fp16, bf16, f32), with the same bits as
 // the scalar conversions in half.hpp: F16C rounds to nearest even exactly as to_fp16 does.
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "kvq/core/half.hpp"
 #include "kvq/isa.hpp"
@@ -69,6 +71,27 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void load_f16_a
   }
 }
 
+// Largest and summed |x| of n fp16 values; two accumulators of each hide the add latency.
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline std::pair<float, float> magnitude_extent_f16_avx512(
+    const std::uint16_t* src, std::size_t n) noexcept {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  __m512 top0 = _mm512_setzero_ps(), top1 = top0, sum0 = top0, sum1 = top0;
+  std::size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 a = _mm512_andnot_ps(sign, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+    const __m512 b =
+        _mm512_andnot_ps(sign, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 16))));
+    top0 = _mm512_max_ps(top0, a), sum0 = _mm512_add_ps(sum0, a);
+    top1 = _mm512_max_ps(top1, b), sum1 = _mm512_add_ps(sum1, b);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1u);
+    const __m512 a = _mm512_andnot_ps(sign, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + i)));
+    top0 = _mm512_max_ps(top0, a), sum0 = _mm512_add_ps(sum0, a);
+  }
+  return {_mm512_reduce_max_ps(_mm512_max_ps(top0, top1)), _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1))};
+}
+
 // Compares bit patterns: with the sign cleared, float order is integer order, and every NaN lies
 // above infinity. Independent running maxima keep the loop free of a mask dependency chain.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline bool all_below_avx512(const float* x, std::size_t n,
@@ -102,6 +125,21 @@ inline bool all_below(const float* x, std::size_t n, float limit) noexcept {
   bool ok = true;
   for (std::size_t i = 0; i < n; ++i) ok &= std::fabs(x[i]) < limit;
   return ok;
+}
+
+/// Largest and summed |x| of n values of type s (NaN-free input; used on stored parameters).
+inline std::pair<float, float> magnitude_extent(Scalar s, const void* src, std::size_t n) noexcept {
+#if defined(KVQ_HAVE_X86_KERNELS)
+  if (s == Scalar::f16 && isa::detected() == isa::Level::avx512)
+    return detail::magnitude_extent_f16_avx512(static_cast<const std::uint16_t*>(src), n);
+#endif
+  float top = 0.0f, sum = 0.0f;
+  for (std::size_t i = 0; i < n; ++i) {
+    const float x = std::fabs(load_scalar(s, src, i));
+    top = std::max(top, x);
+    sum += x;
+  }
+  return {top, sum};
 }
 
 /// src (n floats) -> dst (n values of type s).
