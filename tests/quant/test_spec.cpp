@@ -149,6 +149,15 @@ TEST(Spec, CacheConfigStringRoundTrip) {
   EXPECT_EQ(c.residual, Scalar::bf16);
   EXPECT_EQ(kvq::parse_cache_config("k4c32-v2t32-pre-f16-r128-s0"), kvq::K4V2::config());  // explicit defaults
   EXPECT_EQ(kvq::to_string(kvq::full_precision_config()), "k16-v16-r0-s0-f32");
+  // The rollback depth is written only when it is not the default, so existing names stay.
+  for (const std::size_t depth : {0, 1, 16, 40, 4096}) {
+    CacheConfig d = kvq::K4V2::config();
+    d.rollback_depth = depth;
+    const std::string text = kvq::to_string(d);
+    EXPECT_EQ(text, depth == 16 ? "k4c32-v2t32-r128-s0" : "k4c32-v2t32-r128-s0-d" + std::to_string(depth));
+    EXPECT_EQ(kvq::parse_cache_config(text), d) << text;
+  }
+  EXPECT_EQ(kvq::parse_cache_config("k4c32-v2t32-d16-r128-s0"), kvq::K4V2::config());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -29,6 +29,10 @@ struct CacheConfig {
   std::size_t sinks = 0;        // S: first tokens kept in full precision for good
   KeyRope key_rope = KeyRope::pre;
   Scalar residual = Scalar::f16;  // storage type of window and sink tokens
+  // D: how many tokens truncate() can take back exactly, re-opening quantized groups and tokens
+  // (speculative decoding). Costs a full-precision copy of the last D quantized rows (rounded up
+  // to whole key groups) per layer, KV head and tensor; 0 allows cutting pending rows only.
+  std::size_t rollback_depth = 16;
 
   bool operator==(const CacheConfig&) const = default;
 };
@@ -42,8 +46,8 @@ inline CacheConfig full_precision_config() {
   return c;
 }
 
-/// "k4c32-v2t32-r128-s1" plus "-post" for post-RoPE keys and "-f32"/"-bf16" for the residual
-/// type; "k16"/"v16" keep that tensor unquantized.
+/// "k4c32-v2t32-r128-s1" plus "-post" for post-RoPE keys, "-f32"/"-bf16" for the residual
+/// type and "-d<D>" for a rollback depth other than 16; "k16"/"v16" keep that tensor unquantized.
 inline std::string to_string(const CacheConfig& c) {
   std::string s = c.quantize_keys ? to_string(c.key, 'k') : std::string("k16");
   s += '-';
@@ -51,6 +55,7 @@ inline std::string to_string(const CacheConfig& c) {
   s += "-r" + std::to_string(c.window) + "-s" + std::to_string(c.sinks);
   if (c.key_rope == KeyRope::post) s += "-post";
   if (c.residual != Scalar::f16) s += std::string("-") + to_string(c.residual);
+  if (c.rollback_depth != CacheConfig{}.rollback_depth) s += "-d" + std::to_string(c.rollback_depth);
   return s;
 }
 
@@ -58,7 +63,7 @@ inline CacheConfig parse_cache_config(std::string_view text) {
   const std::string original(text);
   auto fail = [&](const std::string& why) -> CacheConfig {
     throw Error(ErrorCode::invalid_argument,
-                "cache configuration '" + original + "': " + why + " (expected e.g. k4c32-v2t32-r128-s1[-post][-f32])");
+                "cache configuration '" + original + "': " + why + " (expected e.g. k4c32-v2t32-r128-s1[-post][-f32][-d16])");
   };
   std::vector<std::string_view> parts;
   if (!text.empty() && text.back() == '-') return fail("trailing '-'");
@@ -81,12 +86,12 @@ inline CacheConfig parse_cache_config(std::string_view text) {
     else if (p == "f32") c.residual = Scalar::f32;
     else if (p == "bf16") c.residual = Scalar::bf16;
     else if (p == "f16") c.residual = Scalar::f16;
-    else if ((p.front() == 'r' || p.front() == 's') && p.size() > 1) {
+    else if ((p.front() == 'r' || p.front() == 's' || p.front() == 'd') && p.size() > 1) {
       const char kind = p.front();
       p.remove_prefix(1);
       std::size_t n = 0;
       if (!detail::parse_size(p, n) || !p.empty()) return fail("'" + std::string(parts[i]) + "' is not a number");
-      (kind == 'r' ? c.window : c.sinks) = n;
+      (kind == 'r' ? c.window : kind == 's' ? c.sinks : c.rollback_depth) = n;
     } else {
       return fail("unknown part '" + std::string(p) + "'");
     }

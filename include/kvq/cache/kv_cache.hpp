@@ -2,10 +2,17 @@
 // KVCache: the key/value cache of one sequence, for every layer and KV head.
 //
 //   new k, v (pre-RoPE) -> append -> sink rows | full-precision ring -> (group due) quantized
-//   once, packed, never touched again -> attention reads sinks + packed groups + ring.
+//   once, packed -> attention reads sinks + packed groups + ring.
 //
 // Every append is all-or-nothing: it validates shapes, order, capacity, finiteness and the
 // representability of every parameter it will write before it changes a byte.
+//
+// Exact rollback: a row leaving the ring for the packed groups is also copied into a history of
+// the newest StreamLayout::history_rows quantized rows (rollback depth D rounded up to whole key
+// groups) per layer, KV head and tensor. truncate() re-opens quantized groups and tokens from it,
+// so a cache cut by up to D tokens holds exactly the bytes of one that never saw the dropped
+// tokens. Cost: D (+ up to G - 1) extra residual-type rows per stream and head, counted in
+// allocated_bytes(); CacheConfig::rollback_depth = 0 turns it off.
 
 #include <algorithm>
 #include <concepts>
@@ -30,6 +37,10 @@
 #include "kvq/rope/rope.hpp"
 
 namespace kvq::inline v0 {
+
+namespace detail {
+struct CacheAccess;  // serialize.hpp: reads and restores the state behind the public view
+}
 
 enum class Tensor : unsigned char { keys, values };
 
@@ -61,9 +72,12 @@ class BasicKVCache {
     rope_ = RopeTable(shape.rope(), shape.capacity);
     head_bytes_ = layouts_[0].bytes + layouts_[1].bytes;
     storage_ = AlignedBuffer(head_bytes_ * shape.layers * shape.kv_heads);
+    head_history_bytes_ = layouts_[0].history_rows * row_size(layouts_[0]) + layouts_[1].history_rows * row_size(layouts_[1]);
+    history_ = AlignedBuffer(head_history_bytes_ * shape.layers * shape.kv_heads);
     lengths_.assign(shape.layers, 0);
     quantized_ends_.resize(shape.layers * 2);
-    clear();
+    history_begins_.resize(shape.layers * 2);
+    for (std::size_t i = 0; i < quantized_ends_.size(); ++i) quantized_ends_[i] = history_begins_[i] = layouts_[i % 2].sinks;
     const std::size_t largest_group = std::max(config.quantize_keys && config.key.axis == Axis::per_channel ? config.key.group : 1,
                                                config.quantize_values && config.value.axis == Axis::per_channel ? config.value.group : 1);
     scratch_.resize(largest_group * shape.head_dim);
@@ -106,18 +120,26 @@ class BasicKVCache {
     }
   }
 
-  /// Drops tokens from `length` on in every layer, e.g. to roll back rejected speculative
-  /// tokens. Quantized groups are never re-opened, so the cut must not fall before a layer's
-  /// first unquantized position; tokens appended again are quantized by the usual rule.
+  /// Drops tokens from `length` on in every layer (a no-op for layers holding no more), e.g. to
+  /// roll back rejected speculative tokens. Quantized groups and tokens that a cache of `length`
+  /// tokens would not have quantized yet are re-opened from the rollback history, so the cache
+  /// then equals, byte for byte, one that received only the kept tokens, and tokens appended next
+  /// may differ from the dropped ones. Always possible for a cut of up to config().rollback_depth
+  /// tokens below the longest length a layer has held since it was cleared, and for cuts that
+  /// re-open nothing; otherwise throws kvq::Error (unsupported) and changes nothing.
   void truncate(std::size_t length) {
-    for (std::size_t l = 0; l < shape_.layers; ++l)
-      for (const Tensor t : {Tensor::keys, Tensor::values})
-        if (length < lengths_[l] && length < quantized_end(t, l))
-          throw Error(ErrorCode::unsupported, "layer " + std::to_string(l) + ": cannot truncate to " +
-                                                  std::to_string(length) + " tokens; " + to_string(t) +
-                                                  " positions before " + std::to_string(quantized_end(t, l)) +
-                                                  " are already quantized");
-    for (auto& n : lengths_) n = std::min(n, length);
+    check_truncate(length);
+    for (std::size_t l = 0; l < shape_.layers; ++l) {
+      if (length >= lengths_[l]) continue;
+      for (const Tensor t : {Tensor::keys, Tensor::values}) {
+        const std::size_t target = std::min(quantized_end(t, l), layouts_[index(t)].quantized_end(length));
+        for (std::size_t h = 0; h < shape_.kv_heads; ++h) cut_stream(t, l, h, length, target);
+        quantized_ends_[l * 2 + index(t)] = target;
+        std::size_t& begin = history_begins_[l * 2 + index(t)];
+        begin = std::min(begin, target);
+      }
+      lengths_[l] = length;
+    }
   }
 
   /// Context shift: drops positions [first, first + count) from every layer and moves the later
@@ -137,20 +159,32 @@ class BasicKVCache {
     for (std::size_t l = 0; l < shape_.layers; ++l) {
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         std::size_t& end = quantized_ends_[l * 2 + index(t)];
-        for (std::size_t h = 0; h < shape_.kv_heads; ++h) move_down(t, l, h, first, count, end, staged.data());
-        end = end <= first ? end : end <= first + count ? first : end - count;
+        const std::size_t new_end = end <= first ? end : end <= first + count ? first : end - count;
+        for (std::size_t h = 0; h < shape_.kv_heads; ++h) move_down(t, l, h, first, count, end, new_end, staged.data());
+        // The history is by position, which the shift changed: rollback starts afresh from here.
+        end = history_begins_[l * 2 + index(t)] = new_end;
       }
       lengths_[l] -= count;
     }
   }
 
+  /// Empties every layer; zeroes only the bytes in use, so it costs what the cache holds.
   void clear() noexcept {
-    std::fill(lengths_.begin(), lengths_.end(), 0);
-    for (std::size_t i = 0; i < quantized_ends_.size(); ++i) quantized_ends_[i] = layouts_[i % 2].sinks;
+    for (std::size_t l = 0; l < shape_.layers; ++l) {
+      for (const Tensor t : {Tensor::keys, Tensor::values}) {
+        const std::size_t sinks = layouts_[index(t)].sinks;
+        for (std::size_t h = 0; h < shape_.kv_heads; ++h) cut_stream(t, l, h, 0, sinks);
+        quantized_ends_[l * 2 + index(t)] = history_begins_[l * 2 + index(t)] = sinks;
+      }
+      lengths_[l] = 0;
+    }
   }
 
   /// First position of `layer` that `t` holds unquantized (= sinks while nothing is quantized).
   std::size_t quantized_end(Tensor t, std::size_t layer) const { return quantized_ends_.at(layer * 2 + index(t)); }
+  /// First quantized position of `layer` that `t` can still re-open (= quantized_end when none):
+  /// truncate(length) fails only where it would re-open positions before this one.
+  std::size_t rollback_floor(Tensor t, std::size_t layer) const { return history_begins_.at(layer * 2 + index(t)); }
 
   StreamView view(Tensor t, std::size_t layer, std::size_t head) const {
     if (layer >= shape_.layers || head >= shape_.kv_heads)
@@ -194,17 +228,21 @@ class BasicKVCache {
     for (std::size_t l = 0; l < shape_.layers; ++l) total += layer_usage(length, k_end, v_end);
     return total;
   }
-  /// Every stored byte, in a layout fixed by shape and config: two caches that received the
-  /// same tokens compare equal here, however the tokens arrived.
+  /// Every byte that attention reads, in a layout fixed by shape and config (bytes not in use
+  /// are zero): two caches that received the same tokens compare equal here, however the tokens
+  /// arrived and whatever was appended and rolled back before. The rollback history is not part
+  /// of it: it only decides how far truncate() can reach.
   std::span<const std::uint8_t> raw_storage() const noexcept { return {storage_.data(), storage_.size()}; }
 
-  /// Bytes reserved up front for the whole capacity: storage, RoPE table and quantization scratch.
-  /// Appends allocate nothing beyond this.
+  /// Bytes reserved up front for the whole capacity: storage, rollback history, RoPE table and
+  /// quantization scratch. Appends allocate nothing beyond this.
   std::size_t allocated_bytes() const noexcept {
-    return storage_.size() + rope_.bytes() + scratch_.size() * sizeof(float);
+    return storage_.size() + history_.size() + rope_.bytes() + scratch_.size() * sizeof(float);
   }
 
  private:
+  friend struct detail::CacheAccess;
+
   static constexpr std::size_t index(Tensor t) noexcept { return t == Tensor::keys ? 0 : 1; }
 
   MemoryUsage layer_usage(std::size_t length, std::size_t key_end, std::size_t value_end) const noexcept {
@@ -222,6 +260,29 @@ class BasicKVCache {
   }
   std::uint8_t* stream_base(Tensor t, std::size_t layer, std::size_t head) noexcept {
     return const_cast<std::uint8_t*>(std::as_const(*this).stream_base(t, layer, head));
+  }
+  const std::uint8_t* ring_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position) const noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    return stream_base(t, layer, head) + lay.ring_offset + (position - lay.sinks) % lay.ring_rows * row_size(lay);
+  }
+  std::uint8_t* ring_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position) noexcept {
+    return const_cast<std::uint8_t*>(std::as_const(*this).ring_row(t, layer, head, position));
+  }
+  /// The rollback copy of quantized `position` (history_rows > 0).
+  const std::uint8_t* history_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position) const noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    const std::uint8_t* base = history_.data() + (layer * shape_.kv_heads + head) * head_history_bytes_ +
+                               (t == Tensor::keys ? 0 : layouts_[0].history_rows * row_size(layouts_[0]));
+    return base + (position - lay.sinks) % lay.history_rows * row_size(lay);
+  }
+  std::uint8_t* history_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position) noexcept {
+    return const_cast<std::uint8_t*>(std::as_const(*this).history_row(t, layer, head, position));
+  }
+  /// Byte offset of the first parameter of packed row `row` (position sinks + row).
+  static std::size_t param_offset(const StreamLayout& lay, std::size_t row) noexcept {
+    return (lay.spec.axis == Axis::per_channel ? row / lay.spec.group * lay.head_dim
+                                               : row * groups_per_row(lay.spec, lay.head_dim)) *
+           size_of(lay.spec.param);
   }
 
   std::string where(Tensor t, std::size_t layer, std::size_t head, std::size_t position) const {
@@ -323,6 +384,44 @@ class BasicKVCache {
 
   static std::size_t row_size(const StreamLayout& lay) noexcept { return lay.head_dim * size_of(lay.residual); }
 
+  /// Validates truncate(length): every position to re-open must still have its rollback copy.
+  void check_truncate(std::size_t length) const {
+    for (std::size_t l = 0; l < shape_.layers; ++l) {
+      if (length >= lengths_[l]) continue;
+      for (const Tensor t : {Tensor::keys, Tensor::values}) {
+        const std::size_t end = quantized_end(t, l), target = std::min(end, layouts_[index(t)].quantized_end(length));
+        const std::size_t reopen_end = std::min(end, length), floor = rollback_floor(t, l);
+        if (target < reopen_end && target < floor)
+          throw Error(ErrorCode::unsupported,
+                      "layer " + std::to_string(l) + ": truncating from " + std::to_string(lengths_[l]) + " to " +
+                          std::to_string(length) + " tokens would re-open quantized " + to_string(t) + " positions [" +
+                          std::to_string(target) + ", " + std::to_string(reopen_end) +
+                          "), but full-precision copies are kept only from position " + std::to_string(floor) +
+                          " (rollback depth " + std::to_string(config_.rollback_depth) + ")");
+      }
+    }
+  }
+
+  /// truncate's commit for one stream of one head: zeroes what positions >= length and the
+  /// re-opened packed rows [target, quantized end) occupied, then moves the re-opened rows that
+  /// are kept back into the ring from the history (checked by check_truncate).
+  void cut_stream(Tensor t, std::size_t layer, std::size_t head, std::size_t length, std::size_t target) noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    std::uint8_t* base = stream_base(t, layer, head);
+    const std::size_t old_length = lengths_[layer], end = quantized_end(t, layer), row = row_size(lay);
+    if (length < lay.sinks && old_length > length)
+      std::memset(base + lay.sink_offset + length * row, 0, (std::min(lay.sinks, old_length) - length) * row);
+    for (std::size_t p = std::max({end, length, lay.sinks}); p < old_length; ++p) std::memset(ring_row(t, layer, head, p), 0, row);
+    if (target >= end) return;
+    const std::size_t first = target - lay.sinks, last = end - lay.sinks;
+    std::memset(base + lay.code_offset + first * lay.row_bytes, 0, (last - first) * lay.row_bytes);
+    const std::size_t param_bytes = param_offset(lay, last) - param_offset(lay, first);
+    std::memset(base + lay.scale_offset + param_offset(lay, first), 0, param_bytes);
+    if (lay.spec.has_zero_point()) std::memset(base + lay.zero_offset + param_offset(lay, first), 0, param_bytes);
+    for (std::size_t p = target; p < std::min(end, length); ++p)
+      std::memcpy(ring_row(t, layer, head, p), history_row(t, layer, head, p), row);
+  }
+
   /// Validates erase(first, count) completely.
   void check_erase(std::size_t first, std::size_t count) const {
     const std::string range = "erasing positions [" + std::to_string(first) + ", " + std::to_string(first + count) + ")";
@@ -355,32 +454,34 @@ class BasicKVCache {
                                                   "rotation; a cache that shifts its context stores keys pre-RoPE");
   }
 
-  /// erase's move of one stream of one head, `end` its quantized end before the move: packed rows
-  /// and their parameters after the range move down by count, then the pending rows after it
-  /// (through `staged`, since their ring slots may overlap).
+  /// erase's move of one stream of one head, `end` its quantized end before the move and
+  /// `new_end` after: packed rows and their parameters after the range move down by count, then
+  /// the pending rows after it (through `staged`, since their ring slots may overlap). Bytes left
+  /// behind become zero.
   void move_down(Tensor t, std::size_t layer, std::size_t head, std::size_t first, std::size_t count, std::size_t end,
-                 std::uint8_t* staged) noexcept {
+                 std::size_t new_end, std::uint8_t* staged) noexcept {
     const StreamLayout& lay = layouts_[index(t)];
     std::uint8_t* base = stream_base(t, layer, head);
     if (end > first + count) {
       const std::size_t from = first + count - lay.sinks, to = first - lay.sinks, rows = end - first - count;
       std::memmove(base + lay.code_offset + to * lay.row_bytes, base + lay.code_offset + from * lay.row_bytes,
                    rows * lay.row_bytes);
-      const bool per_channel = lay.spec.axis == Axis::per_channel;
-      const std::size_t per_row = per_channel ? 0 : groups_per_row(lay.spec, lay.head_dim);
-      auto param = [&](std::size_t row) {  // byte offset of the first parameter of a packed row
-        return (per_channel ? row / lay.spec.group * lay.head_dim : row * per_row) * size_of(lay.spec.param);
-      };
-      const std::size_t bytes = param(from + rows) - param(from);
-      std::memmove(base + lay.scale_offset + param(to), base + lay.scale_offset + param(from), bytes);
+      const std::size_t bytes = param_offset(lay, from + rows) - param_offset(lay, from);
+      std::memmove(base + lay.scale_offset + param_offset(lay, to), base + lay.scale_offset + param_offset(lay, from), bytes);
       if (lay.spec.has_zero_point())
-        std::memmove(base + lay.zero_offset + param(to), base + lay.zero_offset + param(from), bytes);
+        std::memmove(base + lay.zero_offset + param_offset(lay, to), base + lay.zero_offset + param_offset(lay, from), bytes);
+    }
+    if (new_end < end) {
+      const std::size_t a = new_end - lay.sinks, b = end - lay.sinks, bytes = param_offset(lay, b) - param_offset(lay, a);
+      std::memset(base + lay.code_offset + a * lay.row_bytes, 0, (b - a) * lay.row_bytes);
+      std::memset(base + lay.scale_offset + param_offset(lay, a), 0, bytes);
+      if (lay.spec.has_zero_point()) std::memset(base + lay.zero_offset + param_offset(lay, a), 0, bytes);
     }
     const std::size_t row = row_size(lay), length = lengths_[layer];
     const std::size_t src = std::max(end, first + count);
-    auto slot = [&](std::size_t p) { return base + lay.ring_offset + (p - lay.sinks) % lay.ring_rows * row; };
-    for (std::size_t p = src; p < length; ++p) std::memcpy(staged + (p - src) * row, slot(p), row);
-    for (std::size_t p = src; p < length; ++p) std::memcpy(slot(p - count), staged + (p - src) * row, row);
+    for (std::size_t p = src; p < length; ++p) std::memcpy(staged + (p - src) * row, ring_row(t, layer, head, p), row);
+    for (std::size_t p = std::max(end, first); p < length; ++p) std::memset(ring_row(t, layer, head, p), 0, row);
+    for (std::size_t p = src; p < length; ++p) std::memcpy(ring_row(t, layer, head, p - count), staged + (p - src) * row, row);
   }
 
   // The commit half of append: noexcept, since check_append has validated everything.
@@ -414,6 +515,7 @@ class BasicKVCache {
                                          base + lay.zero_offset + params, head_bytes_,
                                          base + lay.code_offset + (q - lay.sinks) * lay.row_bytes, head_bytes_);
       }
+      retire_rows(t, layer, begin, end);
       return;
     }
     // The due rows are read in place from the ring unless they wrap around its end (a window
@@ -438,6 +540,22 @@ class BasicKVCache {
       }
       kernels::quantize_block_per_channel(lay.spec, rows, end - begin, dim, dim, scales, zeros, codes, lay.row_bytes);
     }
+    retire_rows(t, layer, begin, end);
+  }
+
+  /// Rows [begin, end) have just been packed: their ring slots become zero (pending rows only
+  /// live there), keeping a copy in the rollback history.
+  void retire_rows(Tensor t, std::size_t layer, std::size_t begin, std::size_t end) noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    const std::size_t row = row_size(lay);
+    for (std::size_t h = 0; h < shape_.kv_heads; ++h)
+      for (std::size_t p = begin; p < end; ++p) {
+        std::uint8_t* slot = ring_row(t, layer, h, p);
+        if (lay.history_rows != 0 && p + lay.history_rows >= end) std::memcpy(history_row(t, layer, h, p), slot, row);
+        std::memset(slot, 0, row);
+      }
+    std::size_t& floor = history_begins_[layer * 2 + index(t)];
+    floor = std::max(floor, end - std::min(end - lay.sinks, lay.history_rows));
   }
 
   CacheShape shape_;
@@ -446,8 +564,11 @@ class BasicKVCache {
   RopeTable rope_;
   std::size_t head_bytes_ = 0;
   AlignedBuffer storage_;
+  std::size_t head_history_bytes_ = 0;
+  AlignedBuffer history_;  // (layers, kv_heads): key then value rollback rows, a ring by position
   std::vector<std::size_t> lengths_;
   std::vector<std::size_t> quantized_ends_;  // (layers, 2): first unquantized key / value position
+  std::vector<std::size_t> history_begins_;  // (layers, 2): first quantized position with a rollback copy
   std::vector<float> scratch_;  // one group of due rows, as floats
 };
 

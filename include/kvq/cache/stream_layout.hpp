@@ -13,6 +13,10 @@
 // R tokens are always full precision and at most R + G - 1 keys are. Values match KIVI exactly:
 // a FIFO of R where the oldest token is quantized on its own. R = 0 quantizes every complete
 // group at once.
+//
+// Ring slots hold only the pending rows [quantized end, length); the rest of the ring is zero, so
+// the bytes stay a function of the tokens after a rollback too. For rollback the cache keeps
+// full-precision copies of the newest `history_rows` quantized rows outside the stream.
 
 #include <algorithm>
 #include <cstddef>
@@ -30,6 +34,7 @@ struct StreamLayout {
   Scalar residual = Scalar::f16;
 
   std::size_t ring_rows = 0;           // full-precision rows pending quantization
+  std::size_t history_rows = 0;        // copies of the newest quantized rows, for rollback (beside the stream)
   std::size_t max_quantized_rows = 0;  // rows of codes the capacity can need
   std::size_t row_bytes = 0;           // packed bytes per token row
   std::size_t param_count = 0;         // parameter pairs for max_quantized_rows
@@ -48,6 +53,9 @@ struct StreamLayout {
       const std::size_t step = spec.axis == Axis::per_channel ? spec.group : 1;
       ring_rows = std::min(window + step, after_sinks);
       max_quantized_rows = after_sinks / step * step;
+      // Taking back D tokens re-opens at most the groups that D positions span.
+      const std::size_t depth = std::min(config.rollback_depth, max_quantized_rows);
+      history_rows = std::min((depth + step - 1) / step * step, max_quantized_rows);
       row_bytes = packed_bytes(head_dim, spec.bits);
       param_count = spec.axis == Axis::per_channel ? max_quantized_rows / spec.group * head_dim
                                                    : max_quantized_rows * groups_per_row(spec, head_dim);
