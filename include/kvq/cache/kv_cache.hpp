@@ -125,8 +125,9 @@ class BasicKVCache {
   /// tokens would not have quantized yet are re-opened from the rollback history, so the cache
   /// then equals, byte for byte, one that received only the kept tokens, and tokens appended next
   /// may differ from the dropped ones. Always possible for a cut of up to config().rollback_depth
-  /// tokens below the longest length a layer has held since it was cleared, and for cuts that
-  /// re-open nothing; otherwise throws kvq::Error (unsupported) and changes nothing.
+  /// tokens below the longest length a layer has held since it was cleared or shifted by erase(),
+  /// and for cuts that re-open nothing; otherwise throws kvq::Error (unsupported) and changes
+  /// nothing. rollback_floor() says how far it reaches now.
   void truncate(std::size_t length) {
     check_truncate(length);
     for (std::size_t l = 0; l < shape_.layers; ++l) {
