@@ -43,4 +43,18 @@ TEST(Crc32c, ContinuesAcrossPieces) {
   }
 }
 
+// The instruction path (where the CPU has one) against the table at every length and alignment.
+TEST(Crc32c, DispatchedEqualsReference) {
+  std::vector<std::uint8_t> bytes(1000);
+  for (std::size_t i = 0; i < bytes.size(); ++i) bytes[i] = std::uint8_t((i * 2654435761u) >> 13);
+  for (std::size_t offset = 0; offset < 9; ++offset)
+    for (std::size_t n = 0; n + offset <= bytes.size(); n += 1 + n / 8) {
+      ASSERT_EQ(kvq::crc32c(bytes.data() + offset, n, 0x12345678u),
+                kvq::crc32c_reference(bytes.data() + offset, n, 0x12345678u))
+          << offset << " " << n;
+    }
+  constexpr std::string_view check = "123456789";
+  EXPECT_EQ(kvq::crc32c_reference(check.data(), check.size()), 0xE3069283u);
+}
+
 }  // namespace

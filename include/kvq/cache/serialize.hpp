@@ -222,8 +222,9 @@ class FileReader {
     return x;
   }
 
-  /// Reads one section whose tag and size the caller expects and checks its CRC; the buffer grows
-  /// only as bytes arrive, so a size field cannot allocate more than the file holds.
+  /// Reads one section whose tag and size the caller expects and checks its CRC. Past the first
+  /// 64 MiB the buffer grows only as bytes arrive, so a size field cannot allocate much more
+  /// than the file holds.
   std::vector<std::uint8_t> section(std::uint32_t tag, std::uint64_t size, const std::string& name) {
     const std::uint64_t start = offset_;
     const auto file_tag = read_value<std::uint32_t>(name);
@@ -234,6 +235,7 @@ class FileReader {
     std::uint32_t crc = crc32c(&file_tag, sizeof file_tag);
     crc = crc32c(&file_size, sizeof file_size, crc);
     std::vector<std::uint8_t> payload;
+    payload.reserve(std::min<std::size_t>(std::size_t(size), std::size_t(64) << 20));
     constexpr std::size_t chunk = std::size_t(1) << 20;
     while (payload.size() < size) {
       const std::size_t n = std::min<std::size_t>(chunk, std::size_t(size) - payload.size());

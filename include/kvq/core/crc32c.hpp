@@ -1,11 +1,19 @@
 #pragma once
 // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), the checksum of iSCSI, ext4 and SSE4.2's
-// crc32 instruction: crc32c("123456789") = 0xE3069283. Table-driven, eight bytes per step
-// ("slicing by 8"), the same result on every platform.
+// crc32 instruction: crc32c("123456789") = 0xE3069283. The table-driven version (eight bytes
+// per step, "slicing by 8") is the reference and runs everywhere; x86-64 CPUs with SSE4.2 take
+// the crc32 instruction instead (several times faster; tests compare the two).
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+
+#include "kvq/isa.hpp"
+
+#if defined(KVQ_HAVE_X86_KERNELS)
+#include <nmmintrin.h>
+#endif
 
 namespace kvq::inline v0 {
 
@@ -30,8 +38,8 @@ inline constexpr Crc32cTables crc32c_tables = make_crc32c_tables();
 
 }  // namespace detail
 
-/// CRC-32C of `size` bytes; pass a previous result as `crc` to continue it over more bytes.
-inline std::uint32_t crc32c(const void* data, std::size_t size, std::uint32_t crc = 0) noexcept {
+/// CRC-32C of `size` bytes by table lookups; pass a previous result as `crc` to continue it.
+inline std::uint32_t crc32c_reference(const void* data, std::size_t size, std::uint32_t crc = 0) noexcept {
   const auto& t = detail::crc32c_tables;
   const auto* p = static_cast<const unsigned char*>(data);
   crc = ~crc;
@@ -43,6 +51,36 @@ inline std::uint32_t crc32c(const void* data, std::size_t size, std::uint32_t cr
   }
   for (; size > 0; ++p, --size) crc = (crc >> 8) ^ t[0][(crc ^ *p) & 0xFF];
   return ~crc;
+}
+
+#if defined(KVQ_HAVE_X86_KERNELS)
+namespace detail {
+__attribute__((target("sse4.2"))) inline std::uint32_t crc32c_sse42(const void* data, std::size_t size,
+                                                                      std::uint32_t crc) noexcept {
+  const auto* p = static_cast<const unsigned char*>(data);
+  std::uint64_t c = ~crc;
+  for (; size >= 8; p += 8, size -= 8) {
+    std::uint64_t word;
+    std::memcpy(&word, p, 8);
+    c = _mm_crc32_u64(c, word);
+  }
+  auto c32 = std::uint32_t(c);
+  for (; size > 0; ++p, --size) c32 = _mm_crc32_u8(c32, *p);
+  return ~c32;
+}
+}  // namespace detail
+#endif
+
+/// CRC-32C of `size` bytes; pass a previous result as `crc` to continue it over more bytes.
+inline std::uint32_t crc32c(const void* data, std::size_t size, std::uint32_t crc = 0) noexcept {
+#if defined(KVQ_HAVE_X86_KERNELS)
+  static const bool sse42 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("sse4.2") != 0;
+  }();
+  if (sse42) return detail::crc32c_sse42(data, size, crc);
+#endif
+  return crc32c_reference(data, size, crc);
 }
 
 }  // namespace kvq::inline v0
