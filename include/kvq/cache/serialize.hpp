@@ -118,23 +118,22 @@ struct CacheAccess {
     return {};
   }
 
-  /// Calls put(bytes, size) for every piece of one layer section, in file order.
-  template <class Put>
-  static void for_each_piece(const BasicKVCache& c, std::size_t layer, Put&& put) {
-    const LayerState s = state(c, layer);
+  /// Calls visit(pointer, bytes) for every piece of one layer section, in file order: the
+  /// pieces of `c` (const to save, mutable to restore) in state `s`.
+  template <class Cache, class Visit>
+  static void visit_pieces(Cache& c, std::size_t layer, const LayerState& s, Visit&& visit) {
     for (std::size_t h = 0; h < c.shape().kv_heads; ++h)
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         const StreamLayout& lay = layout(c, t);
         const StreamState& st = s.streams[BasicKVCache::index(t)];
-        const std::uint8_t* base = c.stream_base(t, layer, h);
+        auto* base = c.stream_base(t, layer, h);
         const std::size_t r = row(lay), end = std::size_t(st.quantized_end), packed = end - lay.sinks;
-        put(base + lay.sink_offset, std::min<std::size_t>(lay.sinks, s.length) * r);
-        for (std::size_t p = end; p < s.length; ++p) put(c.ring_row(t, layer, h, p), r);
-        put(base + lay.code_offset, packed * lay.row_bytes);
-        put(base + lay.scale_offset, params(lay, packed));
-        if (lay.spec.has_zero_point()) put(base + lay.zero_offset, params(lay, packed));
-        for (std::size_t p = std::size_t(st.rollback_floor); p < end; ++p)
-          put(c.history_row(t, layer, h, p), r);
+        visit(base + lay.sink_offset, std::min<std::size_t>(lay.sinks, s.length) * r);
+        for (std::size_t p = end; p < s.length; ++p) visit(c.ring_row(t, layer, h, p), r);
+        visit(base + lay.code_offset, packed * lay.row_bytes);
+        visit(base + lay.scale_offset, params(lay, packed));
+        if (lay.spec.has_zero_point()) visit(base + lay.zero_offset, params(lay, packed));
+        for (std::size_t p = std::size_t(st.rollback_floor); p < end; ++p) visit(c.history_row(t, layer, h, p), r);
       }
   }
 
@@ -146,23 +145,10 @@ struct CacheAccess {
     for (std::size_t l = 0; l < states.size(); ++l) {
       const LayerState& s = states[l];
       const std::uint8_t* in = payloads[l].data();
-      auto take = [&](std::uint8_t* dest, std::size_t n) {
+      visit_pieces(c, l, s, [&](std::uint8_t* dest, std::size_t n) {
         if (n != 0) std::memcpy(dest, in, n);
         in += n;
-      };
-      for (std::size_t h = 0; h < c.shape().kv_heads; ++h)
-        for (const Tensor t : {Tensor::keys, Tensor::values}) {
-          const StreamLayout& lay = layout(c, t);
-          const StreamState& st = s.streams[BasicKVCache::index(t)];
-          std::uint8_t* base = c.stream_base(t, l, h);
-          const std::size_t r = row(lay), end = std::size_t(st.quantized_end), packed = end - lay.sinks;
-          take(base + lay.sink_offset, std::min<std::size_t>(lay.sinks, s.length) * r);
-          for (std::size_t p = end; p < s.length; ++p) take(c.ring_row(t, l, h, p), r);
-          take(base + lay.code_offset, packed * lay.row_bytes);
-          take(base + lay.scale_offset, params(lay, packed));
-          if (lay.spec.has_zero_point()) take(base + lay.zero_offset, params(lay, packed));
-          for (std::size_t p = std::size_t(st.rollback_floor); p < end; ++p) take(c.history_row(t, l, h, p), r);
-        }
+      });
       c.lengths_[l] = std::size_t(s.length);
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         const std::size_t i = l * 2 + BasicKVCache::index(t);
@@ -273,8 +259,6 @@ class PayloadReader {
     std::memcpy(dest, bytes_.data() + at_, n);
     at_ += n;
   }
-  bool done() const noexcept { return at_ == bytes_.size(); }
-
  private:
   const std::vector<std::uint8_t>& bytes_;
   const FileReader& file_;
@@ -413,7 +397,7 @@ inline void save(const BasicKVCache& cache, std::ostream& out) {
   }
   for (std::size_t l = 0; l < s.layers; ++l) {
     detail::SectionWriter w(out, detail::tag_layer, CacheAccess::layer_bytes(cache, CacheAccess::state(cache, l)));
-    CacheAccess::for_each_piece(cache, l, [&](const void* data, std::size_t n) { w.put(data, n); });
+    CacheAccess::visit_pieces(cache, l, CacheAccess::state(cache, l), [&](const void* data, std::size_t n) { w.put(data, n); });
     w.finish();
   }
   if (!out) throw Error(ErrorCode::io, "saving a kvq cache: the output stream failed");
