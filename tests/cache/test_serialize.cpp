@@ -127,9 +127,16 @@ TEST(CacheFile, SizeFollowsTheTokensHeldNotTheCapacity) {
     const std::size_t size = saved(small).size();
     EXPECT_EQ(saved(large).size(), size) << "capacity must not matter";
     const std::size_t config_text = kvq::to_string(config).size();
-    const std::size_t overhead = 16 + (16 + 56 + config_text) + (16 + layers * 40) + layers * 16;
-    const std::size_t history = layers * heads * (32 + 16) * dim * 2;  // one key group, 16 values
-    EXPECT_EQ(size, overhead + small.memory().total_bytes() + history) << tokens;
+    const std::size_t overhead = 16 + (16 + 56 + config_text) + (16 + layers * 56) + layers * 16;
+    // beyond memory(): the packed rows still in the ring and the rollback copies of packed rows
+    std::size_t full_precision_copies = 0;
+    for (std::size_t l = 0; l < layers; ++l)
+      for (const Tensor t : {Tensor::keys, Tensor::values}) {
+        const kvq::StreamLayout& lay = small.layout(t);
+        const std::size_t end = small.quantized_end(t, l), first_in_ring = tokens - lay.ring_rows;
+        full_precision_copies += (end - first_in_ring + std::min(end, lay.history_rows)) * heads * dim * 2;
+      }
+    EXPECT_EQ(size, overhead + small.memory().total_bytes() + full_precision_copies) << tokens;
     if (previous != 0) {
       const double per_token = double(size - previous) / double(tokens / 2);
       std::printf("K4V2, %zu layers x %zu heads x %zu: %zu tokens -> %zu bytes, %.1f bytes per token\n", layers, heads,
@@ -210,16 +217,18 @@ TEST_F(DamagedFile, ForgedTableWithAValidCrcIsRejected) {
   std::string bytes = file;
   auto put_u64 = [&](std::size_t at, std::uint64_t x) { std::memcpy(bytes.data() + at, &x, 8); };
   auto fix_crc = [&] {
-    const std::uint32_t crc = kvq::crc32c(bytes.data() + table, 12 + 2 * 40);
-    std::memcpy(bytes.data() + table + 12 + 2 * 40, &crc, 4);
+    const std::uint32_t crc = kvq::crc32c(bytes.data() + table, 12 + 2 * 56);
+    std::memcpy(bytes.data() + table + 12 + 2 * 56, &crc, 4);
   };
-  // layer 0: the whole capacity, with the quantized ends and floors that length would have
+  // layer 0: the whole capacity, with the quantized ends, floors and copies that length would have
   const kvq::StreamLayout &k = target.layout(Tensor::keys), &v = target.layout(Tensor::values);
   put_u64(table + 12, 48);
   put_u64(table + 20, k.quantized_end(48));
   put_u64(table + 28, k.quantized_end(48) - k.history_rows);
-  put_u64(table + 36, v.quantized_end(48));
-  put_u64(table + 44, v.quantized_end(48) - v.history_rows);
+  put_u64(table + 36, k.quantized_end(48) - k.history_rows);
+  put_u64(table + 44, v.quantized_end(48));
+  put_u64(table + 52, v.quantized_end(48) - v.history_rows);
+  put_u64(table + 60, v.quantized_end(48) - v.history_rows);
   fix_crc();
   expect_rejected(bytes, kvq::ErrorCode::io, "section 'layer 0'", "a layer longer than its payload");
   put_u64(table + 12, 49);

@@ -30,8 +30,9 @@ struct CacheConfig {
   KeyRope key_rope = KeyRope::pre;
   Scalar residual = Scalar::f16;  // storage type of window and sink tokens
   // D: how many tokens truncate() can take back exactly, re-opening quantized groups and tokens
-  // (speculative decoding). Costs a full-precision copy of the last D quantized rows (rounded up
-  // to whole key groups) per layer, KV head and tensor; 0 allows cutting pending rows only.
+  // (speculative decoding). Costs full-precision copies of the last D + G packed rows (D + 1 for
+  // a per-token tensor) per layer, KV head and tensor, made as rows are packed; 0 turns it off
+  // (truncate then re-opens only rows still in the ring).
   std::size_t rollback_depth = 16;
 
   bool operator==(const CacheConfig&) const = default;

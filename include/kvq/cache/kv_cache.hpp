@@ -7,12 +7,13 @@
 // Every append is all-or-nothing: it validates shapes, order, capacity, finiteness and the
 // representability of every parameter it will write before it changes a byte.
 //
-// Exact rollback: a row leaving the ring for the packed groups is also copied into a history of
-// the newest StreamLayout::history_rows quantized rows (rollback depth D rounded up to whole key
-// groups) per layer, KV head and tensor. truncate() re-opens quantized groups and tokens from it,
-// so a cache cut by up to D tokens holds exactly the bytes of one that never saw the dropped
-// tokens. Cost: D (+ up to G - 1) extra residual-type rows per stream and head, counted in
-// allocated_bytes(); CacheConfig::rollback_depth = 0 turns it off.
+// Exact rollback: the ring keeps the full-precision rows of the newest positions, packed or
+// not, and a history beside it copies each row as it is packed, for the last D + G packed
+// positions (D = CacheConfig::rollback_depth; D + 1 for values per token). truncate() restores
+// the ring a shorter cache would have and re-opens the quantized groups and tokens it would not
+// have packed yet, so a cache cut by up to D tokens holds exactly the bytes of one that never
+// saw the dropped tokens. Cost: those rows per layer, KV head and tensor in the residual type,
+// counted in allocated_bytes(), and one row copy per packed row; rollback_depth = 0 turns it off.
 
 #include <algorithm>
 #include <concepts>
@@ -77,7 +78,9 @@ class BasicKVCache {
     lengths_.assign(shape.layers, 0);
     quantized_ends_.resize(shape.layers * 2);
     history_begins_.resize(shape.layers * 2);
-    for (std::size_t i = 0; i < quantized_ends_.size(); ++i) quantized_ends_[i] = history_begins_[i] = layouts_[i % 2].sinks;
+    kept_from_.resize(shape.layers * 2);
+    for (std::size_t i = 0; i < quantized_ends_.size(); ++i)
+      quantized_ends_[i] = history_begins_[i] = kept_from_[i] = layouts_[i % 2].sinks;
     const std::size_t largest_group = std::max(config.quantize_keys && config.key.axis == Axis::per_channel ? config.key.group : 1,
                                                config.quantize_values && config.value.axis == Axis::per_channel ? config.value.group : 1);
     scratch_.resize(largest_group * shape.head_dim);
@@ -104,6 +107,8 @@ class BasicKVCache {
       }
       quantize_due(Tensor::keys, layer, p + 1);
       quantize_due(Tensor::values, layer, p + 1);
+      raise_floor(Tensor::keys, layer, p + 1);
+      raise_floor(Tensor::values, layer, p + 1);
       lengths_[layer] = p + 1;
     }
   }
@@ -122,22 +127,26 @@ class BasicKVCache {
 
   /// Drops tokens from `length` on in every layer (a no-op for layers holding no more), e.g. to
   /// roll back rejected speculative tokens. Quantized groups and tokens that a cache of `length`
-  /// tokens would not have quantized yet are re-opened from the rollback history, so the cache
-  /// then equals, byte for byte, one that received only the kept tokens, and tokens appended next
-  /// may differ from the dropped ones. Always possible for a cut of up to config().rollback_depth
-  /// tokens below the longest length a layer has held since it was cleared or shifted by erase(),
-  /// and for cuts that re-open nothing; otherwise throws kvq::Error (unsupported) and changes
-  /// nothing. rollback_floor() says how far it reaches now.
+  /// tokens would not have quantized yet are re-opened from their full-precision rows, and tokens
+  /// appended next may differ from the dropped ones. A cut to at least (longest length the layer
+  /// has held since it was cleared or shifted by erase()) - config().rollback_depth always works
+  /// and leaves the cache byte for byte equal to one that received only the kept tokens. A deeper
+  /// cut works while the rows it re-opens are still held (rollback_floor()): views and attention
+  /// are then exact, but ring slots whose old rows are gone stay zero. Otherwise throws
+  /// kvq::Error (unsupported) and changes nothing.
   void truncate(std::size_t length) {
     check_truncate(length);
     for (std::size_t l = 0; l < shape_.layers; ++l) {
       if (length >= lengths_[l]) continue;
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
-        const std::size_t target = std::min(quantized_end(t, l), layouts_[index(t)].quantized_end(length));
+        const StreamLayout& lay = layouts_[index(t)];
+        const std::size_t target = std::min(quantized_end(t, l), lay.quantized_end(length));
         for (std::size_t h = 0; h < shape_.kv_heads; ++h) cut_stream(t, l, h, length, target);
         quantized_ends_[l * 2 + index(t)] = target;
-        std::size_t& begin = history_begins_[l * 2 + index(t)];
-        begin = std::min(begin, target);
+        std::size_t& floor = history_begins_[l * 2 + index(t)];
+        floor = std::min(floor, std::max(lay.sinks, length));
+        std::size_t& kept = kept_from_[l * 2 + index(t)];
+        kept = std::min(kept, target);
       }
       lengths_[l] = length;
     }
@@ -163,7 +172,7 @@ class BasicKVCache {
         const std::size_t new_end = end <= first ? end : end <= first + count ? first : end - count;
         for (std::size_t h = 0; h < shape_.kv_heads; ++h) move_down(t, l, h, first, count, end, new_end, staged.data());
         // The history is by position, which the shift changed: rollback starts afresh from here.
-        end = history_begins_[l * 2 + index(t)] = new_end;
+        end = history_begins_[l * 2 + index(t)] = kept_from_[l * 2 + index(t)] = new_end;
       }
       lengths_[l] -= count;
     }
@@ -175,7 +184,7 @@ class BasicKVCache {
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         const std::size_t sinks = layouts_[index(t)].sinks;
         for (std::size_t h = 0; h < shape_.kv_heads; ++h) cut_stream(t, l, h, 0, sinks);
-        quantized_ends_[l * 2 + index(t)] = history_begins_[l * 2 + index(t)] = sinks;
+        quantized_ends_[l * 2 + index(t)] = history_begins_[l * 2 + index(t)] = kept_from_[l * 2 + index(t)] = sinks;
       }
       lengths_[l] = 0;
     }
@@ -183,8 +192,8 @@ class BasicKVCache {
 
   /// First position of `layer` that `t` holds unquantized (= sinks while nothing is quantized).
   std::size_t quantized_end(Tensor t, std::size_t layer) const { return quantized_ends_.at(layer * 2 + index(t)); }
-  /// First quantized position of `layer` that `t` can still re-open (= quantized_end when none):
-  /// truncate(length) fails only where it would re-open positions before this one.
+  /// First position of `layer` whose full-precision `t` row the cache still holds (in the ring or
+  /// the rollback history): truncate(length) fails only where it would re-open positions before it.
   std::size_t rollback_floor(Tensor t, std::size_t layer) const { return history_begins_.at(layer * 2 + index(t)); }
 
   StreamView view(Tensor t, std::size_t layer, std::size_t head) const {
@@ -385,7 +394,7 @@ class BasicKVCache {
 
   static std::size_t row_size(const StreamLayout& lay) noexcept { return lay.head_dim * size_of(lay.residual); }
 
-  /// Validates truncate(length): every position to re-open must still have its rollback copy.
+  /// Validates truncate(length): every position to re-open must still have its full-precision row.
   void check_truncate(std::size_t length) const {
     for (std::size_t l = 0; l < shape_.layers; ++l) {
       if (length >= lengths_[l]) continue;
@@ -397,30 +406,37 @@ class BasicKVCache {
                       "layer " + std::to_string(l) + ": truncating from " + std::to_string(lengths_[l]) + " to " +
                           std::to_string(length) + " tokens would re-open quantized " + to_string(t) + " positions [" +
                           std::to_string(target) + ", " + std::to_string(reopen_end) +
-                          "), but full-precision copies are kept only from position " + std::to_string(floor) +
+                          "), but full-precision rows are kept only from position " + std::to_string(floor) +
                           " (rollback depth " + std::to_string(config_.rollback_depth) + ")");
       }
     }
   }
 
-  /// truncate's commit for one stream of one head: zeroes what positions >= length and the
-  /// re-opened packed rows [target, quantized end) occupied, then moves the re-opened rows that
-  /// are kept back into the ring from the history (checked by check_truncate).
+  /// truncate's commit for one stream of one head: the sink rows, ring and packed rows become
+  /// what a cache of `length` tokens holds (ring rows of positions before the rollback floor,
+  /// which are gone, become zero), with the packed rows [target, quantized end) re-opened.
   void cut_stream(Tensor t, std::size_t layer, std::size_t head, std::size_t length, std::size_t target) noexcept {
     const StreamLayout& lay = layouts_[index(t)];
     std::uint8_t* base = stream_base(t, layer, head);
     const std::size_t old_length = lengths_[layer], end = quantized_end(t, layer), row = row_size(lay);
-    if (length < lay.sinks && old_length > length)
-      std::memset(base + lay.sink_offset + length * row, 0, (std::min(lay.sinks, old_length) - length) * row);
-    for (std::size_t p = std::max({end, length, lay.sinks}); p < old_length; ++p) std::memset(ring_row(t, layer, head, p), 0, row);
+    const std::size_t s = lay.sinks, ring_rows = lay.ring_rows, floor = rollback_floor(t, layer);
+    if (length < s && old_length > length)
+      std::memset(base + lay.sink_offset + length * row, 0, (std::min(s, old_length) - length) * row);
+    // The ring of `length` tokens holds positions [first, length); those before `pushed_out`
+    // left the ring for the history, and slots no position uses are zero.
+    const std::size_t first = length > s + ring_rows ? length - ring_rows : s;
+    const std::size_t pushed_out = old_length > s + ring_rows ? old_length - ring_rows : s;
+    for (std::size_t p = first; p < std::min(length, pushed_out); ++p) {
+      if (p >= floor && lay.history_rows != 0) std::memcpy(ring_row(t, layer, head, p), history_row(t, layer, head, p), row);
+      else std::memset(ring_row(t, layer, head, p), 0, row);
+    }
+    for (std::size_t p = std::max(length, s); p < std::min(old_length, s + ring_rows); ++p)
+      std::memset(ring_row(t, layer, head, p), 0, row);
     if (target >= end) return;
-    const std::size_t first = target - lay.sinks, last = end - lay.sinks;
-    std::memset(base + lay.code_offset + first * lay.row_bytes, 0, (last - first) * lay.row_bytes);
-    const std::size_t param_bytes = param_offset(lay, last) - param_offset(lay, first);
-    std::memset(base + lay.scale_offset + param_offset(lay, first), 0, param_bytes);
-    if (lay.spec.has_zero_point()) std::memset(base + lay.zero_offset + param_offset(lay, first), 0, param_bytes);
-    for (std::size_t p = target; p < std::min(end, length); ++p)
-      std::memcpy(ring_row(t, layer, head, p), history_row(t, layer, head, p), row);
+    const std::size_t a = target - s, b = end - s, param_bytes = param_offset(lay, b) - param_offset(lay, a);
+    std::memset(base + lay.code_offset + a * lay.row_bytes, 0, (b - a) * lay.row_bytes);
+    std::memset(base + lay.scale_offset + param_offset(lay, a), 0, param_bytes);
+    if (lay.spec.has_zero_point()) std::memset(base + lay.zero_offset + param_offset(lay, a), 0, param_bytes);
   }
 
   /// Validates erase(first, count) completely.
@@ -516,7 +532,7 @@ class BasicKVCache {
                                          base + lay.zero_offset + params, head_bytes_,
                                          base + lay.code_offset + (q - lay.sinks) * lay.row_bytes, head_bytes_);
       }
-      retire_rows(t, layer, begin, end);
+      keep_rows(t, layer, begin, end);
       return;
     }
     // The due rows are read in place from the ring unless they wrap around its end (a window
@@ -541,22 +557,39 @@ class BasicKVCache {
       }
       kernels::quantize_block_per_channel(lay.spec, rows, end - begin, dim, dim, scales, zeros, codes, lay.row_bytes);
     }
-    retire_rows(t, layer, begin, end);
+    keep_rows(t, layer, begin, end);
   }
 
-  /// Rows [begin, end) have just been packed: their ring slots become zero (pending rows only
-  /// live there), keeping a copy in the rollback history.
-  void retire_rows(Tensor t, std::size_t layer, std::size_t begin, std::size_t end) noexcept {
+  /// Rows [begin, end) have just been packed: copy the newest history_rows of them into the
+  /// rollback history (a ring by position), by contiguous runs while they are hot in the cache.
+  void keep_rows(Tensor t, std::size_t layer, std::size_t begin, std::size_t end) noexcept {
     const StreamLayout& lay = layouts_[index(t)];
-    const std::size_t row = row_size(lay);
-    for (std::size_t h = 0; h < shape_.kv_heads; ++h)
-      for (std::size_t p = begin; p < end; ++p) {
-        std::uint8_t* slot = ring_row(t, layer, h, p);
-        if (lay.history_rows != 0 && p + lay.history_rows >= end) std::memcpy(history_row(t, layer, h, p), slot, row);
-        std::memset(slot, 0, row);
+    std::size_t& kept = kept_from_[layer * 2 + index(t)];
+    const std::size_t copy_rows = lay.history_rows, first = end - std::min(end - begin, copy_rows);
+    kept = std::max(kept, end - std::min(end - lay.sinks, copy_rows));
+    if (first == end) return;
+    const std::size_t row = row_size(lay), ring_rows = lay.ring_rows;
+    const std::size_t from_slot = (first - lay.sinks) % ring_rows, to_slot = (first - lay.sinks) % copy_rows;
+    for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
+      const std::uint8_t* ring = stream_base(t, layer, h) + lay.ring_offset;
+      std::uint8_t* copies = history_row(t, layer, h, lay.sinks);  // slot 0
+      for (std::size_t done = 0, from = from_slot, to = to_slot; done < end - first;) {
+        const std::size_t run = std::min({end - first - done, ring_rows - from, copy_rows - to});
+        std::memcpy(copies + to * row, ring + from * row, run * row);
+        done += run;
+        from = from + run == ring_rows ? 0 : from + run;
+        to = to + run == copy_rows ? 0 : to + run;
       }
+    }
+  }
+
+  /// After a write made the layer `length` tokens long: rows that left the ring are held only if
+  /// the history has them.
+  void raise_floor(Tensor t, std::size_t layer, std::size_t length) noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    const std::size_t first_in_ring = length > lay.sinks + lay.ring_rows ? length - lay.ring_rows : lay.sinks;
     std::size_t& floor = history_begins_[layer * 2 + index(t)];
-    floor = std::max(floor, end - std::min(end - lay.sinks, lay.history_rows));
+    floor = std::max(floor, std::min(kept_from_[layer * 2 + index(t)], first_in_ring));
   }
 
   CacheShape shape_;
@@ -569,7 +602,8 @@ class BasicKVCache {
   AlignedBuffer history_;  // (layers, kv_heads): key then value rollback rows, a ring by position
   std::vector<std::size_t> lengths_;
   std::vector<std::size_t> quantized_ends_;  // (layers, 2): first unquantized key / value position
-  std::vector<std::size_t> history_begins_;  // (layers, 2): first quantized position with a rollback copy
+  std::vector<std::size_t> history_begins_;  // (layers, 2): rollback floor: rows from here on are held
+  std::vector<std::size_t> kept_from_;       // (layers, 2): the history holds packed rows [kept_from, quantized end)
   std::vector<float> scratch_;  // one group of due rows, as floats
 };
 

@@ -15,10 +15,11 @@
 //   section "header": u32 kvq major, minor, patch | u64 layers, kv_heads, head_dim, capacity |
 //                     u32 RoPE style | f32 RoPE theta | u32 n, n bytes: to_string(config)
 //   section "table":  per layer: u64 length | per tensor (key, value): u64 quantized end, u64
-//                     rollback floor
-//   section "layer l" for each layer: per KV head, per tensor (key, value): sink rows, pending rows
-//                     in position order, packed code rows, scales, zero points (asymmetric only),
-//                     rollback copies [floor, quantized end); only what is in use
+//                     rollback floor, u64 first packed position the rollback history holds
+//   section "layer l" for each layer: per KV head, per tensor (key, value): sink rows, the ring's
+//                     rows in position order, packed code rows, scales, zero points (asymmetric
+//                     only), the rollback history's rows [its first, quantized end); only what
+//                     is in use
 // A section is u32 tag | u64 payload bytes | payload | u32 CRC-32C of tag, size and payload.
 // The file ends after the last layer. Its size grows with the tokens held, not with the capacity.
 
@@ -61,7 +62,7 @@ inline std::string hex(std::uint32_t x) {
 /// The state behind a cache's public view: what a file holds of it, and restoring it.
 struct CacheAccess {
   struct StreamState {
-    std::uint64_t quantized_end = 0, rollback_floor = 0;
+    std::uint64_t quantized_end = 0, rollback_floor = 0, kept_from = 0;
   };
   struct LayerState {
     std::uint64_t length = 0;
@@ -76,17 +77,23 @@ struct CacheAccess {
     LayerState s;
     s.length = c.lengths_[layer];
     for (const Tensor t : {Tensor::keys, Tensor::values})
-      s.streams[BasicKVCache::index(t)] = {c.quantized_end(t, layer), c.rollback_floor(t, layer)};
+      s.streams[BasicKVCache::index(t)] = {c.quantized_end(t, layer), c.rollback_floor(t, layer),
+                                            c.kept_from_[layer * 2 + BasicKVCache::index(t)]};
     return s;
+  }
+
+  /// First position the ring holds when the layer holds `length` tokens.
+  static std::size_t first_in_ring(const StreamLayout& lay, std::size_t length) {
+    return length > lay.sinks + lay.ring_rows ? length - lay.ring_rows : lay.sinks;
   }
 
   /// Bytes one stream of one head takes in a layer section.
   static std::size_t stream_bytes(const BasicKVCache& c, Tensor t, std::uint64_t length, const StreamState& s) {
     const StreamLayout& lay = layout(c, t);
-    const std::size_t end = std::size_t(s.quantized_end), packed = end - lay.sinks;
-    const std::size_t residual_rows = std::min<std::size_t>(lay.sinks, length) + (length > end ? length - end : 0);
-    return (residual_rows + end - std::size_t(s.rollback_floor)) * row(lay) + packed * lay.row_bytes +
-           params(lay, packed) * (lay.spec.has_zero_point() ? 2 : 1);
+    const std::size_t n = std::size_t(length), end = std::size_t(s.quantized_end), packed = end - lay.sinks;
+    const std::size_t first = first_in_ring(lay, n), kept = std::size_t(s.kept_from);
+    const std::size_t residual_rows = std::min(lay.sinks, n) + (n > first ? n - first : 0) + (end - kept);
+    return residual_rows * row(lay) + packed * lay.row_bytes + params(lay, packed) * (lay.spec.has_zero_point() ? 2 : 1);
   }
 
   static std::size_t layer_bytes(const BasicKVCache& c, const LayerState& s) {
@@ -110,10 +117,16 @@ struct CacheAccess {
         return what + " is impossible for " + std::to_string(length) + " tokens";
       if (lay.quantized && lay.spec.axis == Axis::per_channel && (st.quantized_end - lay.sinks) % lay.spec.group != 0)
         return what + " splits a group of " + std::to_string(lay.spec.group);
-      const std::size_t end = std::size_t(st.quantized_end);
-      if (st.rollback_floor > end || st.rollback_floor < std::max(lay.sinks, end - std::min(end, lay.history_rows)))
-        return std::string(to_string(t)) + " rollback floor " + std::to_string(st.rollback_floor) +
-               " is impossible for quantized end " + std::to_string(end);
+      // The history holds at most history_rows packed rows; the floor lies between the sinks and
+      // the length, and rows before the ring are held only where the history has them.
+      const std::size_t first = first_in_ring(lay, length);
+      if (st.kept_from < lay.sinks || st.kept_from > st.quantized_end || st.quantized_end - st.kept_from > lay.history_rows)
+        return std::string(to_string(t)) + " rollback history from " + std::to_string(st.kept_from) +
+               " is impossible for quantized end " + std::to_string(st.quantized_end);
+      if (st.rollback_floor < lay.sinks || st.rollback_floor > std::max(length, lay.sinks) ||
+          st.rollback_floor < std::min<std::uint64_t>(st.kept_from, first))
+        return std::string(to_string(t)) + " rollback floor " + std::to_string(st.rollback_floor) + " is impossible for " +
+               std::to_string(length) + " tokens";
     }
     return {};
   }
@@ -128,12 +141,13 @@ struct CacheAccess {
         const StreamState& st = s.streams[BasicKVCache::index(t)];
         auto* base = c.stream_base(t, layer, h);
         const std::size_t r = row(lay), end = std::size_t(st.quantized_end), packed = end - lay.sinks;
-        visit(base + lay.sink_offset, std::min<std::size_t>(lay.sinks, s.length) * r);
-        for (std::size_t p = end; p < s.length; ++p) visit(c.ring_row(t, layer, h, p), r);
+        const std::size_t length = std::size_t(s.length), first = first_in_ring(lay, length);
+        visit(base + lay.sink_offset, std::min(lay.sinks, length) * r);
+        for (std::size_t p = first; p < length; ++p) visit(c.ring_row(t, layer, h, p), r);
         visit(base + lay.code_offset, packed * lay.row_bytes);
         visit(base + lay.scale_offset, params(lay, packed));
         if (lay.spec.has_zero_point()) visit(base + lay.zero_offset, params(lay, packed));
-        for (std::size_t p = std::size_t(st.rollback_floor); p < end; ++p) visit(c.history_row(t, layer, h, p), r);
+        for (std::size_t p = std::size_t(st.kept_from); p < end; ++p) visit(c.history_row(t, layer, h, p), r);
       }
   }
 
@@ -154,6 +168,7 @@ struct CacheAccess {
         const std::size_t i = l * 2 + BasicKVCache::index(t);
         c.quantized_ends_[i] = std::size_t(s.streams[BasicKVCache::index(t)].quantized_end);
         c.history_begins_[i] = std::size_t(s.streams[BasicKVCache::index(t)].rollback_floor);
+        c.kept_from_[i] = std::size_t(s.streams[BasicKVCache::index(t)].kept_from);
       }
     }
   }
@@ -343,7 +358,7 @@ inline bool same_shape(const CacheShape& a, const CacheShape& b) {
 inline void read_body(FileReader& file, BasicKVCache& target) {
   const std::size_t layers = target.shape().layers;
   const std::uint64_t table_start = file.offset();
-  const auto table = file.section(tag_table, std::uint64_t(layers) * 5 * 8, "table");
+  const auto table = file.section(tag_table, std::uint64_t(layers) * 7 * 8, "table");
   PayloadReader in(table, file, "table", table_start);
   std::vector<CacheAccess::LayerState> states(layers);
   for (std::size_t l = 0; l < layers; ++l) {
@@ -352,6 +367,7 @@ inline void read_body(FileReader& file, BasicKVCache& target) {
     for (auto& st : s.streams) {
       st.quantized_end = in.value<std::uint64_t>();
       st.rollback_floor = in.value<std::uint64_t>();
+      st.kept_from = in.value<std::uint64_t>();
     }
     const std::string why = CacheAccess::check(target, s);
     if (!why.empty()) file.fail("table", table_start, "layer " + std::to_string(l) + ": " + why);
@@ -384,13 +400,14 @@ inline void save(const BasicKVCache& cache, std::ostream& out) {
     w.finish();
   }
   {
-    detail::SectionWriter w(out, detail::tag_table, std::uint64_t(s.layers) * 5 * 8);
+    detail::SectionWriter w(out, detail::tag_table, std::uint64_t(s.layers) * 7 * 8);
     for (std::size_t l = 0; l < s.layers; ++l) {
       const CacheAccess::LayerState st = CacheAccess::state(cache, l);
       w.put_value(st.length);
       for (const auto& stream : st.streams) {
         w.put_value(stream.quantized_end);
         w.put_value(stream.rollback_floor);
+        w.put_value(stream.kept_from);
       }
     }
     w.finish();

@@ -14,9 +14,9 @@
 // a FIFO of R where the oldest token is quantized on its own. R = 0 quantizes every complete
 // group at once.
 //
-// Ring slots hold only the pending rows [quantized end, length); the rest of the ring is zero, so
-// the bytes stay a function of the tokens after a rollback too. For rollback the cache keeps
-// full-precision copies of the newest `history_rows` quantized rows outside the stream.
+// Ring slot (p - S) mod ring_rows holds the newest position p written there, pending or already
+// packed. For rollback the cache keeps, outside the stream, a copy of each row it packs, for the
+// last `history_rows` packed positions: D + G for keys per channel, D + 1 per token.
 
 #include <algorithm>
 #include <cstddef>
@@ -33,8 +33,8 @@ struct StreamLayout {
   std::size_t head_dim = 0, sinks = 0, window = 0, capacity = 0;
   Scalar residual = Scalar::f16;
 
-  std::size_t ring_rows = 0;           // full-precision rows pending quantization
-  std::size_t history_rows = 0;        // copies of the newest quantized rows, for rollback (beside the stream)
+  std::size_t ring_rows = 0;           // full-precision rows: the pending ones and the newest packed ones
+  std::size_t history_rows = 0;        // copies of the newest packed rows, for rollback (beside the stream)
   std::size_t max_quantized_rows = 0;  // rows of codes the capacity can need
   std::size_t row_bytes = 0;           // packed bytes per token row
   std::size_t param_count = 0;         // parameter pairs for max_quantized_rows
@@ -53,9 +53,6 @@ struct StreamLayout {
       const std::size_t step = spec.axis == Axis::per_channel ? spec.group : 1;
       ring_rows = std::min(window + step, after_sinks);
       max_quantized_rows = after_sinks / step * step;
-      // Taking back D tokens re-opens at most the groups that D positions span.
-      const std::size_t depth = std::min(config.rollback_depth, max_quantized_rows);
-      history_rows = std::min((depth + step - 1) / step * step, max_quantized_rows);
       row_bytes = packed_bytes(head_dim, spec.bits);
       param_count = spec.axis == Axis::per_channel ? max_quantized_rows / spec.group * head_dim
                                                    : max_quantized_rows * groups_per_row(spec, head_dim);
@@ -63,6 +60,11 @@ struct StreamLayout {
       ring_rows = after_sinks;
     }
     ring_rows = std::max<std::size_t>(ring_rows, 1);  // keeps the ring's modulo defined
+    // Taking back D tokens needs the rows of the D positions before the ring and those it
+    // re-opens: copies of the last D + step packed rows cover both (step = G or 1).
+    if (quantized && config.rollback_depth != 0)
+      history_rows = std::min(std::min(config.rollback_depth, max_quantized_rows) +
+                                  (spec.axis == Axis::per_channel ? spec.group : 1), max_quantized_rows);
     const std::size_t residual_row = head_dim * size_of(residual);
     const std::size_t param_bytes = param_count * size_of(spec.param);
     sink_offset = 0;
