@@ -238,10 +238,10 @@ class BasicKVCache {
     for (std::size_t l = 0; l < shape_.layers; ++l) total += layer_usage(length, k_end, v_end);
     return total;
   }
-  /// Every byte that attention reads, in a layout fixed by shape and config (bytes not in use
-  /// are zero): two caches that received the same tokens compare equal here, however the tokens
-  /// arrived and whatever was appended and rolled back before. The rollback history is not part
-  /// of it: it only decides how far truncate() can reach.
+  /// Every stored byte, in a layout fixed by shape and config: two caches that received the
+  /// same tokens compare equal here, however the tokens arrived, and after a rollback within
+  /// truncate()'s exact reach too. The rollback history lives beside it: it only decides how far
+  /// truncate() can reach.
   std::span<const std::uint8_t> raw_storage() const noexcept { return {storage_.data(), storage_.size()}; }
 
   /// Bytes reserved up front for the whole capacity: storage, rollback history, RoPE table and
