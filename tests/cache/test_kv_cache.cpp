@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kvq/kvq.hpp"
+#include "support/cache_state.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -20,7 +21,7 @@ using kvq::CacheShape;
 
 CacheConfig config_of(const char* text) { return kvq::parse_cache_config(text); }
 
-std::vector<std::uint8_t> snapshot(const BasicKVCache& c) { return {c.raw_storage().begin(), c.raw_storage().end()}; }
+using kvq::test::snapshot;
 
 void append_all(BasicKVCache& cache, const std::vector<float>& k, const std::vector<float>& v, std::size_t begin,
                 std::size_t end) {
@@ -243,31 +244,21 @@ TEST(KVCacheOperations, TruncateForkAndClear) {
   append_all(cache, k, v, 0, 20);  // keys quantized up to 12, values up to 12
   BasicKVCache fork = cache;
   EXPECT_TRUE(snapshot(fork) == snapshot(cache));
-  EXPECT_THROW(cache.truncate(11), kvq::Error);
-  EXPECT_EQ(cache.length(0), 20u);
-  cache.truncate(14);
-  EXPECT_EQ(cache.length(0), 14u);
-  append_all(cache, k, v, 14, 20);  // re-appending the same tokens restores the same state
+  cache.truncate(11);  // re-opens keys [0, 12) and values [3, 12) from the rollback history
+  EXPECT_EQ(cache.length(0), 11u);
+  EXPECT_EQ(cache.quantized_end(kvq::Tensor::keys, 0), 0u);
+  EXPECT_EQ(cache.quantized_end(kvq::Tensor::values, 0), 3u);
+  cache.truncate(14);  // longer than the cache: nothing happens
+  EXPECT_EQ(cache.length(0), 11u);
+  append_all(cache, k, v, 11, 20);  // re-appending the same tokens restores the same state
   EXPECT_TRUE(snapshot(fork) == snapshot(cache));
   cache.clear();
   EXPECT_EQ(cache.length(0), 0u);
+  EXPECT_TRUE(std::all_of(cache.raw_storage().begin(), cache.raw_storage().end(), [](auto b) { return b == 0; }));
   EXPECT_EQ(fork.length(0), 20u);
 }
 
-// Every stored row of every layer, head and tensor, as the attention oracles read it.
-std::vector<std::vector<float>> stored_rows(const BasicKVCache& c, std::size_t layer) {
-  std::vector<std::vector<float>> rows;
-  for (std::size_t h = 0; h < c.shape().kv_heads; ++h)
-    for (const kvq::Tensor t : {kvq::Tensor::keys, kvq::Tensor::values}) {
-      const kvq::StreamView view = c.view(t, layer, h);
-      for (std::size_t p = 0; p < c.length(layer); ++p) {
-        std::vector<float> row(c.shape().head_dim);
-        view.read_row(p, row.data());
-        rows.push_back(std::move(row));
-      }
-    }
-  return rows;
-}
+using kvq::test::stored_rows;
 
 std::vector<float> attend(const BasicKVCache& c, std::size_t layer, kvq::Tier tier) {
   const auto q = kvq::test::normal_vector(c.shape().kv_heads * 2 * c.shape().head_dim, 21);
@@ -370,6 +361,163 @@ TEST(KVCacheOperations, EraseRejectsWhatItCannotMoveAndChangesNothing) {
   EXPECT_EQ(cache.length(0), 129u);
   cache.erase(5, 0);
   EXPECT_EQ(cache.length(1), 129u);
+}
+
+// ---- exact rollback ----
+
+// Random appends (random chunks of new random tokens) and rollbacks of up to D tokens below the
+// longest length held: after every step the cache equals one fed the surviving tokens directly.
+TEST(KVCacheRollback, RandomRollbacksEqualAFreshCache) {
+  std::size_t rollbacks = 0, reopened = 0;
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4c16-r0-s0", "k16-v16-r0-s2", "k8c16-v4t32s-r33-s2-bf16",
+                           "k3c8-v5t16-r5-s0-d5", "k2t32-v2c32-r7-s1-d40", "k4c8-v2t8-r8-s0-d1", "k4c32-v2t32-r128-s1"}) {
+    const CacheConfig config = config_of(text);
+    const std::size_t D = config.rollback_depth, dim = 32, heads = 2, row = heads * dim, capacity = 400;
+    const CacheShape shape{2, heads, dim, capacity};
+    BasicKVCache cache(shape, config);
+    std::vector<float> k, v;  // the surviving tokens: (length, heads, dim)
+    std::mt19937 rng(std::hash<std::string>{}(text));
+    std::size_t length = 0, longest = 0;
+    for (int step = 0; step < 60; ++step) {
+      const std::size_t chunk = std::min<std::size_t>(1 + rng() % 24, capacity - length);
+      const auto nk = kvq::test::outlier_keys(chunk, heads, dim, 3, 6.0f, unsigned(rng())),
+                 nv = kvq::test::normal_vector(chunk * row, unsigned(rng()));
+      k.resize(length * row);
+      v.resize(length * row);
+      k.insert(k.end(), nk.begin(), nk.end());
+      v.insert(v.end(), nv.begin(), nv.end());
+      append_all(cache, k, v, length, length + chunk);
+      length += chunk;
+      longest = std::max(longest, length);
+      if (step % 3 == 2 || length + 24 >= capacity) {  // roll back somewhere in [longest - D, length)
+        const std::size_t floor = longest > D ? longest - D : 0;
+        if (floor >= length) continue;
+        const std::size_t keep = rng() % 2 == 0 ? floor : floor + rng() % (length - floor);
+        std::size_t before = 0;
+        for (const kvq::Tensor t : {kvq::Tensor::keys, kvq::Tensor::values}) before += cache.quantized_end(t, 0);
+        cache.truncate(keep);
+        for (const kvq::Tensor t : {kvq::Tensor::keys, kvq::Tensor::values}) before -= cache.quantized_end(t, 0);
+        reopened += before != 0;
+        ++rollbacks;
+        length = keep;
+      }
+      BasicKVCache fresh(shape, config);
+      append_all(fresh, k, v, 0, length);
+      const std::string where = std::string(text) + " step " + std::to_string(step) + " length " + std::to_string(length);
+      kvq::test::expect_same_state(cache, fresh, where);
+      for (std::size_t l = 0; l < 2; ++l) {  // the newest R keys and values are full precision
+        for (const kvq::Tensor t : {kvq::Tensor::keys, kvq::Tensor::values}) {
+          const std::size_t end = cache.quantized_end(t, l);
+          EXPECT_TRUE(end == config.sinks || end + config.window <= length) << where;
+        }
+      }
+      if (::testing::Test::HasFailure()) return;
+    }
+  }
+  EXPECT_GE(rollbacks, 100u);
+  EXPECT_GE(reopened, 50u) << "most rollbacks must re-open quantized rows";
+}
+
+// The case that needed this: 105 tokens, window 8, roll back 5 and continue with other tokens.
+// truncate used to keep positions quantized (3 full-precision values left) and the cache then
+// differed from one that saw only the accepted tokens.
+TEST(KVCacheRollback, ReappendingDifferentTokensAfterARollback) {
+  const CacheShape shape{1, 2, 32, 256};
+  const CacheConfig config = config_of("k4c8-v2t8-r8-s0");
+  const std::size_t row = 2 * 32;
+  const auto k = kvq::test::outlier_keys(110, 2, 32, 5, 8.0f, 51), v = kvq::test::normal_vector(110 * row, 52);
+  const auto k2 = kvq::test::outlier_keys(110, 2, 32, 5, 8.0f, 53), v2 = kvq::test::normal_vector(110 * row, 54);
+  BasicKVCache cache(shape, config);
+  append_all(cache, k, v, 0, 105);
+  cache.truncate(100);
+  EXPECT_EQ(cache.quantized_end(kvq::Tensor::values, 0), 92u) << "the newest 8 values are full precision again";
+  EXPECT_EQ(cache.quantized_end(kvq::Tensor::keys, 0), 88u);
+  std::vector<float> ka(k.begin(), k.begin() + 100 * row), va(v.begin(), v.begin() + 100 * row);
+  ka.insert(ka.end(), k2.begin(), k2.begin() + 10 * row);  // 10 different tokens
+  va.insert(va.end(), v2.begin(), v2.begin() + 10 * row);
+  append_all(cache, ka, va, 100, 110);
+  BasicKVCache fresh(shape, config);
+  append_all(fresh, ka, va, 0, 110);
+  kvq::test::expect_same_state(cache, fresh, "after rollback and 10 different tokens");
+}
+
+TEST(KVCacheRollback, CutsBelowTheSinksAndToZero) {
+  const CacheShape shape{1, 1, 16, 128};
+  const CacheConfig config = config_of("k4c8-v2t8-r0-s4");
+  const auto k = kvq::test::normal_vector(40 * 16, 61), v = kvq::test::normal_vector(40 * 16, 62);
+  for (const std::size_t keep : {0u, 2u, 4u, 5u}) {
+    BasicKVCache cache(shape, config), fresh(shape, config);
+    append_all(cache, k, v, 0, 18);
+    cache.truncate(keep);
+    append_all(fresh, k, v, 0, keep);
+    kvq::test::expect_same_state(cache, fresh, "kept " + std::to_string(keep));
+  }
+}
+
+TEST(KVCacheRollback, DeeperCutsThrowAndChangeNothing) {
+  const CacheShape shape{2, 2, 64, 300};
+  const auto k = kvq::test::outlier_keys(200, 2, 64, 3, 8.0f, 71), v = kvq::test::normal_vector(200 * 128, 72);
+  auto expect_rejected = [&](const char* text, std::size_t keep, const std::string& needle) {
+    SCOPED_TRACE(std::string(text) + " truncate(" + std::to_string(keep) + ")");
+    BasicKVCache cache(shape, config_of(text));
+    append_all(cache, k, v, 0, 200);
+    const BasicKVCache before = cache;
+    try {
+      cache.truncate(keep);
+      ADD_FAILURE() << "no error";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::unsupported) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    kvq::test::expect_same_state(cache, before, "unchanged");
+    EXPECT_EQ(cache.rollback_floor(kvq::Tensor::values, 1), before.rollback_floor(kvq::Tensor::values, 1));
+  };
+  // 200 tokens, r20, 3 sinks, D = 16: keys packed to 163, copies of the last 48 from 115, their
+  // ring (52 rows) from 148; values packed to 180, copies of the last 17 from 163, ring from 179.
+  expect_rejected("k4c32-v2t32-r20-s3", 182, "layer 0: truncating from 200 to 182 tokens would re-open quantized value positions [162, 180), but full-precision rows are kept only from position 163 (rollback depth 16)");
+  expect_rejected("k4c32-v2t32-r20-s3-d0", 198, "value positions [178, 180)");
+  expect_rejected("k4c32-v16-r20-s3-d0", 180, "key positions [131, 163)");
+  BasicKVCache cache(shape, config_of("k4c32-v16-r20-s3-d0"));
+  append_all(cache, k, v, 0, 200);
+  cache.truncate(190);  // pending rows only: no rollback depth needed
+  EXPECT_EQ(cache.length(1), 190u);
+  // After a rollback the reach is counted from the longest length held, not the current one.
+  BasicKVCache twice(shape, config_of("k4c32-v2t32-r20-s3"));
+  append_all(twice, k, v, 0, 200);
+  twice.truncate(190);
+  EXPECT_THROW(twice.truncate(182), kvq::Error);
+  twice.truncate(184);
+  EXPECT_EQ(twice.length(0), 184u);
+}
+
+// Deeper than D below the longest length, a cut that re-opens nothing still works: reading is
+// exact, only ring slots whose old (packed) rows are gone differ from a fresh cache (zero).
+TEST(KVCacheRollback, DeepCutsThatReopenNothingStayExact) {
+  const CacheShape shape{1, 2, 64, 300};
+  const CacheConfig config = config_of("k4c32-v16-r20-s3-d0");
+  const auto k = kvq::test::outlier_keys(200, 2, 64, 3, 8.0f, 81), v = kvq::test::normal_vector(200 * 128, 82);
+  BasicKVCache cache(shape, config), fresh(shape, config);
+  append_all(cache, k, v, 0, 200);
+  cache.truncate(190);  // keys stay packed to 163; ring rows of 138..147 are gone
+  append_all(fresh, k, v, 0, 190);
+  EXPECT_EQ(cache.quantized_end(kvq::Tensor::keys, 0), fresh.quantized_end(kvq::Tensor::keys, 0));
+  EXPECT_TRUE(stored_rows(cache, 0) == stored_rows(fresh, 0));
+  EXPECT_EQ(kvq::test::reference_output(cache, 0), kvq::test::reference_output(fresh, 0));
+  EXPECT_TRUE(kvq::test::same_memory(cache.memory(), fresh.memory()));
+  append_all(cache, k, v, 190, 200);  // the lost slots are written again: the bytes agree again
+  BasicKVCache longer(shape, config);
+  append_all(longer, k, v, 0, 200);
+  kvq::test::expect_same_state(cache, longer, "after re-appending the cut tokens");
+}
+
+TEST(KVCacheRollback, HistoryIsCountedInAllocatedBytes) {
+  const CacheShape shape{2, 4, 128, 1024};
+  const BasicKVCache with(shape, config_of("k4c32-v2t32-r128-s1")), without(shape, config_of("k4c32-v2t32-r128-s1-d0"));
+  // D + G = 48 key and D + 1 = 17 value rows per layer and head, f16
+  EXPECT_EQ(with.allocated_bytes() - without.allocated_bytes(), 2 * 4 * (48 + 17) * 128 * 2u);
+  EXPECT_TRUE(std::equal(with.raw_storage().begin(), with.raw_storage().end(), without.raw_storage().begin(),
+                         without.raw_storage().end()))
+      << "the stream layout does not depend on the rollback depth";
 }
 
 TEST(KVCachePolicy, CompiledPolicyMatchesItsRuntimeDescription) {

@@ -149,6 +149,15 @@ TEST(Spec, CacheConfigStringRoundTrip) {
   EXPECT_EQ(c.key_rope, KeyRope::post);
   EXPECT_EQ(c.residual, Scalar::bf16);
   EXPECT_EQ(kvq::to_string(kvq::full_precision_config()), "k16-v16-r0-s0-f32");
+  // The rollback depth is written only when it is not the default, so existing names stay.
+  for (const std::size_t depth : {0, 1, 16, 40, 4096}) {
+    CacheConfig d = kvq::K4V2::config();
+    d.rollback_depth = depth;
+    const std::string text = kvq::to_string(d);
+    EXPECT_EQ(text, depth == 16 ? "k4c32-v2t32-r128-s0" : "k4c32-v2t32-r128-s0-d" + std::to_string(depth));
+    EXPECT_EQ(kvq::parse_cache_config(text), d) << text;
+  }
+  EXPECT_THROW((void)kvq::parse_cache_config("k4c32-v2t32-r128-s0-d16"), kvq::Error);  // the default is not written
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -209,7 +218,9 @@ TEST(Spec, ParserAcceptsOnlyTheCanonicalForm) {
                            "k4c32-v2t32-r128-s0-post-post", "k4c32-v2t32-r128-s0-f32-post", "k4c32-v2t32-r128-s0-f32-bf16",
                            "k4c32-v2t32-r0128-s0", "k4c32-v2t32-r128-s00", "k04c32-v2t32-r128-s0", "k4c032-v2t32-r128-s0",
                            "k4c32.f16-v2t32-r128-s0", "k4c32-v2t32-r+5-s0", "k4c32-v2t32-r 5-s0", "k4c32-v2t32-r1234567890-s0",
-                           "k4c4097-v2t32-r128-s0", "k4c999999999-v2t32-r128-s0"}) {
+                           "k4c4097-v2t32-r128-s0", "k4c999999999-v2t32-r128-s0", "k4c32-v2t32-d5-r128-s0",
+                           "k4c32-v2t32-r128-s0-d5-post", "k4c32-v2t32-r128-s0-d16", "k4c32-v2t32-r128-s0-d4097",
+                           "k4c32-v2t32-r128-s0-d5-d6"}) {
     SCOPED_TRACE(text);
     expect_error([&] { (void)kvq::parse_cache_config(text); }, {std::string("'") + text + "'"});
   }

@@ -29,6 +29,14 @@ struct CacheConfig {
   std::size_t sinks = 0;        // S: first tokens kept in full precision for good
   KeyRope key_rope = KeyRope::pre;
   Scalar residual = Scalar::f16;  // storage type of window and sink tokens
+  // D: how many tokens truncate() can take back exactly, re-opening quantized groups and tokens
+  // (speculative decoding). Costs full-precision copies of the last D + G packed rows (D + 1 for
+  // a per-token tensor) per layer, KV head and tensor, made as rows are packed; 0 turns it off
+  // (truncate then re-opens only rows still in the ring).
+  std::size_t rollback_depth = 16;
+
+  /// Deepest rollback a cache keeps copies for; bounds that memory (validate refuses more).
+  static constexpr std::size_t max_rollback_depth = 4096;
 
   bool operator==(const CacheConfig&) const = default;
 };
@@ -42,8 +50,8 @@ inline CacheConfig full_precision_config() {
   return c;
 }
 
-/// "k4c32-v2t32-r128-s1" plus "-post" for post-RoPE keys and "-f32"/"-bf16" for the residual
-/// type; "k16"/"v16" keep that tensor unquantized.
+/// "k4c32-v2t32-r128-s1" plus "-post" for post-RoPE keys, "-f32"/"-bf16" for the residual
+/// type and "-d<D>" for a rollback depth other than 16; "k16"/"v16" keep that tensor unquantized.
 inline std::string to_string(const CacheConfig& c) {
   std::string s = c.quantize_keys ? to_string(c.key, 'k') : std::string("k16");
   s += '-';
@@ -51,6 +59,7 @@ inline std::string to_string(const CacheConfig& c) {
   s += "-r" + std::to_string(c.window) + "-s" + std::to_string(c.sinks);
   if (c.key_rope == KeyRope::post) s += "-post";
   if (c.residual != Scalar::f16) s += std::string("-") + to_string(c.residual);
+  if (c.rollback_depth != CacheConfig{}.rollback_depth) s += "-d" + std::to_string(c.rollback_depth);
   return s;
 }
 
@@ -59,6 +68,9 @@ inline std::string to_string(const CacheConfig& c) {
 inline void validate(const CacheConfig& c) {
   if (c.quantize_keys) validate(c.key, "key quantizer");
   if (c.quantize_values) validate(c.value, "value quantizer");
+  if (c.rollback_depth > CacheConfig::max_rollback_depth)
+    throw Error(ErrorCode::invalid_argument, "cache configuration: rollback depth " + std::to_string(c.rollback_depth) +
+                                                 " exceeds the limit of " + std::to_string(CacheConfig::max_rollback_depth));
   if (c.key_rope != KeyRope::pre && c.key_rope != KeyRope::post)
     throw Error(ErrorCode::invalid_argument,
                 "cache configuration: key_rope " + std::to_string(int(c.key_rope)) + " is not a KeyRope");
@@ -74,7 +86,7 @@ inline CacheConfig parse_cache_config(std::string_view text) {
   const std::string original(text);
   auto fail = [&](const std::string& why) -> CacheConfig {
     throw Error(ErrorCode::invalid_argument,
-                "cache configuration '" + original + "': " + why + " (expected e.g. k4c32-v2t32-r128-s1[-post][-f32|-bf16])");
+                "cache configuration '" + original + "': " + why + " (expected e.g. k4c32-v2t32-r128-s1[-post][-f32|-bf16][-d8])");
   };
   std::vector<std::string_view> parts;
   if (!text.empty() && text.back() == '-') return fail("trailing '-'");
@@ -115,9 +127,15 @@ inline CacheConfig parse_cache_config(std::string_view text) {
   if (i < parts.size() && parts[i] == "post") c.key_rope = KeyRope::post, ++i;
   if (i < parts.size() && parts[i] == "f32") c.residual = Scalar::f32, ++i;
   else if (i < parts.size() && parts[i] == "bf16") c.residual = Scalar::bf16, ++i;
+  if (i < parts.size() && parts[i].front() == 'd') {
+    number(i, 'd', c.rollback_depth);
+    if (c.rollback_depth == CacheConfig{}.rollback_depth)
+      return fail("'" + std::string(parts[i]) + "' is the default rollback depth, which is not written");
+    ++i;
+  }
   if (i < parts.size())
     return fail("unexpected part '" + std::string(parts[i]) +
-                "' (after the sinks come only 'post' and then 'f32' or 'bf16', each at most once)");
+                "' (after the sinks come only 'post', then 'f32' or 'bf16', then 'd<depth>', each at most once)");
   validate(c);
   return c;
 }

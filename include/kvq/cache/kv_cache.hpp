@@ -2,10 +2,18 @@
 // KVCache: the key/value cache of one sequence, for every layer and KV head.
 //
 //   new k, v (pre-RoPE) -> append -> sink rows | full-precision ring -> (group due) quantized
-//   once, packed, never touched again -> attention reads sinks + packed groups + ring.
+//   once, packed -> attention reads sinks + packed groups + ring.
 //
 // Every append is all-or-nothing: it validates shapes, order, capacity, finiteness and the
 // representability of every parameter it will write before it changes a byte.
+//
+// Exact rollback: the ring keeps the full-precision rows of the newest positions, packed or
+// not, and a history beside it copies each row as it is packed, for the last D + G packed
+// positions (D = CacheConfig::rollback_depth; D + 1 for values per token). truncate() restores
+// the ring a shorter cache would have and re-opens the quantized groups and tokens it would not
+// have packed yet, so a cache cut by up to D tokens holds exactly the bytes of one that never
+// saw the dropped tokens. Cost: those rows per layer, KV head and tensor in the residual type,
+// counted in allocated_bytes(), and one row copy per packed row; rollback_depth = 0 turns it off.
 
 #include <algorithm>
 #include <concepts>
@@ -31,6 +39,10 @@
 #include "kvq/rope/rope.hpp"
 
 namespace kvq::inline v0 {
+
+namespace detail {
+struct CacheAccess;  // serialize.hpp: reads and restores the state behind the public view
+}
 
 enum class Tensor : unsigned char { keys, values };
 
@@ -79,11 +91,16 @@ class BasicKVCache {
     head_bytes_ = layouts_[0].bytes + layouts_[1].bytes;
     const std::size_t streams = checked_mul(shape.layers, shape.kv_heads, "cache shape: layers x kv_heads");
     storage_ = AlignedBuffer(checked_mul(head_bytes_, streams, "cache storage bytes"));
+    head_history_bytes_ = layouts_[0].history_rows * row_size(layouts_[0]) + layouts_[1].history_rows * row_size(layouts_[1]);
+    history_ = AlignedBuffer(checked_mul(head_history_bytes_, streams, "cache rollback history bytes"));
     rope_ = RopeTable(shape.rope(), shape.capacity);
     lengths_.assign(shape.layers, 0);
     key_peaks_.assign(shape.layers, 0.0f);
     quantized_ends_.resize(shape.layers * 2);
-    clear();
+    history_begins_.resize(shape.layers * 2);
+    kept_from_.resize(shape.layers * 2);
+    for (std::size_t i = 0; i < quantized_ends_.size(); ++i)
+      quantized_ends_[i] = history_begins_[i] = kept_from_[i] = layouts_[i % 2].sinks;
     // Scratch holds one due per-channel group; a group longer than the stream never comes due.
     auto due_rows = [&](const StreamLayout& lay) {
       return lay.quantized && lay.spec.axis == Axis::per_channel ? std::min(lay.spec.group, lay.ring_rows) : 1;
@@ -113,6 +130,8 @@ class BasicKVCache {
       }
       quantize_due(Tensor::keys, layer, p + 1);
       quantize_due(Tensor::values, layer, p + 1);
+      raise_floor(Tensor::keys, layer, p + 1);
+      raise_floor(Tensor::values, layer, p + 1);
       lengths_[layer] = p + 1;
     }
   }
@@ -129,18 +148,31 @@ class BasicKVCache {
     }
   }
 
-  /// Drops tokens from `length` on in every layer, e.g. to roll back rejected speculative
-  /// tokens. Quantized groups are never re-opened, so the cut must not fall before a layer's
-  /// first unquantized position; tokens appended again are quantized by the usual rule.
+  /// Drops tokens from `length` on in every layer (a no-op for layers holding no more), e.g. to
+  /// roll back rejected speculative tokens. Quantized groups and tokens that a cache of `length`
+  /// tokens would not have quantized yet are re-opened from their full-precision rows, and tokens
+  /// appended next may differ from the dropped ones. A cut to at least (longest length the layer
+  /// has held since it was cleared or shifted by erase()) - config().rollback_depth always works
+  /// and leaves the cache byte for byte equal to one that received only the kept tokens. A deeper
+  /// cut works while the rows it re-opens are still held (rollback_floor()): views and attention
+  /// are then exact, but ring slots whose old rows are gone stay zero. Otherwise throws
+  /// kvq::Error (unsupported) and changes nothing.
   void truncate(std::size_t length) {
-    for (std::size_t l = 0; l < shape_.layers; ++l)
-      for (const Tensor t : {Tensor::keys, Tensor::values})
-        if (length < lengths_[l] && length < quantized_end(t, l))
-          throw Error(ErrorCode::unsupported, "layer " + std::to_string(l) + ": cannot truncate to " +
-                                                  std::to_string(length) + " tokens; " + to_string(t) +
-                                                  " positions before " + std::to_string(quantized_end(t, l)) +
-                                                  " are already quantized");
-    for (auto& n : lengths_) n = std::min(n, length);
+    check_truncate(length);
+    for (std::size_t l = 0; l < shape_.layers; ++l) {
+      if (length >= lengths_[l]) continue;
+      for (const Tensor t : {Tensor::keys, Tensor::values}) {
+        const StreamLayout& lay = layouts_[index(t)];
+        const std::size_t target = std::min(quantized_end(t, l), lay.quantized_end(length));
+        for (std::size_t h = 0; h < shape_.kv_heads; ++h) cut_stream(t, l, h, length, target);
+        quantized_ends_[l * 2 + index(t)] = target;
+        std::size_t& floor = history_begins_[l * 2 + index(t)];
+        floor = std::min(floor, std::max(lay.sinks, length));
+        std::size_t& kept = kept_from_[l * 2 + index(t)];
+        kept = std::min(kept, target);
+      }
+      lengths_[l] = length;
+    }
   }
 
   /// Context shift: drops positions [first, first + count) from every layer and moves the later
@@ -160,17 +192,26 @@ class BasicKVCache {
     for (std::size_t l = 0; l < shape_.layers; ++l) {
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         std::size_t& end = quantized_ends_[l * 2 + index(t)];
-        for (std::size_t h = 0; h < shape_.kv_heads; ++h) move_down(t, l, h, first, count, end, staged.data());
-        end = end <= first ? end : end <= first + count ? first : end - count;
+        const std::size_t new_end = end <= first ? end : end <= first + count ? first : end - count;
+        for (std::size_t h = 0; h < shape_.kv_heads; ++h) move_down(t, l, h, first, count, end, new_end, staged.data());
+        // The history is by position, which the shift changed: rollback starts afresh from here.
+        end = history_begins_[l * 2 + index(t)] = kept_from_[l * 2 + index(t)] = new_end;
       }
       lengths_[l] -= count;
     }
   }
 
+  /// Empties every layer; zeroes only the bytes in use, so it costs what the cache holds.
   void clear() noexcept {
-    std::fill(lengths_.begin(), lengths_.end(), 0);
+    for (std::size_t l = 0; l < shape_.layers; ++l) {
+      for (const Tensor t : {Tensor::keys, Tensor::values}) {
+        const std::size_t sinks = layouts_[index(t)].sinks;
+        for (std::size_t h = 0; h < shape_.kv_heads; ++h) cut_stream(t, l, h, 0, sinks);
+        quantized_ends_[l * 2 + index(t)] = history_begins_[l * 2 + index(t)] = kept_from_[l * 2 + index(t)] = sinks;
+      }
+      lengths_[l] = 0;
+    }
     std::fill(key_peaks_.begin(), key_peaks_.end(), 0.0f);
-    for (std::size_t i = 0; i < quantized_ends_.size(); ++i) quantized_ends_[i] = layouts_[i % 2].sinks;
   }
 
   /// The largest |key| appended to `layer` since the cache was built or cleared (an upper bound
@@ -179,6 +220,9 @@ class BasicKVCache {
 
   /// First position of `layer` that `t` holds unquantized (= sinks while nothing is quantized).
   std::size_t quantized_end(Tensor t, std::size_t layer) const { return quantized_ends_.at(layer * 2 + index(t)); }
+  /// First position of `layer` whose full-precision `t` row the cache still holds (in the ring or
+  /// the rollback history): truncate(length) fails only where it would re-open positions before it.
+  std::size_t rollback_floor(Tensor t, std::size_t layer) const { return history_begins_.at(layer * 2 + index(t)); }
 
   StreamView view(Tensor t, std::size_t layer, std::size_t head) const {
     if (layer >= shape_.layers || head >= shape_.kv_heads)
@@ -223,16 +267,20 @@ class BasicKVCache {
     return total;
   }
   /// Every stored byte, in a layout fixed by shape and config: two caches that received the
-  /// same tokens compare equal here, however the tokens arrived.
+  /// same tokens compare equal here, however the tokens arrived, and after a rollback within
+  /// truncate()'s exact reach too. The rollback history lives beside it: it only decides how far
+  /// truncate() can reach.
   std::span<const std::uint8_t> raw_storage() const noexcept { return {storage_.data(), storage_.size()}; }
 
-  /// Bytes reserved up front for the whole capacity: storage, RoPE table and quantization scratch.
-  /// Appends allocate nothing beyond this.
+  /// Bytes reserved up front for the whole capacity: storage, rollback history, RoPE table and
+  /// quantization scratch. Appends allocate nothing beyond this.
   std::size_t allocated_bytes() const noexcept {
-    return storage_.size() + rope_.bytes() + scratch_.size() * sizeof(float);
+    return storage_.size() + history_.size() + rope_.bytes() + scratch_.size() * sizeof(float);
   }
 
  private:
+  friend struct detail::CacheAccess;
+
   static constexpr std::size_t index(Tensor t) noexcept { return t == Tensor::keys ? 0 : 1; }
 
   MemoryUsage layer_usage(std::size_t length, std::size_t key_end, std::size_t value_end) const noexcept {
@@ -250,6 +298,29 @@ class BasicKVCache {
   }
   std::uint8_t* stream_base(Tensor t, std::size_t layer, std::size_t head) noexcept {
     return const_cast<std::uint8_t*>(std::as_const(*this).stream_base(t, layer, head));
+  }
+  const std::uint8_t* ring_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position) const noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    return stream_base(t, layer, head) + lay.ring_offset + (position - lay.sinks) % lay.ring_rows * row_size(lay);
+  }
+  std::uint8_t* ring_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position) noexcept {
+    return const_cast<std::uint8_t*>(std::as_const(*this).ring_row(t, layer, head, position));
+  }
+  /// The rollback copy of quantized `position` (history_rows > 0).
+  const std::uint8_t* history_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position) const noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    const std::uint8_t* base = history_.data() + (layer * shape_.kv_heads + head) * head_history_bytes_ +
+                               (t == Tensor::keys ? 0 : layouts_[0].history_rows * row_size(layouts_[0]));
+    return base + (position - lay.sinks) % lay.history_rows * row_size(lay);
+  }
+  std::uint8_t* history_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position) noexcept {
+    return const_cast<std::uint8_t*>(std::as_const(*this).history_row(t, layer, head, position));
+  }
+  /// Byte offset of the first parameter of packed row `row` (position sinks + row).
+  static std::size_t param_offset(const StreamLayout& lay, std::size_t row) noexcept {
+    return (lay.spec.axis == Axis::per_channel ? row / lay.spec.group * lay.head_dim
+                                               : row * groups_per_row(lay.spec, lay.head_dim)) *
+           size_of(lay.spec.param);
   }
 
   std::string where(Tensor t, std::size_t layer, std::size_t head, std::size_t position) const {
@@ -351,6 +422,51 @@ class BasicKVCache {
 
   static std::size_t row_size(const StreamLayout& lay) noexcept { return lay.head_dim * size_of(lay.residual); }
 
+  /// Validates truncate(length): every position to re-open must still have its full-precision row.
+  void check_truncate(std::size_t length) const {
+    for (std::size_t l = 0; l < shape_.layers; ++l) {
+      if (length >= lengths_[l]) continue;
+      for (const Tensor t : {Tensor::keys, Tensor::values}) {
+        const std::size_t end = quantized_end(t, l), target = std::min(end, layouts_[index(t)].quantized_end(length));
+        const std::size_t reopen_end = std::min(end, length), floor = rollback_floor(t, l);
+        if (target < reopen_end && target < floor)
+          throw Error(ErrorCode::unsupported,
+                      "layer " + std::to_string(l) + ": truncating from " + std::to_string(lengths_[l]) + " to " +
+                          std::to_string(length) + " tokens would re-open quantized " + to_string(t) + " positions [" +
+                          std::to_string(target) + ", " + std::to_string(reopen_end) +
+                          "), but full-precision rows are kept only from position " + std::to_string(floor) +
+                          " (rollback depth " + std::to_string(config_.rollback_depth) + ")");
+      }
+    }
+  }
+
+  /// truncate's commit for one stream of one head: the sink rows, ring and packed rows become
+  /// what a cache of `length` tokens holds (ring rows of positions before the rollback floor,
+  /// which are gone, become zero), with the packed rows [target, quantized end) re-opened.
+  void cut_stream(Tensor t, std::size_t layer, std::size_t head, std::size_t length, std::size_t target) noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    std::uint8_t* base = stream_base(t, layer, head);
+    const std::size_t old_length = lengths_[layer], end = quantized_end(t, layer), row = row_size(lay);
+    const std::size_t s = lay.sinks, ring_rows = lay.ring_rows, floor = rollback_floor(t, layer);
+    if (length < s && old_length > length)
+      std::memset(base + lay.sink_offset + length * row, 0, (std::min(s, old_length) - length) * row);
+    // The ring of `length` tokens holds positions [first, length); those before `pushed_out`
+    // left the ring for the history, and slots no position uses are zero.
+    const std::size_t first = length > s + ring_rows ? length - ring_rows : s;
+    const std::size_t pushed_out = old_length > s + ring_rows ? old_length - ring_rows : s;
+    for (std::size_t p = first; p < std::min(length, pushed_out); ++p) {
+      if (p >= floor && lay.history_rows != 0) std::memcpy(ring_row(t, layer, head, p), history_row(t, layer, head, p), row);
+      else std::memset(ring_row(t, layer, head, p), 0, row);
+    }
+    for (std::size_t p = std::max(length, s); p < std::min(old_length, s + ring_rows); ++p)
+      std::memset(ring_row(t, layer, head, p), 0, row);
+    if (target >= end) return;
+    const std::size_t a = target - s, b = end - s, param_bytes = param_offset(lay, b) - param_offset(lay, a);
+    std::memset(base + lay.code_offset + a * lay.row_bytes, 0, (b - a) * lay.row_bytes);
+    std::memset(base + lay.scale_offset + param_offset(lay, a), 0, param_bytes);
+    if (lay.spec.has_zero_point()) std::memset(base + lay.zero_offset + param_offset(lay, a), 0, param_bytes);
+  }
+
   /// Validates erase(first, count) completely.
   void check_erase(std::size_t first, std::size_t count) const {
     const std::string range = "erasing " + std::to_string(count) + " positions from " + std::to_string(first);
@@ -383,32 +499,34 @@ class BasicKVCache {
                                                   "rotation; a cache that shifts its context stores keys pre-RoPE");
   }
 
-  /// erase's move of one stream of one head, `end` its quantized end before the move: packed rows
-  /// and their parameters after the range move down by count, then the pending rows after it
-  /// (through `staged`, since their ring slots may overlap).
+  /// erase's move of one stream of one head, `end` its quantized end before the move and
+  /// `new_end` after: packed rows and their parameters after the range move down by count, then
+  /// the pending rows after it (through `staged`, since their ring slots may overlap). Bytes left
+  /// behind become zero.
   void move_down(Tensor t, std::size_t layer, std::size_t head, std::size_t first, std::size_t count, std::size_t end,
-                 std::uint8_t* staged) noexcept {
+                 std::size_t new_end, std::uint8_t* staged) noexcept {
     const StreamLayout& lay = layouts_[index(t)];
     std::uint8_t* base = stream_base(t, layer, head);
     if (end > first + count) {
       const std::size_t from = first + count - lay.sinks, to = first - lay.sinks, rows = end - first - count;
       std::memmove(base + lay.code_offset + to * lay.row_bytes, base + lay.code_offset + from * lay.row_bytes,
                    rows * lay.row_bytes);
-      const bool per_channel = lay.spec.axis == Axis::per_channel;
-      const std::size_t per_row = per_channel ? 0 : groups_per_row(lay.spec, lay.head_dim);
-      auto param = [&](std::size_t row) {  // byte offset of the first parameter of a packed row
-        return (per_channel ? row / lay.spec.group * lay.head_dim : row * per_row) * size_of(lay.spec.param);
-      };
-      const std::size_t bytes = param(from + rows) - param(from);
-      std::memmove(base + lay.scale_offset + param(to), base + lay.scale_offset + param(from), bytes);
+      const std::size_t bytes = param_offset(lay, from + rows) - param_offset(lay, from);
+      std::memmove(base + lay.scale_offset + param_offset(lay, to), base + lay.scale_offset + param_offset(lay, from), bytes);
       if (lay.spec.has_zero_point())
-        std::memmove(base + lay.zero_offset + param(to), base + lay.zero_offset + param(from), bytes);
+        std::memmove(base + lay.zero_offset + param_offset(lay, to), base + lay.zero_offset + param_offset(lay, from), bytes);
+    }
+    if (new_end < end) {
+      const std::size_t a = new_end - lay.sinks, b = end - lay.sinks, bytes = param_offset(lay, b) - param_offset(lay, a);
+      std::memset(base + lay.code_offset + a * lay.row_bytes, 0, (b - a) * lay.row_bytes);
+      std::memset(base + lay.scale_offset + param_offset(lay, a), 0, bytes);
+      if (lay.spec.has_zero_point()) std::memset(base + lay.zero_offset + param_offset(lay, a), 0, bytes);
     }
     const std::size_t row = row_size(lay), length = lengths_[layer];
     const std::size_t src = std::max(end, first + count);
-    auto slot = [&](std::size_t p) { return base + lay.ring_offset + (p - lay.sinks) % lay.ring_rows * row; };
-    for (std::size_t p = src; p < length; ++p) std::memcpy(staged + (p - src) * row, slot(p), row);
-    for (std::size_t p = src; p < length; ++p) std::memcpy(slot(p - count), staged + (p - src) * row, row);
+    for (std::size_t p = src; p < length; ++p) std::memcpy(staged + (p - src) * row, ring_row(t, layer, head, p), row);
+    for (std::size_t p = std::max(end, first); p < length; ++p) std::memset(ring_row(t, layer, head, p), 0, row);
+    for (std::size_t p = src; p < length; ++p) std::memcpy(ring_row(t, layer, head, p - count), staged + (p - src) * row, row);
   }
 
   // The commit half of append: noexcept, since check_append has validated everything.
@@ -442,6 +560,7 @@ class BasicKVCache {
                                          base + lay.zero_offset + params, head_bytes_,
                                          base + lay.code_offset + (q - lay.sinks) * lay.row_bytes, head_bytes_);
       }
+      keep_rows(t, layer, begin, end);
       return;
     }
     // The due rows are read in place from the ring unless they wrap around its end (a window
@@ -466,6 +585,39 @@ class BasicKVCache {
       }
       kernels::quantize_block_per_channel(lay.spec, rows, end - begin, dim, dim, scales, zeros, codes, lay.row_bytes);
     }
+    keep_rows(t, layer, begin, end);
+  }
+
+  /// Rows [begin, end) have just been packed: copy the newest history_rows of them into the
+  /// rollback history (a ring by position), by contiguous runs while they are hot in the cache.
+  void keep_rows(Tensor t, std::size_t layer, std::size_t begin, std::size_t end) noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    std::size_t& kept = kept_from_[layer * 2 + index(t)];
+    const std::size_t copy_rows = lay.history_rows, first = end - std::min(end - begin, copy_rows);
+    kept = std::max(kept, end - std::min(end - lay.sinks, copy_rows));
+    if (first == end) return;
+    const std::size_t row = row_size(lay), ring_rows = lay.ring_rows;
+    const std::size_t from_slot = (first - lay.sinks) % ring_rows, to_slot = (first - lay.sinks) % copy_rows;
+    for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
+      const std::uint8_t* ring = stream_base(t, layer, h) + lay.ring_offset;
+      std::uint8_t* copies = history_row(t, layer, h, lay.sinks);  // slot 0
+      for (std::size_t done = 0, from = from_slot, to = to_slot; done < end - first;) {
+        const std::size_t run = std::min({end - first - done, ring_rows - from, copy_rows - to});
+        std::memcpy(copies + to * row, ring + from * row, run * row);
+        done += run;
+        from = from + run == ring_rows ? 0 : from + run;
+        to = to + run == copy_rows ? 0 : to + run;
+      }
+    }
+  }
+
+  /// After a write made the layer `length` tokens long: rows that left the ring are held only if
+  /// the history has them.
+  void raise_floor(Tensor t, std::size_t layer, std::size_t length) noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    const std::size_t first_in_ring = length > lay.sinks && length - lay.sinks > lay.ring_rows ? length - lay.ring_rows : lay.sinks;
+    std::size_t& floor = history_begins_[layer * 2 + index(t)];
+    floor = std::max(floor, std::min(kept_from_[layer * 2 + index(t)], first_in_ring));
   }
 
   CacheShape shape_;
@@ -474,9 +626,13 @@ class BasicKVCache {
   RopeTable rope_;
   std::size_t head_bytes_ = 0;
   AlignedBuffer storage_;
+  std::size_t head_history_bytes_ = 0;
+  AlignedBuffer history_;  // (layers, kv_heads): key then value rollback rows, a ring by position
   std::vector<std::size_t> lengths_;
   std::vector<float> key_peaks_;             // (layers): see key_peak
   std::vector<std::size_t> quantized_ends_;  // (layers, 2): first unquantized key / value position
+  std::vector<std::size_t> history_begins_;  // (layers, 2): rollback floor: rows from here on are held
+  std::vector<std::size_t> kept_from_;       // (layers, 2): the history holds packed rows [kept_from, quantized end)
   std::vector<float> scratch_;  // one group of due rows, as floats
 };
 

@@ -14,6 +14,10 @@
 // a FIFO of R where the oldest token is quantized on its own. R = 0 quantizes every complete
 // group at once; any R or S up to SIZE_MAX is valid (R >= capacity: nothing is ever quantized),
 // and no sum of them is formed that could wrap.
+//
+// Ring slot (p - S) mod ring_rows holds the newest position p written there, pending or already
+// packed. For rollback the cache keeps, outside the stream, a copy of each row it packs, for the
+// last `history_rows` packed positions: D + G for keys per channel, D + 1 per token.
 
 #include <algorithm>
 #include <cstddef>
@@ -31,7 +35,8 @@ struct StreamLayout {
   std::size_t head_dim = 0, sinks = 0, window = 0, capacity = 0;
   Scalar residual = Scalar::f16;
 
-  std::size_t ring_rows = 0;           // full-precision rows pending quantization
+  std::size_t ring_rows = 0;           // full-precision rows: the pending ones and the newest packed ones
+  std::size_t history_rows = 0;        // copies of the newest packed rows, for rollback (beside the stream)
   std::size_t max_quantized_rows = 0;  // rows of codes the capacity can need
   std::size_t row_bytes = 0;           // packed bytes per token row
   std::size_t param_count = 0;         // parameter pairs for max_quantized_rows
@@ -57,6 +62,11 @@ struct StreamLayout {
       ring_rows = after_sinks;
     }
     ring_rows = std::max<std::size_t>(ring_rows, 1);  // keeps the ring's modulo defined
+    // Taking back D tokens needs the rows of the D positions before the ring and those it
+    // re-opens: copies of the last D + step packed rows cover both (step = G or 1).
+    if (quantized && config.rollback_depth != 0)
+      history_rows = std::min(std::min(config.rollback_depth, max_quantized_rows) +
+                                  (spec.axis == Axis::per_channel ? spec.group : 1), max_quantized_rows);
     const std::size_t residual_row = head_dim * size_of(residual);
     const std::size_t param_bytes = param_count * size_of(spec.param);
     sink_offset = 0;

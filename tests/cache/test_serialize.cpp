@@ -1,0 +1,308 @@
+// Saving and restoring caches: exact round trips, file size, and damaged or foreign files, which
+// must throw kvq::Error and leave the target as it was.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "kvq/kvq.hpp"
+#include "support/cache_state.hpp"
+#include "support/random.hpp"
+
+namespace {
+
+using kvq::BasicKVCache;
+using kvq::CacheConfig;
+using kvq::CacheShape;
+using kvq::Tensor;
+using kvq::test::snapshot;
+
+CacheConfig config_of(const char* text) { return kvq::parse_cache_config(text); }
+
+// Appends `count` random tokens (seeded) to every layer.
+void append_random(BasicKVCache& cache, std::size_t count, unsigned seed) {
+  const std::size_t row = cache.shape().kv_heads * cache.shape().head_dim;
+  const auto k = kvq::test::outlier_keys(count, cache.shape().kv_heads, cache.shape().head_dim, 1, 6.0f, seed);
+  const auto v = kvq::test::normal_vector(count * row, seed + 1);
+  for (std::size_t l = 0; l < cache.shape().layers; ++l) cache.append(l, cache.length(l), k, v);
+}
+
+std::string saved(const BasicKVCache& cache) {
+  std::ostringstream out(std::ios::binary);
+  kvq::save(cache, out);
+  return out.str();
+}
+
+void load_text(BasicKVCache& cache, const std::string& bytes) {
+  std::istringstream in(bytes, std::ios::binary);
+  kvq::load(cache, in);
+}
+
+void expect_same_rollback_reach(const BasicKVCache& a, const BasicKVCache& b) {
+  for (std::size_t l = 0; l < a.shape().layers; ++l)
+    for (const Tensor t : {Tensor::keys, Tensor::values}) EXPECT_EQ(a.rollback_floor(t, l), b.rollback_floor(t, l));
+}
+
+// A cache with a rollback behind it and layers of different lengths.
+BasicKVCache sample_cache(const CacheShape& shape, const CacheConfig& config, std::size_t tokens, unsigned seed) {
+  BasicKVCache cache(shape, config);
+  append_random(cache, tokens, seed);
+  cache.truncate(tokens - std::min<std::size_t>({tokens, 3, config.rollback_depth}));
+  append_random(cache, 2, seed + 7);
+  if (shape.layers > 1) {
+    std::vector<float> k(shape.kv_heads * shape.head_dim, 0.25f), v(k.size(), -0.5f);
+    cache.append(0, cache.length(0), k, v);  // layer 0 one token longer
+  }
+  return cache;
+}
+
+TEST(CacheFile, RoundTripRestoresEverything) {
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4c16-r0-s0", "k16-v16-r0-s2", "k8c16s-v4t64s-r33-s2-bf16",
+                           "k3c8-v5t16-r5-s0-f32-d5", "k2t32-v2c32-r7-s1-d0", "k4c32-v2t32-r128-s1-post"}) {
+    SCOPED_TRACE(text);
+    const CacheShape shape{2, 2, 64, 320};
+    const CacheConfig config = config_of(text);
+    for (const std::size_t tokens : {1u, 5u, 150u, 290u}) {
+      SCOPED_TRACE(tokens);
+      BasicKVCache original = sample_cache(shape, config, tokens, unsigned(tokens));
+      const std::string bytes = saved(original);
+      BasicKVCache into(shape, config);
+      append_random(into, 40, 99);  // whatever the target held is replaced
+      load_text(into, bytes);
+      kvq::test::expect_same_state(into, original, "loaded into an existing cache");
+      expect_same_rollback_reach(into, original);
+      std::istringstream in(bytes, std::ios::binary);
+      BasicKVCache fresh = kvq::load(in);
+      EXPECT_EQ(fresh.config(), config);
+      kvq::test::expect_same_state(fresh, original, "loaded as a new cache");
+      EXPECT_EQ(saved(fresh), bytes) << "saving the restored cache writes the same file";
+      // The restored caches go on exactly like the original, rollbacks included.
+      for (BasicKVCache* c : {&original, &into, &fresh}) {
+        append_random(*c, 7, 1234);
+        c->truncate(c->length(0) - std::min<std::size_t>(c->length(0), config.rollback_depth));
+        append_random(*c, 5, 4321);
+      }
+      kvq::test::expect_same_state(into, original, "after more appends and a rollback");
+      kvq::test::expect_same_state(fresh, original, "after more appends and a rollback (new cache)");
+      if (::testing::Test::HasFailure()) return;
+    }
+  }
+}
+
+TEST(CacheFile, SavesToAndLoadsFromAFile) {
+  const CacheShape shape{2, 2, 32, 128};
+  const BasicKVCache original = sample_cache(shape, config_of("k4c8-v2t8-r8-s1"), 60, 3);
+  const auto path = std::filesystem::temp_directory_path() / ("kvq_test_serialize_" + std::to_string(::getpid()) + ".kvq");
+  kvq::save_file(original, path);
+  BasicKVCache into(shape, original.config());
+  kvq::load_file(into, path);
+  kvq::test::expect_same_state(into, original, "load_file into");
+  kvq::test::expect_same_state(kvq::load_file(path), original, "load_file new");
+  std::filesystem::remove(path);
+  try {
+    kvq::load_file(into, path);
+    ADD_FAILURE() << "no error for a missing file";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::io);
+    EXPECT_NE(std::string(e.what()).find(path.string()), std::string::npos) << e.what();
+  }
+}
+
+// The file holds what the cache uses (codes, parameters, sink and window rows, as memory()
+// counts them, plus the rollback copies), never its capacity.
+TEST(CacheFile, SizeFollowsTheTokensHeldNotTheCapacity) {
+  const CacheConfig config = config_of("k4c32-v2t32-r128-s0");  // K4V2
+  const std::size_t layers = 2, heads = 4, dim = 128;
+  std::size_t previous = 0;
+  for (const std::size_t tokens : {300u, 600u, 1200u}) {
+    BasicKVCache small(CacheShape{layers, heads, dim, 1500}, config), large(CacheShape{layers, heads, dim, 6000}, config);
+    append_random(small, tokens, 5);
+    append_random(large, tokens, 5);
+    const std::size_t size = saved(small).size();
+    EXPECT_EQ(saved(large).size(), size) << "capacity must not matter";
+    const std::size_t config_text = kvq::to_string(config).size();
+    const std::size_t overhead = 16 + (16 + 56 + config_text) + (16 + layers * 56) + layers * 16;
+    // beyond memory(): the packed rows still in the ring and the rollback copies of packed rows
+    std::size_t full_precision_copies = 0;
+    for (std::size_t l = 0; l < layers; ++l)
+      for (const Tensor t : {Tensor::keys, Tensor::values}) {
+        const kvq::StreamLayout& lay = small.layout(t);
+        const std::size_t end = small.quantized_end(t, l), first_in_ring = tokens - lay.ring_rows;
+        full_precision_copies += (end - first_in_ring + std::min(end, lay.history_rows)) * heads * dim * 2;
+      }
+    EXPECT_EQ(size, overhead + small.memory().total_bytes() + full_precision_copies) << tokens;
+    if (previous != 0) {
+      const double per_token = double(size - previous) / double(tokens / 2);
+      std::printf("K4V2, %zu layers x %zu heads x %zu: %zu tokens -> %zu bytes, %.1f bytes per token\n", layers, heads,
+                  dim, tokens, size, per_token);
+    }
+    previous = size;
+  }
+}
+
+class DamagedFile : public ::testing::Test {
+ protected:
+  const CacheShape shape{2, 1, 16, 48};
+  const CacheConfig config = config_of("k4c8-v2t8-r4-s1-d6");
+  std::string file;
+  BasicKVCache target{shape, config};
+
+  void SetUp() override {
+    file = saved(sample_cache(shape, config, 20, 11));
+    append_random(target, 13, 77);  // a target with contents of its own
+  }
+
+  // Loading `bytes` throws kvq::Error with `code` (mentioning `needle`) and leaves the target as it was.
+  void expect_rejected(const std::string& bytes, kvq::ErrorCode code, const std::string& needle, const std::string& what) {
+    const auto before = snapshot(target);
+    const std::size_t l0 = target.length(0), l1 = target.length(1);
+    try {
+      load_text(target, bytes);
+      ADD_FAILURE() << what << ": no error";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), code) << what << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << what << ": " << e.what();
+    }
+    EXPECT_TRUE(snapshot(target) == before) << what;
+    EXPECT_EQ(target.length(0), l0) << what;
+    EXPECT_EQ(target.length(1), l1) << what;
+    std::istringstream in(bytes, std::ios::binary);
+    EXPECT_THROW((void)kvq::load(in), kvq::Error) << what;
+  }
+};
+
+TEST_F(DamagedFile, EveryTruncationThrowsIo) {
+  ASSERT_GT(file.size(), 500u);
+  for (std::size_t n = 0; n < file.size(); ++n) {
+    expect_rejected(file.substr(0, n), kvq::ErrorCode::io, "offset", "truncated to " + std::to_string(n));
+    if (HasFailure()) return;
+  }
+  expect_rejected(file + "x", kvq::ErrorCode::io, "after the last section", "one byte appended");
+}
+
+TEST_F(DamagedFile, EveryBitFlipThrowsIo) {
+  for (std::size_t i = 0; i < file.size(); ++i)
+    for (int bit = 0; bit < 8; ++bit) {
+      std::string bytes = file;
+      bytes[i] = char(bytes[i] ^ (1 << bit));
+      expect_rejected(bytes, kvq::ErrorCode::io, "offset", "bit " + std::to_string(bit) + " of byte " + std::to_string(i));
+      if (HasFailure()) return;
+    }
+}
+
+TEST_F(DamagedFile, ForeignPreambleNamesWhatIsWrong) {
+  std::string bytes = file;
+  bytes[0] = 'X';
+  expect_rejected(bytes, kvq::ErrorCode::io, "wrong magic", "magic");
+  bytes = file;
+  bytes[8] = 2;
+  expect_rejected(bytes, kvq::ErrorCode::io, "format version 2", "version");
+  bytes = file;
+  std::swap(bytes[12], bytes[15]);
+  std::swap(bytes[13], bytes[14]);
+  expect_rejected(bytes, kvq::ErrorCode::io, "other byte order", "byte order");
+  expect_rejected("", kvq::ErrorCode::io, "section 'preamble' at offset 0", "empty");
+}
+
+// A section whose CRC is right but whose table claims more than the file holds: rejected before
+// anything large is allocated (the layer payload grows only as bytes arrive).
+TEST_F(DamagedFile, ForgedTableWithAValidCrcIsRejected) {
+  const std::size_t table = 16 + (16 + 56 + kvq::to_string(config).size());  // start of the table section
+  std::string bytes = file;
+  auto put_u64 = [&](std::size_t at, std::uint64_t x) { std::memcpy(bytes.data() + at, &x, 8); };
+  auto fix_crc = [&] {
+    const std::uint32_t crc = kvq::crc32c(bytes.data() + table, 12 + 2 * 56);
+    std::memcpy(bytes.data() + table + 12 + 2 * 56, &crc, 4);
+  };
+  // layer 0: the whole capacity, with the quantized ends, floors and copies that length would have
+  const kvq::StreamLayout &k = target.layout(Tensor::keys), &v = target.layout(Tensor::values);
+  put_u64(table + 12, 48);
+  put_u64(table + 20, k.quantized_end(48));
+  put_u64(table + 28, k.quantized_end(48) - k.history_rows);
+  put_u64(table + 36, k.quantized_end(48) - k.history_rows);
+  put_u64(table + 44, v.quantized_end(48));
+  put_u64(table + 52, v.quantized_end(48) - v.history_rows);
+  put_u64(table + 60, v.quantized_end(48) - v.history_rows);
+  fix_crc();
+  expect_rejected(bytes, kvq::ErrorCode::io, "section 'layer 0'", "a layer longer than its payload");
+  put_u64(table + 12, 49);
+  fix_crc();
+  expect_rejected(bytes, kvq::ErrorCode::io, "exceeds the capacity", "a layer longer than the capacity");
+  put_u64(table + 12, 48);
+  put_u64(table + 20, 9);  // not a group boundary and below what 48 tokens quantize
+  fix_crc();
+  expect_rejected(bytes, kvq::ErrorCode::io, "key quantized end 9 is impossible", "an impossible quantized end");
+}
+
+TEST_F(DamagedFile, AnotherShapeOrConfigIsAShapeMismatch) {
+  auto expect_mismatch = [&](const CacheShape& s, const CacheConfig& c, const std::string& needle) {
+    BasicKVCache other(s, c);
+    append_random(other, 9, 5);
+    const auto before = snapshot(other);
+    try {
+      load_text(other, file);
+      ADD_FAILURE() << needle << ": no error";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::shape_mismatch) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(snapshot(other) == before) << needle;
+  };
+  expect_mismatch(CacheShape{3, 1, 16, 48}, config, "3 layers");
+  expect_mismatch(CacheShape{2, 2, 16, 48}, config, "2 KV heads");
+  expect_mismatch(CacheShape{2, 1, 32, 48}, config, "head_dim 32");
+  expect_mismatch(CacheShape{2, 1, 16, 64}, config, "capacity 64");
+  expect_mismatch(CacheShape{2, 1, 16, 48, kvq::RopeStyle::half_split}, config, "half_split");
+  expect_mismatch(CacheShape{2, 1, 16, 48, kvq::RopeStyle::adjacent_pairs, 500000.0f}, config, "500000");
+  expect_mismatch(shape, config_of("k4c8-v2t8-r4-s1"), "configured 'k4c8-v2t8-r4-s1-d6'");
+  expect_mismatch(shape, config_of("k4c8-v2t8-r4-s1-post-d6"), "configured 'k4c8-v2t8-r4-s1-post-d6'");
+}
+
+// Random damage of every kind: each load either succeeds or throws kvq::Error, never crashes or
+// reads out of bounds (the ASan build checks), and a failed load changes nothing.
+TEST_F(DamagedFile, MutationFuzzOnlySucceedsOrThrows) {
+  std::mt19937 rng(20261201);
+  std::size_t loaded = 0, rejected = 0;
+  load_text(target, file);  // the state every failed load must leave
+  const auto before = snapshot(target);
+  for (int iteration = 0; iteration < 20000; ++iteration) {
+    std::string bytes = file;
+    const int mutations = 1 + int(rng() % 4);
+    for (int m = 0; m < mutations; ++m) {
+      const std::size_t at = bytes.empty() ? 0 : rng() % bytes.size();
+      switch (rng() % 5) {
+        case 0: if (!bytes.empty()) bytes[at] = char(rng()); break;
+        case 1: bytes.insert(bytes.begin() + std::ptrdiff_t(at), char(rng())); break;
+        case 2: if (!bytes.empty()) bytes.erase(at, 1 + rng() % 16); break;
+        case 3: bytes.resize(at); break;
+        default: if (!bytes.empty()) bytes[at] = char(bytes[at] ^ (1 << (rng() % 8))); break;
+      }
+    }
+    const bool into_target = iteration % 2 == 0;
+    try {
+      if (into_target) {
+        load_text(target, bytes);
+        load_text(target, file);  // back to a known state for the next check
+      } else {
+        std::istringstream in(bytes, std::ios::binary);
+        (void)kvq::load(in);
+      }
+      ++loaded;
+    } catch (const kvq::Error&) {
+      ++rejected;
+      if (into_target && iteration % 16 == 0) {
+        EXPECT_TRUE(snapshot(target) == before) << "iteration " << iteration;
+      }
+    }
+  }
+  EXPECT_EQ(loaded + rejected, 20000u);
+  EXPECT_GT(rejected, 19000u);
+}
+
+}  // namespace
