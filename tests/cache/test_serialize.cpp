@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <string>
@@ -81,6 +82,10 @@ TEST(CacheFile, RoundTripRestoresEverything) {
       BasicKVCache fresh = kvq::load(in);
       EXPECT_EQ(fresh.config(), config);
       kvq::test::expect_same_state(fresh, original, "loaded as a new cache");
+      for (std::size_t l = 0; l < shape.layers; ++l) {
+        EXPECT_EQ(into.key_peak(l), original.key_peak(l)) << "layer " << l;
+        EXPECT_EQ(fresh.key_peak(l), original.key_peak(l)) << "layer " << l;
+      }
       EXPECT_EQ(saved(fresh), bytes) << "saving the restored cache writes the same file";
       // The restored caches go on exactly like the original, rollbacks included.
       for (BasicKVCache* c : {&original, &into, &fresh}) {
@@ -127,7 +132,7 @@ TEST(CacheFile, SizeFollowsTheTokensHeldNotTheCapacity) {
     const std::size_t size = saved(small).size();
     EXPECT_EQ(saved(large).size(), size) << "capacity must not matter";
     const std::size_t config_text = kvq::to_string(config).size();
-    const std::size_t overhead = 16 + (16 + 56 + config_text) + (16 + layers * 56) + layers * 16;
+    const std::size_t overhead = 16 + (16 + 56 + config_text) + (16 + layers * 60) + layers * 16;
     // beyond memory(): the packed rows still in the ring and the rollback copies of packed rows
     std::size_t full_precision_copies = 0;
     for (std::size_t l = 0; l < layers; ++l)
@@ -217,8 +222,8 @@ TEST_F(DamagedFile, ForgedTableWithAValidCrcIsRejected) {
   std::string bytes = file;
   auto put_u64 = [&](std::size_t at, std::uint64_t x) { std::memcpy(bytes.data() + at, &x, 8); };
   auto fix_crc = [&] {
-    const std::uint32_t crc = kvq::crc32c(bytes.data() + table, 12 + 2 * 56);
-    std::memcpy(bytes.data() + table + 12 + 2 * 56, &crc, 4);
+    const std::uint32_t crc = kvq::crc32c(bytes.data() + table, 12 + 2 * 60);
+    std::memcpy(bytes.data() + table + 12 + 2 * 60, &crc, 4);
   };
   // layer 0: the whole capacity, with the quantized ends, floors and copies that length would have
   const kvq::StreamLayout &k = target.layout(Tensor::keys), &v = target.layout(Tensor::values);
@@ -238,6 +243,11 @@ TEST_F(DamagedFile, ForgedTableWithAValidCrcIsRejected) {
   put_u64(table + 20, 9);  // not a group boundary and below what 48 tokens quantize
   fix_crc();
   expect_rejected(bytes, kvq::ErrorCode::io, "key quantized end 9 is impossible", "an impossible quantized end");
+  bytes = file;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(bytes.data() + table + 12 + 56, &nan, 4);  // layer 0's key peak
+  fix_crc();
+  expect_rejected(bytes, kvq::ErrorCode::io, "key peak", "a key peak that is not a magnitude");
 }
 
 TEST_F(DamagedFile, AnotherShapeOrConfigIsAShapeMismatch) {

@@ -97,12 +97,15 @@ inline CacheConfig parse_cache_config(std::string_view text) {
   }
   if (parts.size() < 2) return fail("needs a key and a value quantizer");
   CacheConfig c;
+  auto fail_naming_text = [&](const Error& e) {  // the part alone may be ambiguous: name the whole string
+    const std::string prefix = std::string("kvq: ") + to_string(e.code()) + ": ";
+    return fail(std::string(e.what()).substr(prefix.size()));
+  };
   auto quantizer = [&](std::string_view part, char tensor) {
     try {
       return parse_quantizer(part, tensor);
-    } catch (const Error& e) {  // name the whole string too: the part alone may be ambiguous
-      const std::string prefix = std::string("kvq: ") + to_string(e.code()) + ": ";
-      fail(std::string(e.what()).substr(prefix.size()));
+    } catch (const Error& e) {
+      fail_naming_text(e);
       return QuantizerSpec{};
     }
   };
@@ -136,7 +139,11 @@ inline CacheConfig parse_cache_config(std::string_view text) {
   if (i < parts.size())
     return fail("unexpected part '" + std::string(parts[i]) +
                 "' (after the sinks come only 'post', then 'f32' or 'bf16', then 'd<depth>', each at most once)");
-  validate(c);
+  try {
+    validate(c);
+  } catch (const Error& e) {
+    fail_naming_text(e);
+  }
   return c;
 }
 

@@ -67,7 +67,10 @@ struct CacheAccess {
   struct LayerState {
     std::uint64_t length = 0;
     StreamState streams[2];
+    float key_peak = 0.0f;  // the largest |key| appended: attention's overflow check needs it
   };
+  /// Bytes of one layer's table entry: length, three positions per stream, the key peak.
+  static constexpr std::uint64_t table_entry_bytes = 7 * 8 + 4;
 
   static const StreamLayout& layout(const BasicKVCache& c, Tensor t) { return c.layouts_[BasicKVCache::index(t)]; }
   static std::size_t row(const StreamLayout& lay) { return BasicKVCache::row_size(lay); }
@@ -76,6 +79,7 @@ struct CacheAccess {
   static LayerState state(const BasicKVCache& c, std::size_t layer) {
     LayerState s;
     s.length = c.lengths_[layer];
+    s.key_peak = c.key_peaks_[layer];
     for (const Tensor t : {Tensor::keys, Tensor::values})
       s.streams[BasicKVCache::index(t)] = {c.quantized_end(t, layer), c.rollback_floor(t, layer),
                                             c.kept_from_[layer * 2 + BasicKVCache::index(t)]};
@@ -106,6 +110,8 @@ struct CacheAccess {
   static std::string check(const BasicKVCache& c, const LayerState& s) {
     if (s.length > c.capacity())
       return "length " + std::to_string(s.length) + " exceeds the capacity of " + std::to_string(c.capacity());
+    if (!(s.key_peak >= 0.0f) || !std::isfinite(s.key_peak))
+      return "key peak " + std::to_string(s.key_peak) + " is not a finite magnitude";
     const std::size_t length = std::size_t(s.length);
     for (const Tensor t : {Tensor::keys, Tensor::values}) {
       const StreamLayout& lay = layout(c, t);
@@ -164,6 +170,7 @@ struct CacheAccess {
         in += n;
       });
       c.lengths_[l] = std::size_t(s.length);
+      c.key_peaks_[l] = s.key_peak;
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         const std::size_t i = l * 2 + BasicKVCache::index(t);
         c.quantized_ends_[i] = std::size_t(s.streams[BasicKVCache::index(t)].quantized_end);
@@ -358,7 +365,7 @@ inline bool same_shape(const CacheShape& a, const CacheShape& b) {
 inline void read_body(FileReader& file, BasicKVCache& target) {
   const std::size_t layers = target.shape().layers;
   const std::uint64_t table_start = file.offset();
-  const auto table = file.section(tag_table, std::uint64_t(layers) * 7 * 8, "table");
+  const auto table = file.section(tag_table, std::uint64_t(layers) * CacheAccess::table_entry_bytes, "table");
   PayloadReader in(table, file, "table", table_start);
   std::vector<CacheAccess::LayerState> states(layers);
   for (std::size_t l = 0; l < layers; ++l) {
@@ -369,6 +376,7 @@ inline void read_body(FileReader& file, BasicKVCache& target) {
       st.rollback_floor = in.value<std::uint64_t>();
       st.kept_from = in.value<std::uint64_t>();
     }
+    s.key_peak = in.value<float>();
     const std::string why = CacheAccess::check(target, s);
     if (!why.empty()) file.fail("table", table_start, "layer " + std::to_string(l) + ": " + why);
   }
@@ -400,7 +408,7 @@ inline void save(const BasicKVCache& cache, std::ostream& out) {
     w.finish();
   }
   {
-    detail::SectionWriter w(out, detail::tag_table, std::uint64_t(s.layers) * 7 * 8);
+    detail::SectionWriter w(out, detail::tag_table, std::uint64_t(s.layers) * CacheAccess::table_entry_bytes);
     for (std::size_t l = 0; l < s.layers; ++l) {
       const CacheAccess::LayerState st = CacheAccess::state(cache, l);
       w.put_value(st.length);
@@ -409,6 +417,7 @@ inline void save(const BasicKVCache& cache, std::ostream& out) {
         w.put_value(stream.rollback_floor);
         w.put_value(stream.kept_from);
       }
+      w.put_value(st.key_peak);
     }
     w.finish();
   }

@@ -74,19 +74,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void load_f16_a
 // Largest and summed |x| of n fp16 values; two accumulators of each hide the add latency.
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline std::pair<float, float> magnitude_extent_f16_avx512(
     const std::uint16_t* src, std::size_t n) noexcept {
-  const __m512 sign = _mm512_set1_ps(-0.0f);
   __m512 top0 = _mm512_setzero_ps(), top1 = top0, sum0 = top0, sum1 = top0;
   std::size_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    const __m512 a = _mm512_andnot_ps(sign, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
-    const __m512 b =
-        _mm512_andnot_ps(sign, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 16))));
+    const __m512 a = _mm512_abs_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+    const __m512 b = _mm512_abs_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 16))));
     top0 = _mm512_max_ps(top0, a), sum0 = _mm512_add_ps(sum0, a);
     top1 = _mm512_max_ps(top1, b), sum1 = _mm512_add_ps(sum1, b);
   }
   for (; i < n; i += 16) {
     const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1u);
-    const __m512 a = _mm512_andnot_ps(sign, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + i)));
+    const __m512 a = _mm512_abs_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + i)));
     top0 = _mm512_max_ps(top0, a), sum0 = _mm512_add_ps(sum0, a);
   }
   return {_mm512_reduce_max_ps(_mm512_max_ps(top0, top1)), _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1))};
