@@ -61,7 +61,7 @@ kvq::Executor* pool(std::size_t threads) {
 }
 
 void decode_step(benchmark::State& state, std::string config, kvq::Tier tier, std::size_t context, std::size_t threads,
-                 kvq::isa::Level max_isa) {
+                 kvq::isa::Level max_isa, bool guard_outliers) {
   Built& b = cache_for(config, context);
   std::vector<float> q(kHeads * kDim), out(q.size());
   std::mt19937 rng(2);
@@ -71,6 +71,7 @@ void decode_step(benchmark::State& state, std::string config, kvq::Tier tier, st
   o.tier = tier;
   o.executor = pool(threads);
   o.max_isa = max_isa;
+  o.guard_outliers = guard_outliers;
   std::size_t layer = 0;
   for (auto _ : state) {
     kvq::decode_attention(*b.cache, layer, context - 1, q, out, o);
@@ -143,7 +144,7 @@ int main(int argc, char** argv) {
           benchmark::RegisterBenchmark(("decode/" + std::string(c.name) + "/" + kvq::to_string(tier) + "/" +
                                         std::to_string(context) + "/threads:" + std::to_string(threads))
                                            .c_str(),
-                                       decode_step, std::string(c.config), tier, context, threads, kvq::isa::Level::avx512)
+                                       decode_step, std::string(c.config), tier, context, threads, kvq::isa::Level::avx512, true)
               ->Unit(benchmark::kMillisecond)
               ->UseRealTime();
       }
@@ -155,10 +156,22 @@ int main(int argc, char** argv) {
     for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
       if (unquantized && tier == kvq::Tier::integer) continue;
       benchmark::RegisterBenchmark(std::string("decode_avx2/").append(name).append("/").append(kvq::to_string(tier)).append("/32768/threads:1").c_str(),
-                                   decode_step, std::string(c.config), tier, std::size_t(32768), std::size_t(1), kvq::isa::Level::avx2)
+                                   decode_step, std::string(c.config), tier, std::size_t(32768), std::size_t(1), kvq::isa::Level::avx2,
+                                   true)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }
+  }
+  // The integer tier without its outlier scan (DecodeOptions::guard_outliers), 32K, one thread:
+  // what the scan costs, beside the default rows above.
+  for (const Named& c : caches) {
+    const std::string_view name = c.name;
+    if (!name.starts_with("K4V2-post") && !name.starts_with("K2V2-post")) continue;
+    benchmark::RegisterBenchmark(std::string("decode_unguarded/").append(name).append("/integer/32768/threads:1").c_str(),
+                                 decode_step, std::string(c.config), kvq::Tier::integer, std::size_t(32768), std::size_t(1),
+                                 kvq::isa::Level::avx512, false)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
   }
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();

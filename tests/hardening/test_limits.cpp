@@ -193,6 +193,22 @@ TEST(Limits, IntegerTierKeepsItsBoundOnOutlierData) {
   }
 }
 
+// The guard is what keeps the bound: without it the same outlier breaks it.
+TEST(Limits, WithoutTheOutlierGuardTheIntegerTierLosesItsBound) {
+  const std::size_t dim = 64, heads = 2, tokens = 200;
+  BasicKVCache cache(CacheShape{1, heads, dim, 256}, config("k4c32-v2t32-r0-s0-post"));
+  auto keys = kvq::test::normal_vector(tokens * heads * dim, 1);
+  keys[(37 * heads + 1) * dim + 5] = 7e3f;
+  cache.append(0, 0, keys, kvq::test::normal_vector(tokens * heads * dim, 2));
+  const auto q = kvq::test::normal_vector(8 * dim, 3);
+  std::vector<float> oracle(q.size()), guarded(q.size()), unguarded(q.size());
+  kvq::reference_attention(cache, 0, tokens - 1, q, oracle);
+  kvq::decode_attention(cache, 0, tokens - 1, q, guarded, {.tier = kvq::Tier::integer});
+  kvq::decode_attention(cache, 0, tokens - 1, q, unguarded, {.tier = kvq::Tier::integer, .guard_outliers = false});
+  EXPECT_LT(relative_error(guarded, oracle), 2.5e-2);
+  EXPECT_GT(relative_error(unguarded, oracle), 2.5e-2);
+}
+
 // Without outliers the integer tier still runs: its answer differs from the exact tier's.
 TEST(Limits, IntegerTierStillRunsWhereNothingStandsOut) {
   const BasicKVCache cache = filled_cache("k4c32-v2t32-r0-s0-post", 200);
