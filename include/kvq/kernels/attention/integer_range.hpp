@@ -5,7 +5,7 @@
 // nothing (one key of 60,000 among unit keys, or Mixtral's outlier channels of ~7,000 against a
 // median of 0.3). decode_attention asks this per task and runs such a task in the exact tier, so
 // the integer tier's bound holds on outlier data too; on data without such outliers nothing
-// changes. The scan reads only the scales (vectorised) and costs about 8% of an integer-tier step
+// changes. The scan reads only the scales (vectorised) and costs about 10% of an integer-tier step
 // at 32K; DecodeOptions::guard_outliers turns it off.
 
 #include <algorithm>
