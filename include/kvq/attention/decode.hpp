@@ -62,7 +62,7 @@ struct DecodeOptions {
   isa::Level max_isa = isa::Level::avx512;
   /// Integer tier only: scan each chunk's scales first and run a chunk whose outliers int8 cannot
   /// carry in the exact tier (kernels/attention/integer_range.hpp), so the tier's bound holds on
-  /// any data. The scan costs about 10% of an integer-tier step at 32K; an engine that knows its
+  /// any data. The scan costs 5-15% of an integer-tier step at 32K; an engine that knows its
   /// keys and values have no outlier scales may turn it off.
   bool guard_outliers = true;
 };

@@ -5,7 +5,7 @@
 // nothing (one key of 60,000 among unit keys, or Mixtral's outlier channels of ~7,000 against a
 // median of 0.3). decode_attention asks this per task and runs such a task in the exact tier, so
 // the integer tier's bound holds on outlier data too; on data without such outliers nothing
-// changes. The scan reads only the scales (vectorised) and costs about 10% of an integer-tier step
+// changes. The scan reads only the scales (vectorised) and costs 5-15% of an integer-tier step
 // at 32K; DecodeOptions::guard_outliers turns it off.
 
 #include <algorithm>
@@ -17,9 +17,9 @@
 
 namespace kvq::inline v0::kernels::attention {
 
-/// Largest channel scale of a key block over the block's mean channel scale that the int8 query
-/// carries within the tier's bound. Measured on random keys with one channel's scale multiplied by
-/// R (head_dim 128, K2/K4/K8): relative error 1.3-1.7e-2 at R = 1, 1.8-2.3e-2 at R = 4 (spread
+/// Largest key channel scale of a task over its mean key channel scale that the int8 query carries
+/// within the tier's bound. Measured on random keys with one channel's scale multiplied by R
+/// (head_dim 128, K2/K4/K8): relative error 1.3-1.7e-2 at R = 1, 1.8-2.3e-2 at R = 4 (spread
 /// 3.9), 4.2-5.2e-2 at R = 8 (spread 7.6) against the bound of 2.5e-2.
 inline constexpr float integer_key_spread_limit = 4.0f;
 /// Largest value scale over the mean scale of a task's value rows. Value outliers cost the bound
@@ -27,16 +27,19 @@ inline constexpr float integer_key_spread_limit = 4.0f;
 /// this the rows around a rare large one lose their weights entirely.
 inline constexpr float integer_value_spread_limit = 64.0f;
 
-/// False when some key block or the value rows of [task.begin, task.end) have a scale spread the
-/// integer tier cannot carry (see the limits above).
+/// False when the key blocks or the value rows of [task.begin, task.end) have a scale spread the
+/// integer tier cannot carry (see the limits above). One scan per tensor and task: per-block
+/// scans cost three times as much for no better answer (a block whose own channels are all small
+/// loses nothing to int8).
 inline bool integer_tier_carries(const DecodeTask& task) noexcept {
   const StreamView &k = task.keys, &v = task.values;
   if (task.rope == nullptr && k.quantized && k.spec.axis == Axis::per_channel) {
     const std::size_t first = std::max(task.begin, k.first_quantized), last = std::min(task.end, k.end_quantized);
-    const std::size_t g = k.spec.group;
-    for (std::size_t p = first; p < last; p = k.first_quantized + ((p - k.first_quantized) / g + 1) * g) {
-      const auto [top, sum] = magnitude_extent(k.spec.param, k.scales + k.param_index(p) * size_of(k.spec.param), k.head_dim);
-      if (double(top) * double(k.head_dim) > double(integer_key_spread_limit) * sum) return false;
+    if (first < last) {  // the task's key blocks hold consecutive parameter rows: one scan
+      const std::size_t g = k.spec.group, blocks = (last - 1 - k.first_quantized) / g - (first - k.first_quantized) / g + 1;
+      const std::size_t count = blocks * k.head_dim;
+      const auto [top, sum] = magnitude_extent(k.spec.param, k.scales + k.param_index(first) * size_of(k.spec.param), count);
+      if (double(top) * double(count) > double(integer_key_spread_limit) * sum) return false;
     }
   }
   const auto [a, b] = quantized_value_rows(v, task.begin, task.end);  // the integer tier reads these rows
