@@ -120,7 +120,7 @@ class BasicKVCache {
   /// length(layer). Throws kvq::Error and leaves the cache unchanged on any bad input.
   void append(std::size_t layer, std::size_t position, std::span<const float> keys, std::span<const float> values) {
     const std::size_t tokens = check_append(layer, position, keys, values);
-    for (const float k : keys) key_peaks_[layer] = std::max(key_peaks_[layer], std::fabs(k));
+    key_peaks_[layer] = std::max(key_peaks_[layer], largest_magnitude(keys.data(), keys.size()));
     for (std::size_t t = 0; t < tokens; ++t) {
       const std::size_t p = position + t;
       for (std::size_t h = 0; h < shape_.kv_heads; ++h) {

@@ -92,8 +92,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline std::pair<float
 
 // Compares bit patterns: with the sign cleared, float order is integer order, and every NaN lies
 // above infinity. Independent running maxima keep the loop free of a mask dependency chain.
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline bool all_below_avx512(const float* x, std::size_t n,
-                                                                                  float limit) noexcept {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline std::uint32_t largest_magnitude_bits_avx512(
+    const float* x, std::size_t n) noexcept {
   const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
   __m512i m0 = _mm512_setzero_si512(), m1 = m0, m2 = m0, m3 = m0;
   std::size_t i = 0;
@@ -107,18 +107,28 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline bool all_below_avx51
     const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1u);
     m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_maskz_loadu_epi32(m, x + i), magnitude));
   }
-  const __m512i most = _mm512_max_epu32(_mm512_max_epu32(m0, m1), _mm512_max_epu32(m2, m3));
-  return _mm512_cmpge_epu32_mask(most, _mm512_set1_epi32(int(std::bit_cast<std::uint32_t>(limit)))) == 0;
+  return _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_max_epu32(m0, m1), _mm512_max_epu32(m2, m3)));
 }
 #pragma GCC diagnostic pop
 #endif
 
 }  // namespace detail
 
+/// The largest |x[i]| of finite input (0 for n = 0): the cache's key peak, on the same scan as all_below.
+inline float largest_magnitude(const float* x, std::size_t n) noexcept {
+#if defined(KVQ_HAVE_X86_KERNELS)
+  if (isa::detected() == isa::Level::avx512) return std::bit_cast<float>(detail::largest_magnitude_bits_avx512(x, n));
+#endif
+  float top = 0.0f;
+  for (std::size_t i = 0; i < n; ++i) top = std::max(top, std::fabs(x[i]));
+  return top;
+}
+
 /// True when every |x[i]| < limit (NaN fails).
 inline bool all_below(const float* x, std::size_t n, float limit) noexcept {
 #if defined(KVQ_HAVE_X86_KERNELS)
-  if (isa::detected() == isa::Level::avx512) return detail::all_below_avx512(x, n, limit);
+  if (isa::detected() == isa::Level::avx512)
+    return detail::largest_magnitude_bits_avx512(x, n) < std::bit_cast<std::uint32_t>(limit);
 #endif
   bool ok = true;
   for (std::size_t i = 0; i < n; ++i) ok &= std::fabs(x[i]) < limit;
