@@ -2,7 +2,10 @@
 // fp32 and an fp16 cache read by the same AVX-512 kernel (GQA-shared loads, F16C), plus the
 // machine's streaming read bandwidth measured in the same run. Layers rotate so that the caches
 // touched (>= 160 MB) cannot sit in the 32 MiB L3. Names: decode/<cache>/<tier>/<context>/threads:<n>;
-// decode_avx2/... caps the kernels at AVX2 (DecodeOptions::max_isa), the path of CPUs without AVX-512.
+// decode_avx2/... caps the kernels at AVX2 (DecodeOptions::max_isa), the path of CPUs without AVX-512;
+// decode_blocks/.../block:<B> reads the cache in blocks of B positions (CacheShape::block_tokens:
+// 256 as a KVPool's default, 32768 one block for the whole context) where the other rows use the
+// cache's default of 1024.
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
@@ -13,6 +16,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "kvq/attention/decode.hpp"
@@ -28,9 +32,9 @@ struct Built {
   double layer_bytes = 0;
 };
 
-Built& cache_for(const std::string& config, std::size_t context) {
-  static std::map<std::pair<std::string, std::size_t>, Built> built;
-  auto key = std::pair{config, context};
+Built& cache_for(const std::string& config, std::size_t context, std::size_t block) {
+  static std::map<std::tuple<std::string, std::size_t, std::size_t>, Built> built;
+  auto key = std::tuple{config, context, block};
   if (auto it = built.find(key); it != built.end()) return it->second;
   built.clear();  // one cache at a time keeps memory bounded
   const kvq::CacheConfig c = kvq::parse_cache_config(config);
@@ -38,7 +42,9 @@ Built& cache_for(const std::string& config, std::size_t context) {
   const double bytes = double(probe.planned_memory(context).total_bytes());
   const std::size_t layers = std::max<std::size_t>(2, std::size_t(160e6 / bytes) + 1);
   Built b;
-  b.cache = std::make_unique<kvq::BasicKVCache>(kvq::CacheShape{layers, kKvHeads, kDim, context}, c);
+  kvq::CacheShape shape{layers, kKvHeads, kDim, context};
+  shape.block_tokens = block;
+  b.cache = std::make_unique<kvq::BasicKVCache>(shape, c);
   b.layers = layers;
   b.layer_bytes = bytes;
   constexpr std::size_t block = 512;
@@ -61,8 +67,8 @@ kvq::Executor* pool(std::size_t threads) {
 }
 
 void decode_step(benchmark::State& state, std::string config, kvq::Tier tier, std::size_t context, std::size_t threads,
-                 kvq::isa::Level max_isa, bool guard_outliers) {
-  Built& b = cache_for(config, context);
+                 kvq::isa::Level max_isa, bool guard_outliers, std::size_t block = 0) {
+  Built& b = cache_for(config, context, block);
   std::vector<float> q(kHeads * kDim), out(q.size());
   std::mt19937 rng(2);
   std::normal_distribution<float> normal;
@@ -172,6 +178,21 @@ int main(int argc, char** argv) {
                                  kvq::isa::Level::avx512, false)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
+  }
+  // Blocks: the same caches read in more or fewer segments, 32K, one thread.
+  for (const Named& c : caches) {
+    const std::string_view name = c.name;
+    if (name != "fp16" && !name.starts_with("K4V2")) continue;
+    for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
+      if (name == "fp16" && tier == kvq::Tier::integer) continue;
+      for (const std::size_t block : {256, 32768})
+        benchmark::RegisterBenchmark(std::string("decode_blocks/").append(name).append("/").append(kvq::to_string(tier))
+                                         .append("/32768/block:").append(std::to_string(block)).c_str(),
+                                     decode_step, std::string(c.config), tier, std::size_t(32768), std::size_t(1),
+                                     kvq::isa::Level::avx512, true, block)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+    }
   }
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();

@@ -37,7 +37,8 @@ struct Setup {
   kvq::kernels::attention::DecodeTask task;
 
   Setup(const std::string& config, kvq::Tier tier)
-      : cache(kvq::CacheShape{1, kKvHeads, kDim, kSpan + 128}, kvq::parse_cache_config(config)),
+      : cache(kvq::CacheShape{.layers = 1, .kv_heads = kKvHeads, .head_dim = kDim, .capacity = kSpan + 128, .block_tokens = 2 * kSpan},
+              kvq::parse_cache_config(config)),
         queries(kGroup * kDim), max(kGroup), sum(kGroup), acc(kGroup * kDim) {
     const std::size_t tokens = kSpan + 128;
     std::mt19937 rng(1);
@@ -48,8 +49,8 @@ struct Setup {
     cache.append(0, 0, keys, values);
     for (auto& x : queries) x = normal(rng) / std::sqrt(float(kDim));
     if (cache.config().key_rope == kvq::KeyRope::pre) task.rope = &cache.rope();
-    task.keys = cache.keys(0, 0);
-    task.values = cache.values(0, 0);
+    task.keys = cache.keys(0, 0, 0);  // one block: one segment
+    task.values = cache.values(0, 0, 0);
     task.queries = queries.data();
     task.group = kGroup;
     task.begin = 0;

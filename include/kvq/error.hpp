@@ -37,12 +37,15 @@ constexpr const char* to_string(ErrorCode code) noexcept {
 class Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message)
-      : std::runtime_error(std::string("kvq: ") + to_string(code) + ": " + message), code_(code) {}
+      : std::runtime_error(std::string("kvq: ") + to_string(code) + ": " + message), code_(code), message_(message) {}
 
   ErrorCode code() const noexcept { return code_; }
+  /// The message without the "kvq: <code>: " prefix, to wrap in more context.
+  const std::string& message() const noexcept { return message_; }
 
  private:
   ErrorCode code_;
+  std::string message_;
 };
 
 }  // namespace kvq::inline v0

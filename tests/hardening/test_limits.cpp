@@ -80,9 +80,9 @@ TEST(Limits, HugeWindowsAndSinksNeverQuantizeAndNeverWrap) {
       std::vector<float> row(dim);
       for (std::size_t p = 0; p < tokens; ++p)
         for (std::size_t h = 0; h < heads; ++h) {
-          cache.keys(0, h).read_row(p, row.data());
+          cache.read_row(kvq::Tensor::keys, 0, h, p, row.data());
           for (std::size_t i = 0; i < dim; ++i) ASSERT_EQ(row[i], keys[(p * heads + h) * dim + i]) << p;
-          cache.values(0, h).read_row(p, row.data());
+          cache.read_row(kvq::Tensor::values, 0, h, p, row.data());
           for (std::size_t i = 0; i < dim; ++i) ASSERT_EQ(row[i], values[(p * heads + h) * dim + i]) << p;
         }
     }
@@ -219,8 +219,9 @@ TEST(Limits, IntegerTierStillRunsWhereNothingStandsOut) {
   EXPECT_GT(relative_error(integer, exact), 1e-5);
   EXPECT_LT(relative_error(integer, exact), 2.5e-2);
   kvq::kernels::attention::DecodeTask task;
-  task.keys = cache.keys(0, 0);
-  task.values = cache.values(0, 0);
+  ASSERT_EQ(cache.segments(0), 1u);
+  task.keys = cache.keys(0, 0, 0);
+  task.values = cache.values(0, 0, 0);
   task.end = 200;
   EXPECT_TRUE(kvq::kernels::attention::integer_tier_carries(task));
 }

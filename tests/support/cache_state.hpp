@@ -13,17 +13,16 @@
 
 namespace kvq::test {
 
-inline std::vector<std::uint8_t> snapshot(const BasicKVCache& c) { return {c.raw_storage().begin(), c.raw_storage().end()}; }
+inline std::vector<std::uint8_t> snapshot(const BasicKVCache& c) { return c.stored_bytes(); }
 
 /// Every stored row of `layer`: (kv_heads, 2 tensors, length, head_dim), as the oracles read it.
 inline std::vector<std::vector<float>> stored_rows(const BasicKVCache& c, std::size_t layer) {
   std::vector<std::vector<float>> rows;
   for (std::size_t h = 0; h < c.shape().kv_heads; ++h)
     for (const Tensor t : {Tensor::keys, Tensor::values}) {
-      const StreamView view = c.view(t, layer, h);
       for (std::size_t p = 0; p < c.length(layer); ++p) {
         std::vector<float> row(c.shape().head_dim);
-        view.read_row(p, row.data());
+        c.read_row(t, layer, h, p, row.data());
         rows.push_back(std::move(row));
       }
     }
@@ -46,7 +45,7 @@ inline std::vector<float> reference_output(const BasicKVCache& c, std::size_t la
 /// a and b hold the same state as far as anything outside the cache can tell.
 inline void expect_same_state(const BasicKVCache& a, const BasicKVCache& b, const std::string& what) {
   SCOPED_TRACE(what);
-  EXPECT_TRUE(snapshot(a) == snapshot(b)) << "raw_storage differs";
+  EXPECT_TRUE(snapshot(a) == snapshot(b)) << "stored_bytes differs";
   EXPECT_TRUE(same_memory(a.memory(), b.memory())) << "memory() differs";
   for (std::size_t l = 0; l < a.shape().layers; ++l) {
     ASSERT_EQ(a.length(l), b.length(l)) << "layer " << l;

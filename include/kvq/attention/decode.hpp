@@ -121,7 +121,7 @@ inline DecodePlan plan_decode(const BasicKVCache& cache, std::size_t layer, std:
     throw Error(ErrorCode::unsupported, "decode attention: head_dim " + std::to_string(p.dim) + " exceeds " +
                                             std::to_string(max_head_dim));
   p.tokens = position + 1;
-  const std::size_t tile = kernels::attention::tile_tokens(cache.keys(layer, 0));
+  const std::size_t tile = kernels::attention::tile_tokens(cache.keys(layer, 0, 0));
   p.chunk = std::max<std::size_t>(1, (options.chunk_tokens + tile - 1) / tile) * tile;
   const std::size_t sinks = cache.config().sinks;
   // Chunk j covers [start(j), start(j + 1)) with start(j) = sinks + j * chunk (chunk 0 from 0).
@@ -155,27 +155,40 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
 
   const RopeTable* rope = pre ? &cache.rope() : nullptr;
   const kernels::attention::Path path =
-      kernels::attention::select_path(cache.keys(layer, 0), cache.values(layer, 0), plan.group, rope, options.max_isa);
-  const std::size_t sinks = cache.config().sinks;
+      kernels::attention::select_path(cache.keys(layer, 0, 0), cache.values(layer, 0, 0), plan.group, rope, options.max_isa);
+  const std::size_t sinks = cache.config().sinks, block = cache.block_tokens();
   auto task_at = [&](std::size_t i) {
     const std::size_t kvh = i / plan.chunks, j = i % plan.chunks;
+    const std::size_t begin = j == 0 ? 0 : sinks + j * plan.chunk, end = std::min(plan.tokens, sinks + (j + 1) * plan.chunk);
+    // The chunk runs once per segment (block) it crosses, each continuing the previous state.
+    auto segment_of = [&](std::size_t p) { return p < sinks ? 0 : (p - sinks) / block; };
+    const std::size_t first = segment_of(begin), last = segment_of(end - 1);
     kernels::attention::DecodeTask t;
-    t.keys = cache.keys(layer, kvh);
-    t.values = cache.values(layer, kvh);
     t.rope = rope;
     t.queries = ws.queries.data() + kvh * plan.group * dim;
     t.group = plan.group;
-    t.begin = j == 0 ? 0 : sinks + j * plan.chunk;
-    t.end = std::min(plan.tokens, sinks + (j + 1) * plan.chunk);
-    // Outlier scales the integer tier cannot carry: this task runs exact (integer_range.hpp).
-    t.tier = options.tier == Tier::integer && options.guard_outliers && !kernels::attention::integer_tier_carries(t)
-                 ? Tier::exact
-                 : options.tier;
     float* base = ws.partial.data() + i * stride;
     t.max = base;
     t.sum = base + plan.group;
     t.acc = base + 2 * plan.group;
-    kernels::attention::run(path, t);
+    auto at_segment = [&](std::size_t k) {
+      t.keys = cache.keys(layer, kvh, k);
+      t.values = cache.values(layer, kvh, k);
+      t.begin = std::max(begin, cache.segment_begin(k));
+      t.end = std::min(end, sinks + (k + 1) * block);
+      t.resume = k != first;
+    };
+    // Outlier scales the integer tier cannot carry: the chunk runs exact (integer_range.hpp).
+    t.tier = options.tier;
+    if (options.tier == Tier::integer && options.guard_outliers) {
+      kernels::attention::ScaleSpread spread;
+      for (std::size_t k = first; k <= last; ++k) at_segment(k), spread.add(t);
+      if (!spread.integer_tier_carries()) t.tier = Tier::exact;
+    }
+    for (std::size_t k = first; k <= last; ++k) {
+      at_segment(k);
+      kernels::attention::run(path, t);
+    }
   };
   const std::size_t n = plan.kv_heads * plan.chunks;
   if (options.executor != nullptr && n > 1) options.executor->parallel_for(n, task_at);
@@ -208,7 +221,7 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
 inline kernels::attention::Path decode_path(const BasicKVCache& cache, std::size_t heads,
                                             isa::Level max_isa = isa::Level::avx512) {
   const std::size_t group = heads / cache.shape().kv_heads;
-  return kernels::attention::select_path(cache.keys(0, 0), cache.values(0, 0), group,
+  return kernels::attention::select_path(cache.keys(0, 0, 0), cache.values(0, 0, 0), group,
                                          cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr, max_isa);
 }
 

@@ -29,15 +29,14 @@ struct HeadTensors {
 };
 
 inline HeadTensors read_head(const BasicKVCache& cache, std::size_t layer, std::size_t head) {
-  const StreamView k = cache.keys(layer, head), v = cache.values(layer, head);
-  const std::size_t n = k.length, dim = k.head_dim;
+  const std::size_t n = cache.length(layer), dim = cache.shape().head_dim;
   HeadTensors out{MatrixD(n, dim), MatrixD(n, dim)};
   std::vector<float> row(dim);
   for (std::size_t p = 0; p < n; ++p) {
-    k.read_row(p, row.data());
+    cache.read_row(Tensor::keys, layer, head, p, row.data());
     if (cache.config().key_rope == KeyRope::pre) cache.rope().rotate(row.data(), p);
     for (std::size_t c = 0; c < dim; ++c) out.keys(p, c) = row[c];
-    v.read_row(p, row.data());
+    cache.read_row(Tensor::values, layer, head, p, row.data());
     for (std::size_t c = 0; c < dim; ++c) out.values(p, c) = row[c];
   }
   return out;

@@ -7,6 +7,12 @@
 // Every append is all-or-nothing: it validates shapes, order, capacity, finiteness and the
 // representability of every parameter it will write before it changes a byte.
 //
+// Memory: a cache's packed rows (and every row of an unquantized tensor) live in blocks of one
+// layer and a fixed number of positions (CacheShape::block_tokens), committed as they are first
+// written; sinks, the ring of newest rows and the rollback copies are the cache's own. Attention
+// reads a stream as one segment per block (view()). Caches of a KVPool share one block store, and
+// a fork shares the blocks it has in common with its parent until either writes to one.
+//
 // Exact rollback: the ring keeps the full-precision rows of the newest positions, packed or
 // not, and a history beside it copies each row as it is packed, for the last D + G packed
 // positions (D = CacheConfig::rollback_depth; D + 1 for values per token). truncate() restores
@@ -26,6 +32,9 @@
 #include <utility>
 #include <vector>
 
+#include <memory>
+
+#include "kvq/cache/block_store.hpp"
 #include "kvq/cache/cache_config.hpp"
 #include "kvq/cache/memory.hpp"
 #include "kvq/cache/stream_layout.hpp"
@@ -50,6 +59,8 @@ constexpr const char* to_string(Tensor t) noexcept { return t == Tensor::keys ? 
 
 /// Most tokens a cache holds: positions and row counts stay far from any integer's end.
 inline constexpr std::size_t max_capacity = RopeTable::max_positions_limit;
+/// Longest block of memory: a block is committed whole.
+inline constexpr std::size_t max_block_tokens = 65536;
 
 /// The model-side geometry a cache is built for. Limits: head_dim <= max_head_dim, capacity <=
 /// max_capacity, and the storage of layers x kv_heads x capacity must fit a size_t (checked).
@@ -60,6 +71,9 @@ struct CacheShape {
   std::size_t capacity = 4096;  // tokens
   RopeStyle rope_style = RopeStyle::adjacent_pairs;
   float rope_theta = 10000.0f;
+  /// Positions per block of memory (a multiple of block_unit(config)); 0 chooses: the multiple
+  /// of the unit nearest above 1024, or less when the capacity is smaller.
+  std::size_t block_tokens = 0;
 
   RopeConfig rope() const { return RopeConfig{head_dim, rope_style, rope_theta, 0, 0}; }
 };
@@ -78,22 +92,68 @@ inline void validate(const CacheShape& shape, const CacheConfig& config) {
   validate(config);
   if (config.quantize_keys) validate(config.key, shape.head_dim, "key quantizer");
   if (config.quantize_values) validate(config.value, shape.head_dim, "value quantizer");
+  const std::size_t unit = block_unit(config);
+  if (unit > max_block_tokens)
+    throw Error(ErrorCode::invalid_argument, "cache config " + to_string(config) + ": blocks would need a multiple of " +
+                                                 std::to_string(unit) + " positions (whole tiles and groups of both "
+                                                 "tensors), more than " + std::to_string(max_block_tokens));
+  if (shape.block_tokens % unit != 0 || shape.block_tokens > max_block_tokens)
+    throw Error(ErrorCode::invalid_argument, "cache shape: block_tokens " + std::to_string(shape.block_tokens) +
+                                                 " is not a multiple of " + std::to_string(unit) + " up to " +
+                                                 std::to_string(max_block_tokens) + " (whole tiles and groups of " +
+                                                 to_string(config) + ")");
+}
+
+/// The block length a cache of this shape uses (CacheShape::block_tokens, or the default).
+inline std::size_t block_tokens(const CacheShape& shape, const CacheConfig& config) {
+  if (shape.block_tokens != 0) return shape.block_tokens;
+  const std::size_t unit = block_unit(config), after_sinks = shape.capacity > config.sinks ? shape.capacity - config.sinks : 1;
+  const std::size_t wanted = std::min<std::size_t>(1024, after_sinks);
+  return (wanted + unit - 1) / unit * unit;
 }
 
 class BasicKVCache {
  public:
-  BasicKVCache(const CacheShape& shape, const CacheConfig& config) : shape_(shape), config_(config) {
+  BasicKVCache(const CacheShape& shape, const CacheConfig& config)
+      : BasicKVCache(shape, config, nullptr, nullptr) {}
+
+  /// A cache whose blocks come from `store` and whose RoPE table is `rope` (both shared, e.g. by
+  /// the sequences of a KVPool); nullptr: its own. The store's blocks must hold
+  /// block_bytes(shape, config) and the table must cover shape.capacity positions.
+  BasicKVCache(const CacheShape& shape, const CacheConfig& config, std::shared_ptr<BlockStore> store,
+               std::shared_ptr<const RopeTable> rope)
+      : shape_(shape), config_(config) {
     validate(shape, config);
-    layouts_[0] = StreamLayout(config.key, config.quantize_keys, shape.head_dim, config, shape.capacity);
-    layouts_[1] = StreamLayout(config.value, config.quantize_values, shape.head_dim, config, shape.capacity);
+    block_rows_ = kvq::block_tokens(shape, config);
+    shape_.block_tokens = block_rows_;
+    layouts_[0] = StreamLayout(config.key, config.quantize_keys, shape.head_dim, config, shape.capacity, block_rows_);
+    layouts_[1] = StreamLayout(config.value, config.quantize_values, shape.head_dim, config, shape.capacity, block_rows_);
     // Each stream is below 2^47 bytes (capacity and head_dim limits); the products over layers
     // and heads are what can wrap.
     head_bytes_ = layouts_[0].bytes + layouts_[1].bytes;
     const std::size_t streams = checked_mul(shape.layers, shape.kv_heads, "cache shape: layers x kv_heads");
-    storage_ = AlignedBuffer(checked_mul(head_bytes_, streams, "cache storage bytes"));
+    own_ = AlignedBuffer(checked_mul(head_bytes_, streams, "cache storage bytes"));
     head_history_bytes_ = layouts_[0].history_rows * row_size(layouts_[0]) + layouts_[1].history_rows * row_size(layouts_[1]);
     history_ = AlignedBuffer(checked_mul(head_history_bytes_, streams, "cache rollback history bytes"));
-    rope_ = RopeTable(shape.rope(), shape.capacity);
+    block_head_bytes_ = layouts_[0].block_bytes + layouts_[1].block_bytes;
+    const std::size_t block_bytes = BasicKVCache::block_bytes(shape, config);
+    if (store == nullptr) {
+      // Room for every block of the capacity twice: load() fills new blocks before it lets go of the old.
+      const std::size_t per_layer = (std::max<std::size_t>(shape.capacity, config.sinks + 1) - config.sinks + block_rows_ - 1) / block_rows_;
+      const std::size_t blocks = checked_mul(checked_mul(per_layer, shape.layers, "cache blocks"), 2, "cache blocks");
+      check_limit(blocks, BlockStore::max_blocks_limit, "cache blocks");
+      store = std::make_shared<BlockStore>(block_bytes, blocks);
+    } else if (store->block_bytes() < block_bytes) {
+      throw Error(ErrorCode::shape_mismatch, "cache: blocks of " + std::to_string(store->block_bytes()) +
+                                                 " bytes cannot hold the " + std::to_string(block_bytes) + " this shape needs");
+    }
+    store_ = std::move(store);
+    if (rope == nullptr) rope = std::make_shared<const RopeTable>(shape.rope(), shape.capacity);
+    else if (rope->max_positions() < shape.capacity)
+      throw Error(ErrorCode::shape_mismatch, "cache: the RoPE table covers " + std::to_string(rope->max_positions()) +
+                                                 " positions, fewer than the capacity of " + std::to_string(shape.capacity));
+    rope_ = std::move(rope);
+    tables_.resize(shape.layers);
     lengths_.assign(shape.layers, 0);
     key_peaks_.assign(shape.layers, 0.0f);
     quantized_ends_.resize(shape.layers * 2);
@@ -108,18 +168,84 @@ class BasicKVCache {
     scratch_.resize(std::max(due_rows(layouts_[0]), due_rows(layouts_[1])) * shape.head_dim);
   }
 
+  /// Bytes of one block: every KV head's keys and values for block_tokens(shape, config) positions.
+  static std::size_t block_bytes(const CacheShape& shape, const CacheConfig& config) {
+    validate(shape, config);
+    const std::size_t rows = kvq::block_tokens(shape, config);
+    const StreamLayout k(config.key, config.quantize_keys, shape.head_dim, config, shape.capacity, rows);
+    const StreamLayout v(config.value, config.quantize_values, shape.head_dim, config, shape.capacity, rows);
+    return checked_mul(k.block_bytes + v.block_bytes, shape.kv_heads, "cache block bytes");
+  }
+
+  /// A deep copy with blocks of its own.
+  BasicKVCache(const BasicKVCache& other)
+      : BasicKVCache(other, std::make_shared<BlockStore>(other.store_->block_bytes(), other.store_->max_blocks())) {
+    for (std::size_t l = 0; l < tables_.size(); ++l)
+      for (const BlockId id : other.tables_[l]) {
+        const BlockId copy = store_->acquire("a copy of a cache");
+        std::memcpy(store_->data(copy), other.store_->data(id), store_->block_bytes());
+        tables_[l].push_back(copy);
+      }
+  }
+  /// A cache holding the first `length` tokens of `parent` (every layer), sharing its blocks: the
+  /// fork of a sequence. Exact where parent.truncate(length) would be; throws kvq::Error as it
+  /// would, and the parent never changes.
+  BasicKVCache(const BasicKVCache& parent, std::size_t length) : BasicKVCache(parent, parent.store_) {
+    for (std::size_t l = 0; l < tables_.size(); ++l)
+      for (const BlockId id : parent.tables_[l]) {
+        store_->retain(id);
+        tables_[l].push_back(id);
+      }
+    if (length < max_length()) truncate(length);  // on a throw the destructor lets the blocks go
+  }
+  BasicKVCache(BasicKVCache&& other) noexcept { swap(other); }
+  BasicKVCache& operator=(BasicKVCache other) noexcept {
+    swap(other);
+    return *this;
+  }
+  ~BasicKVCache() { release_blocks(); }
+
+  void swap(BasicKVCache& other) noexcept {
+    std::swap(shape_, other.shape_);
+    std::swap(config_, other.config_);
+    std::swap(layouts_, other.layouts_);
+    std::swap(rope_, other.rope_);
+    std::swap(store_, other.store_);
+    std::swap(block_rows_, other.block_rows_);
+    std::swap(block_head_bytes_, other.block_head_bytes_);
+    std::swap(head_bytes_, other.head_bytes_);
+    own_.swap(other.own_);
+    std::swap(head_history_bytes_, other.head_history_bytes_);
+    history_.swap(other.history_);
+    std::swap(tables_, other.tables_);
+    std::swap(lengths_, other.lengths_);
+    std::swap(key_peaks_, other.key_peaks_);
+    std::swap(quantized_ends_, other.quantized_ends_);
+    std::swap(history_begins_, other.history_begins_);
+    std::swap(kept_from_, other.kept_from_);
+    std::swap(scratch_, other.scratch_);
+  }
+
   const CacheShape& shape() const noexcept { return shape_; }
   const CacheConfig& config() const noexcept { return config_; }
   const StreamLayout& layout(Tensor t) const noexcept { return layouts_[index(t)]; }
-  const RopeTable& rope() const noexcept { return rope_; }
+  const RopeTable& rope() const noexcept { return *rope_; }
   std::size_t length(std::size_t layer) const { return lengths_.at(layer); }
   std::size_t capacity() const noexcept { return shape_.capacity; }
+  /// Positions per block (CacheShape::block_tokens as chosen).
+  std::size_t block_tokens() const noexcept { return block_rows_; }
+  const BlockStore& blocks() const noexcept { return *store_; }
 
   /// Appends T tokens to one layer. keys, values: (T, kv_heads, head_dim), keys pre-RoPE when
   /// config().key_rope is pre and already rotated when it is post; `position` must equal
-  /// length(layer). Throws kvq::Error and leaves the cache unchanged on any bad input.
+  /// length(layer). Throws kvq::Error and leaves the cache unchanged on any bad input, and when
+  /// the blocks it needs cannot be had (capacity_exceeded from a shared store, out_of_memory).
   void append(std::size_t layer, std::size_t position, std::span<const float> keys, std::span<const float> values) {
     const std::size_t tokens = check_append(layer, position, keys, values);
+    const std::size_t end = position + tokens;
+    prepare_blocks(layer, first_block_row(position, quantized_end(Tensor::keys, layer), quantized_end(Tensor::values, layer)),
+                   blocks_for(end, std::max(quantized_end(Tensor::keys, layer), layouts_[0].quantized_end(end)),
+                              std::max(quantized_end(Tensor::values, layer), layouts_[1].quantized_end(end))));
     key_peaks_[layer] = std::max(key_peaks_[layer], largest_magnitude(keys.data(), keys.size()));
     for (std::size_t t = 0; t < tokens; ++t) {
       const std::size_t p = position + t;
@@ -159,11 +285,18 @@ class BasicKVCache {
   /// kvq::Error (unsupported) and changes nothing.
   void truncate(std::size_t length) {
     check_truncate(length);
+    // Shared blocks the cut writes to are copied first: that can fail, and changes nothing visible.
+    for (std::size_t l = 0; l < shape_.layers; ++l)
+      if (length < lengths_[l]) {
+        const std::size_t k_end = truncated_end(Tensor::keys, l, length), v_end = truncated_end(Tensor::values, l, length);
+        prepare_blocks(l, first_block_row(length, k_end, v_end), blocks_for(length, k_end, v_end));
+      }
     for (std::size_t l = 0; l < shape_.layers; ++l) {
       if (length >= lengths_[l]) continue;
+      release_blocks(l, blocks_for(length, truncated_end(Tensor::keys, l, length), truncated_end(Tensor::values, l, length)));
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         const StreamLayout& lay = layouts_[index(t)];
-        const std::size_t target = std::min(quantized_end(t, l), lay.quantized_end(length));
+        const std::size_t target = truncated_end(t, l, length);
         for (std::size_t h = 0; h < shape_.kv_heads; ++h) cut_stream(t, l, h, length, target);
         quantized_ends_[l * 2 + index(t)] = target;
         std::size_t& floor = history_begins_[l * 2 + index(t)];
@@ -189,6 +322,7 @@ class BasicKVCache {
     // Pending rows that move are staged here: allocated before anything changes.
     std::vector<std::uint8_t> staged(std::max(layouts_[0].ring_rows * row_size(layouts_[0]),
                                               layouts_[1].ring_rows * row_size(layouts_[1])));
+    for (std::size_t l = 0; l < shape_.layers; ++l) prepare_blocks(l, first - config_.sinks, tables_[l].size());
     for (std::size_t l = 0; l < shape_.layers; ++l) {
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         std::size_t& end = quantized_ends_[l * 2 + index(t)];
@@ -198,11 +332,13 @@ class BasicKVCache {
         end = history_begins_[l * 2 + index(t)] = kept_from_[l * 2 + index(t)] = new_end;
       }
       lengths_[l] -= count;
+      release_blocks(l, blocks_for(lengths_[l], quantized_end(Tensor::keys, l), quantized_end(Tensor::values, l)));
     }
   }
 
   /// Empties every layer; zeroes only the bytes in use, so it costs what the cache holds.
   void clear() noexcept {
+    release_blocks();
     for (std::size_t l = 0; l < shape_.layers; ++l) {
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         const std::size_t sinks = layouts_[index(t)].sinks;
@@ -224,33 +360,73 @@ class BasicKVCache {
   /// the rollback history): truncate(length) fails only where it would re-open positions before it.
   std::size_t rollback_floor(Tensor t, std::size_t layer) const { return history_begins_.at(layer * 2 + index(t)); }
 
-  StreamView view(Tensor t, std::size_t layer, std::size_t head) const {
-    if (layer >= shape_.layers || head >= shape_.kv_heads)
-      throw Error(ErrorCode::invalid_argument, "layer " + std::to_string(layer) + ", kv head " + std::to_string(head) +
-                                                   " is outside the cache's " + std::to_string(shape_.layers) +
-                                                   " layers and " + std::to_string(shape_.kv_heads) + " KV heads");
+  /// Segments a stream of `layer` is read in: segment 0 holds positions [0, sinks + B), segment
+  /// k > 0 holds [sinks + kB, sinks + (k + 1)B), clipped to the length (B = block_tokens()).
+  std::size_t segments(std::size_t layer) const {
+    const std::size_t n = length(layer), s = config_.sinks;
+    return n <= s ? 1 : (n - s - 1) / block_rows_ + 1;
+  }
+  std::size_t segment_begin(std::size_t segment) const noexcept {
+    return segment == 0 ? 0 : config_.sinks + segment * block_rows_;
+  }
+
+  /// How one (layer, KV head) stores tensor `t` over one segment (segments()): what attention
+  /// kernels read. Throws kvq::Error for a layer, head or segment the cache does not have.
+  StreamView view(Tensor t, std::size_t layer, std::size_t head, std::size_t segment) const {
+    if (layer >= shape_.layers || head >= shape_.kv_heads || segment >= segments(layer))
+      throw Error(ErrorCode::invalid_argument,
+                  "layer " + std::to_string(layer) + ", kv head " + std::to_string(head) + ", segment " +
+                      std::to_string(segment) + " is outside the cache's " + std::to_string(shape_.layers) + " layers, " +
+                      std::to_string(shape_.kv_heads) + " KV heads and " +
+                      (layer < shape_.layers ? std::to_string(segments(layer)) + " segments" : std::string("segments")));
     const StreamLayout& lay = layouts_[index(t)];
-    const std::uint8_t* base = stream_base(t, layer, head);
+    const std::uint8_t* own = own_base(t, layer, head);
+    const std::size_t s = lay.sinks, first = s + segment * block_rows_;
     StreamView v;
     v.spec = lay.spec;
     v.quantized = lay.quantized;
     v.head_dim = lay.head_dim;
     v.residual = lay.residual;
-    v.length = lengths_[layer];
-    v.sinks_stored = std::min(lay.sinks, v.length);
-    v.sinks = base + lay.sink_offset;
-    v.first_quantized = lay.sinks;
-    v.end_quantized = quantized_end(t, layer);
-    v.codes = base + lay.code_offset;
+    v.length = std::min(lengths_[layer], first + block_rows_);
+    v.sinks_stored = std::min(s, lengths_[layer]);
+    v.sinks = own + lay.sink_offset;
+    v.first_quantized = first;
+    v.end_quantized = std::clamp(quantized_end(t, layer), first, first + block_rows_);
     v.row_bytes = lay.row_bytes;
-    v.scales = base + lay.scale_offset;
-    v.zeros = lay.spec.has_zero_point() ? base + lay.zero_offset : nullptr;
-    v.ring = base + lay.ring_offset;
-    v.ring_rows = lay.ring_rows;
+    const bool in_block = segment < tables_[layer].size();
+    const std::uint8_t* block = in_block ? section(t, layer, head, segment) : nullptr;
+    if (lay.quantized) {
+      if (in_block) {
+        v.codes = block;
+        v.scales = block + lay.block_scale_offset;
+        v.zeros = lay.spec.has_zero_point() ? block + lay.block_zero_offset : nullptr;
+      }
+      v.ring = own + lay.ring_offset;
+      v.ring_rows = lay.ring_rows;
+      v.ring_origin = s;
+    } else {
+      v.ring = block;  // every row of the segment
+      v.ring_rows = block_rows_;
+      v.ring_origin = first;
+    }
     return v;
   }
-  StreamView keys(std::size_t layer, std::size_t head) const { return view(Tensor::keys, layer, head); }
-  StreamView values(std::size_t layer, std::size_t head) const { return view(Tensor::values, layer, head); }
+  StreamView keys(std::size_t layer, std::size_t head, std::size_t segment) const {
+    return view(Tensor::keys, layer, head, segment);
+  }
+  StreamView values(std::size_t layer, std::size_t head, std::size_t segment) const {
+    return view(Tensor::values, layer, head, segment);
+  }
+  /// The stored row at `position` as floats (dequantized when packed): out (head_dim). The slow,
+  /// plain way for oracles and checks.
+  void read_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position, float* out) const {
+    if (layer < shape_.layers && position >= lengths_[layer])
+      throw Error(ErrorCode::invalid_argument, "layer " + std::to_string(layer) + " holds " +
+                                                   std::to_string(lengths_[layer]) + " tokens, not position " +
+                                                   std::to_string(position));
+    const std::size_t s = config_.sinks;
+    view(t, layer, head, position < s ? 0 : (position - s) / block_rows_).read_row(position, out);
+  }
 
   /// What the cache holds now (all layers).
   MemoryUsage memory() const noexcept {
@@ -266,17 +442,35 @@ class BasicKVCache {
     for (std::size_t l = 0; l < shape_.layers; ++l) total += layer_usage(length, k_end, v_end);
     return total;
   }
-  /// Every stored byte, in a layout fixed by shape and config: two caches that received the
-  /// same tokens compare equal here, however the tokens arrived, and after a rollback within
-  /// truncate()'s exact reach too. The rollback history lives beside it: it only decides how far
-  /// truncate() can reach.
-  std::span<const std::uint8_t> raw_storage() const noexcept { return {storage_.data(), storage_.size()}; }
-
-  /// Bytes reserved up front for the whole capacity: storage, rollback history, RoPE table and
-  /// quantization scratch. Appends allocate nothing beyond this.
-  std::size_t allocated_bytes() const noexcept {
-    return storage_.size() + history_.size() + rope_.bytes() + scratch_.size() * sizeof(float);
+  /// Every stored byte, in a layout fixed by shape and config: the cache's own rows, then each
+  /// layer's blocks in order. Two caches that received the same tokens compare equal here,
+  /// however the tokens arrived, and after a rollback within truncate()'s exact reach too. The
+  /// rollback history lives beside it: it only decides how far truncate() can reach.
+  std::vector<std::uint8_t> stored_bytes() const {
+    std::vector<std::uint8_t> out(own_.data(), own_.data() + own_.size());
+    const std::size_t block_bytes = block_head_bytes_ * shape_.kv_heads;
+    for (const auto& table : tables_)
+      for (const BlockId id : table) out.insert(out.end(), store_->data(id), store_->data(id) + block_bytes);
+    return out;
   }
+
+  /// Blocks layer `layer` refers to (shared ones included).
+  std::size_t block_count(std::size_t layer) const { return tables_.at(layer).size(); }
+  /// Bytes of the blocks the cache refers to (shared ones included).
+  std::size_t block_bytes_held() const noexcept {
+    std::size_t blocks = 0;
+    for (const auto& table : tables_) blocks += table.size();
+    return blocks * store_->block_bytes();
+  }
+
+  /// Bytes the cache holds now: its own rows (sinks, ring, rollback history), the blocks it refers
+  /// to, quantization scratch, and the RoPE table unless shared. Blocks are committed as rows
+  /// reach them, so this grows with the length, not the capacity.
+  std::size_t allocated_bytes() const noexcept {
+    return own_bytes() + block_bytes_held() + (rope_.use_count() == 1 ? rope_->bytes() : 0);
+  }
+  /// Bytes of the cache's own rows (sinks, rings, rollback copies) and scratch: fixed when built.
+  std::size_t own_bytes() const noexcept { return own_.size() + history_.size() + scratch_.size() * sizeof(float); }
 
  private:
   friend struct detail::CacheAccess;
@@ -293,19 +487,124 @@ class BasicKVCache {
     return u;
   }
 
-  const std::uint8_t* stream_base(Tensor t, std::size_t layer, std::size_t head) const noexcept {
-    return storage_.data() + (layer * shape_.kv_heads + head) * head_bytes_ + (t == Tensor::keys ? 0 : layouts_[0].bytes);
+  /// Everything but the blocks, copied from `other`; no blocks yet (the public copies add them).
+  BasicKVCache(const BasicKVCache& other, std::shared_ptr<BlockStore> store)
+      : shape_(other.shape_), config_(other.config_), rope_(other.rope_), store_(std::move(store)),
+        block_rows_(other.block_rows_), block_head_bytes_(other.block_head_bytes_), head_bytes_(other.head_bytes_),
+        own_(other.own_), head_history_bytes_(other.head_history_bytes_), history_(other.history_),
+        tables_(other.tables_.size()), lengths_(other.lengths_), key_peaks_(other.key_peaks_),
+        quantized_ends_(other.quantized_ends_), history_begins_(other.history_begins_), kept_from_(other.kept_from_),
+        scratch_(other.scratch_) {
+    layouts_[0] = other.layouts_[0];
+    layouts_[1] = other.layouts_[1];
   }
-  std::uint8_t* stream_base(Tensor t, std::size_t layer, std::size_t head) noexcept {
-    return const_cast<std::uint8_t*>(std::as_const(*this).stream_base(t, layer, head));
+
+  std::size_t max_length() const noexcept { return *std::max_element(lengths_.begin(), lengths_.end()); }
+
+  /// The cache's own rows of one stream: sinks, then the ring of a quantized tensor.
+  const std::uint8_t* own_base(Tensor t, std::size_t layer, std::size_t head) const noexcept {
+    return own_.data() + (layer * shape_.kv_heads + head) * head_bytes_ + (t == Tensor::keys ? 0 : layouts_[0].bytes);
   }
+  std::uint8_t* own_base(Tensor t, std::size_t layer, std::size_t head) noexcept {
+    return const_cast<std::uint8_t*>(std::as_const(*this).own_base(t, layer, head));
+  }
+  /// One stream's part of block k of `layer` (which must exist).
+  const std::uint8_t* section(Tensor t, std::size_t layer, std::size_t head, std::size_t k) const noexcept {
+    return store_->data(tables_[layer][k]) + head * block_head_bytes_ + (t == Tensor::keys ? 0 : layouts_[0].block_bytes);
+  }
+  std::uint8_t* section(Tensor t, std::size_t layer, std::size_t head, std::size_t k) noexcept {
+    return const_cast<std::uint8_t*>(std::as_const(*this).section(t, layer, head, k));
+  }
+  /// Packed row `row` (position sinks + row) and its first parameter pair: scale, then zero point.
+  std::uint8_t* code_row(Tensor t, std::size_t layer, std::size_t head, std::size_t row) noexcept {
+    return section(t, layer, head, row / block_rows_) + row % block_rows_ * layouts_[index(t)].row_bytes;
+  }
+  std::pair<std::uint8_t*, std::uint8_t*> params_of(Tensor t, std::size_t layer, std::size_t head, std::size_t row) noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    std::uint8_t* block = section(t, layer, head, row / block_rows_);
+    const std::size_t offset = param_offset(lay, row % block_rows_);
+    return {block + lay.block_scale_offset + offset, block + lay.block_zero_offset + offset};
+  }
+  bool in_blocks(std::size_t layer, std::size_t row) const noexcept { return row / block_rows_ < tables_[layer].size(); }
+
+  /// The full-precision row of `position` (>= sinks): the ring of a quantized tensor, the block
+  /// of an unquantized one (which must exist).
   const std::uint8_t* ring_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position) const noexcept {
     const StreamLayout& lay = layouts_[index(t)];
-    return stream_base(t, layer, head) + lay.ring_offset + (position - lay.sinks) % lay.ring_rows * row_size(lay);
+    const std::size_t row = position - lay.sinks;
+    if (!lay.quantized) return section(t, layer, head, row / block_rows_) + row % block_rows_ * row_size(lay);
+    return own_base(t, layer, head) + lay.ring_offset + row % lay.ring_rows * row_size(lay);
   }
   std::uint8_t* ring_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position) noexcept {
     return const_cast<std::uint8_t*>(std::as_const(*this).ring_row(t, layer, head, position));
   }
+  /// Whether ring_row(position) exists: unquantized rows live in blocks, which may be gone.
+  bool ring_row_held(Tensor t, std::size_t layer, std::size_t position) const noexcept {
+    return layouts_[index(t)].quantized || in_blocks(layer, position - config_.sinks);
+  }
+
+  // Blocks. A cache writes only to blocks it holds alone: prepare_blocks copies shared ones first.
+
+  /// Where a stream of `layer` stops being held by the cache's own rows: quantized tensors keep
+  /// rows [sinks, quantized end) in blocks, unquantized ones every row past the sinks.
+  std::size_t block_rows_used(Tensor t, std::size_t length, std::size_t q_end) const noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    if (lay.quantized) return q_end - lay.sinks;
+    return length > lay.sinks ? length - lay.sinks : 0;
+  }
+  /// Blocks a layer of `length` tokens with quantized ends k_end, v_end needs.
+  std::size_t blocks_for(std::size_t length, std::size_t k_end, std::size_t v_end) const noexcept {
+    const std::size_t rows = std::max(block_rows_used(Tensor::keys, length, k_end), block_rows_used(Tensor::values, length, v_end));
+    return (rows + block_rows_ - 1) / block_rows_;
+  }
+  /// First block row a write from `length` tokens with quantized ends k_end, v_end touches.
+  std::size_t first_block_row(std::size_t length, std::size_t k_end, std::size_t v_end) const noexcept {
+    return std::min(block_rows_used(Tensor::keys, length, k_end), block_rows_used(Tensor::values, length, v_end));
+  }
+  std::size_t truncated_end(Tensor t, std::size_t layer, std::size_t length) const noexcept {
+    return std::min(quantized_end(t, layer), layouts_[index(t)].quantized_end(length));
+  }
+
+  /// Makes blocks [first_row / B, needed) of `layer` writable: shared ones are copied, missing
+  /// ones acquired. Throws kvq::Error when the store runs out, having acquired nothing new (copies
+  /// already made stay: they hold the same bytes).
+  void prepare_blocks(std::size_t layer, std::size_t first_row, std::size_t needed) {
+    std::vector<BlockId>& table = tables_[layer];
+    std::size_t copies = 0;
+    for (std::size_t k = first_row / block_rows_; k < std::min(needed, table.size()); ++k) copies += store_->shared(table[k]);
+    const std::size_t wanted = copies + (needed > table.size() ? needed - table.size() : 0);
+    if (wanted == 0) return;
+    if (const std::size_t free = store_->available(); free < wanted)
+      throw Error(ErrorCode::capacity_exceeded, "layer " + std::to_string(layer) + ": needs " + std::to_string(wanted) +
+                                                    " more blocks of " + std::to_string(block_rows_) + " positions, " +
+                                                    std::to_string(free) + " free");
+    for (std::size_t k = first_row / block_rows_; k < std::min(needed, table.size()); ++k) {
+      if (!store_->shared(table[k])) continue;
+      const BlockId copy = store_->acquire("a cache");
+      std::memcpy(store_->data(copy), store_->data(table[k]), store_->block_bytes());
+      store_->release(table[k]);
+      table[k] = copy;
+    }
+    const std::size_t before = table.size();
+    table.reserve(needed);
+    try {
+      while (table.size() < needed) table.push_back(store_->acquire("a cache"));
+    } catch (...) {
+      release_blocks(layer, before);
+      throw;
+    }
+  }
+  /// Lets go of the blocks of `layer` from `keep` on.
+  void release_blocks(std::size_t layer, std::size_t keep) noexcept {
+    std::vector<BlockId>& table = tables_[layer];
+    for (std::size_t k = keep; k < table.size(); ++k) store_->release(table[k]);
+    if (keep < table.size()) table.resize(keep);
+  }
+  void release_blocks() noexcept {
+    if (store_ == nullptr) return;  // moved from
+    for (std::size_t l = 0; l < tables_.size(); ++l) release_blocks(l, 0);
+  }
+
   /// The rollback copy of quantized `position` (history_rows > 0).
   const std::uint8_t* history_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position) const noexcept {
     const StreamLayout& lay = layouts_[index(t)];
@@ -383,9 +682,8 @@ class BasicKVCache {
     const std::size_t dim = shape_.head_dim;
     float row[max_head_dim], scratch[max_head_dim];
     for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
-      const StreamView stored = view(t, layer, h);
       auto load = [&](std::size_t p) {  // the row as it will sit in the ring
-        if (p < position) return stored.read_row(p, row);
+        if (p < position) return read_row(t, layer, h, p, row);
         store_row(lay.residual, input.data() + ((p - position) * shape_.kv_heads + h) * dim, dim, scratch);
         load_row(lay.residual, scratch, dim, row);
       };
@@ -445,11 +743,10 @@ class BasicKVCache {
   /// which are gone, become zero), with the packed rows [target, quantized end) re-opened.
   void cut_stream(Tensor t, std::size_t layer, std::size_t head, std::size_t length, std::size_t target) noexcept {
     const StreamLayout& lay = layouts_[index(t)];
-    std::uint8_t* base = stream_base(t, layer, head);
     const std::size_t old_length = lengths_[layer], end = quantized_end(t, layer), row = row_size(lay);
     const std::size_t s = lay.sinks, ring_rows = lay.ring_rows, floor = rollback_floor(t, layer);
     if (length < s && old_length > length)
-      std::memset(base + lay.sink_offset + length * row, 0, (std::min(s, old_length) - length) * row);
+      std::memset(own_base(t, layer, head) + lay.sink_offset + length * row, 0, (std::min(s, old_length) - length) * row);
     // The ring of `length` tokens holds positions [first, length); those before `pushed_out`
     // left the ring for the history, and slots no position uses are zero.
     const std::size_t first = length > s + ring_rows ? length - ring_rows : s;
@@ -459,12 +756,21 @@ class BasicKVCache {
       else std::memset(ring_row(t, layer, head, p), 0, row);
     }
     for (std::size_t p = std::max(length, s); p < std::min(old_length, s + ring_rows); ++p)
-      std::memset(ring_row(t, layer, head, p), 0, row);
-    if (target >= end) return;
-    const std::size_t a = target - s, b = end - s, param_bytes = param_offset(lay, b) - param_offset(lay, a);
-    std::memset(base + lay.code_offset + a * lay.row_bytes, 0, (b - a) * lay.row_bytes);
-    std::memset(base + lay.scale_offset + param_offset(lay, a), 0, param_bytes);
-    if (lay.spec.has_zero_point()) std::memset(base + lay.zero_offset + param_offset(lay, a), 0, param_bytes);
+      if (ring_row_held(t, layer, p)) std::memset(ring_row(t, layer, head, p), 0, row);
+    if (target < end) zero_packed(t, layer, head, target - s, end - s);
+  }
+
+  /// Zeroes packed rows [a, b) (whole groups) and their parameters, where their blocks are held.
+  void zero_packed(Tensor t, std::size_t layer, std::size_t head, std::size_t a, std::size_t b) noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    for (std::size_t r = a; r < b && in_blocks(layer, r);) {
+      const std::size_t n = std::min(b - r, block_rows_ - r % block_rows_), param_bytes = param_offset(lay, n);
+      std::memset(code_row(t, layer, head, r), 0, n * lay.row_bytes);
+      const auto [scales, zeros] = params_of(t, layer, head, r);
+      std::memset(scales, 0, param_bytes);
+      if (lay.spec.has_zero_point()) std::memset(zeros, 0, param_bytes);
+      r += n;
+    }
   }
 
   /// Validates erase(first, count) completely.
@@ -506,22 +812,18 @@ class BasicKVCache {
   void move_down(Tensor t, std::size_t layer, std::size_t head, std::size_t first, std::size_t count, std::size_t end,
                  std::size_t new_end, std::uint8_t* staged) noexcept {
     const StreamLayout& lay = layouts_[index(t)];
-    std::uint8_t* base = stream_base(t, layer, head);
-    if (end > first + count) {
-      const std::size_t from = first + count - lay.sinks, to = first - lay.sinks, rows = end - first - count;
-      std::memmove(base + lay.code_offset + to * lay.row_bytes, base + lay.code_offset + from * lay.row_bytes,
-                   rows * lay.row_bytes);
-      const std::size_t bytes = param_offset(lay, from + rows) - param_offset(lay, from);
-      std::memmove(base + lay.scale_offset + param_offset(lay, to), base + lay.scale_offset + param_offset(lay, from), bytes);
-      if (lay.spec.has_zero_point())
-        std::memmove(base + lay.zero_offset + param_offset(lay, to), base + lay.zero_offset + param_offset(lay, from), bytes);
+    if (end > first + count) {  // by runs within one block at both ends (group-aligned: B is whole groups)
+      for (std::size_t from = first + count - lay.sinks, to = first - lay.sinks, left = end - first - count; left != 0;) {
+        const std::size_t n = std::min({left, block_rows_ - from % block_rows_, block_rows_ - to % block_rows_});
+        std::memmove(code_row(t, layer, head, to), code_row(t, layer, head, from), n * lay.row_bytes);
+        const auto [to_scales, to_zeros] = params_of(t, layer, head, to);
+        const auto [from_scales, from_zeros] = params_of(t, layer, head, from);
+        std::memmove(to_scales, from_scales, param_offset(lay, n));
+        if (lay.spec.has_zero_point()) std::memmove(to_zeros, from_zeros, param_offset(lay, n));
+        from += n, to += n, left -= n;
+      }
     }
-    if (new_end < end) {
-      const std::size_t a = new_end - lay.sinks, b = end - lay.sinks, bytes = param_offset(lay, b) - param_offset(lay, a);
-      std::memset(base + lay.code_offset + a * lay.row_bytes, 0, (b - a) * lay.row_bytes);
-      std::memset(base + lay.scale_offset + param_offset(lay, a), 0, bytes);
-      if (lay.spec.has_zero_point()) std::memset(base + lay.zero_offset + param_offset(lay, a), 0, bytes);
-    }
+    if (new_end < end) zero_packed(t, layer, head, new_end - lay.sinks, end - lay.sinks);
     const std::size_t row = row_size(lay), length = lengths_[layer];
     const std::size_t src = std::max(end, first + count);
     for (std::size_t p = src; p < length; ++p) std::memcpy(staged + (p - src) * row, ring_row(t, layer, head, p), row);
@@ -533,10 +835,8 @@ class BasicKVCache {
 
   void write_row(Tensor t, std::size_t layer, std::size_t head, std::size_t p, const float* x) noexcept {
     const StreamLayout& lay = layouts_[index(t)];
-    std::uint8_t* base = stream_base(t, layer, head);
-    const std::size_t row_bytes = shape_.head_dim * size_of(lay.residual);
-    std::uint8_t* dest = p < lay.sinks ? base + lay.sink_offset + p * row_bytes
-                                       : base + lay.ring_offset + (p - lay.sinks) % lay.ring_rows * row_bytes;
+    std::uint8_t* dest = p < lay.sinks ? own_base(t, layer, head) + lay.sink_offset + p * row_size(lay)
+                                       : ring_row(t, layer, head, p);
     store_row(lay.residual, x, shape_.head_dim, dest);
   }
 
@@ -548,17 +848,13 @@ class BasicKVCache {
     if (begin == end) return;
     q_end = end;
     const std::size_t dim = shape_.head_dim, row_bytes = dim * size_of(lay.residual);
-    const std::size_t row0 = begin - lay.sinks, param_size = size_of(lay.spec.param);
-    const std::size_t param0 = (lay.spec.axis == Axis::per_channel ? row0 / lay.spec.group * dim
-                                                                   : row0 * groups_per_row(lay.spec, dim)) * param_size;
+    const std::size_t row0 = begin - lay.sinks;
     if (lay.spec.axis == Axis::per_token) {  // every head's row in one call, read in place from the ring
-      std::uint8_t* base = stream_base(t, layer, 0);
       for (std::size_t q = begin; q < end; ++q) {
-        const std::size_t params = param0 + (q - begin) * groups_per_row(lay.spec, dim) * param_size;
-        kernels::quantize_rows_per_token(lay.spec, lay.residual, base + lay.ring_offset + (q - lay.sinks) % lay.ring_rows * row_bytes,
-                                         shape_.kv_heads, dim, head_bytes_, base + lay.scale_offset + params,
-                                         base + lay.zero_offset + params, head_bytes_,
-                                         base + lay.code_offset + (q - lay.sinks) * lay.row_bytes, head_bytes_);
+        const auto [scales, zeros] = params_of(t, layer, 0, q - lay.sinks);
+        kernels::quantize_rows_per_token(lay.spec, lay.residual, ring_row(t, layer, 0, q), shape_.kv_heads, dim, head_bytes_,
+                                         scales, zeros, block_head_bytes_, code_row(t, layer, 0, q - lay.sinks),
+                                         block_head_bytes_);
       }
       keep_rows(t, layer, begin, end);
       return;
@@ -568,19 +864,18 @@ class BasicKVCache {
     const std::size_t first_slot = row0 % lay.ring_rows;
     const bool contiguous = first_slot + (end - begin) <= lay.ring_rows;
     for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
-      std::uint8_t* base = stream_base(t, layer, h);
-      std::uint8_t* codes = base + lay.code_offset + row0 * lay.row_bytes;
-      void* scales = base + lay.scale_offset + param0;
-      void* zeros = base + lay.zero_offset + param0;
+      std::uint8_t* ring = own_base(t, layer, h) + lay.ring_offset;
+      std::uint8_t* codes = code_row(t, layer, h, row0);
+      const auto [scales, zeros] = params_of(t, layer, h, row0);
       if (contiguous) {
-        kernels::quantize_block_per_channel(lay.spec, lay.residual, base + lay.ring_offset + first_slot * row_bytes,
+        kernels::quantize_block_per_channel(lay.spec, lay.residual, ring + first_slot * row_bytes,
                                             end - begin, dim, row_bytes, scales, zeros, codes, lay.row_bytes,
                                             scratch_.data());
         continue;
       }
       float* rows = scratch_.data();
       for (std::size_t q = begin; q < end; ++q) {
-        const std::uint8_t* src = base + lay.ring_offset + (q - lay.sinks) % lay.ring_rows * row_bytes;
+        const std::uint8_t* src = ring + (q - lay.sinks) % lay.ring_rows * row_bytes;
         load_row(lay.residual, src, dim, rows + (q - begin) * dim);
       }
       kernels::quantize_block_per_channel(lay.spec, rows, end - begin, dim, dim, scales, zeros, codes, lay.row_bytes);
@@ -599,7 +894,7 @@ class BasicKVCache {
     const std::size_t row = row_size(lay), ring_rows = lay.ring_rows;
     const std::size_t from_slot = (first - lay.sinks) % ring_rows, to_slot = (first - lay.sinks) % copy_rows;
     for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
-      const std::uint8_t* ring = stream_base(t, layer, h) + lay.ring_offset;
+      const std::uint8_t* ring = own_base(t, layer, h) + lay.ring_offset;
       std::uint8_t* copies = history_row(t, layer, h, lay.sinks);  // slot 0
       for (std::size_t done = 0, from = from_slot, to = to_slot; done < end - first;) {
         const std::size_t run = std::min({end - first - done, ring_rows - from, copy_rows - to});
@@ -623,11 +918,15 @@ class BasicKVCache {
   CacheShape shape_;
   CacheConfig config_;
   StreamLayout layouts_[2];
-  RopeTable rope_;
-  std::size_t head_bytes_ = 0;
-  AlignedBuffer storage_;
+  std::shared_ptr<const RopeTable> rope_;
+  std::shared_ptr<BlockStore> store_;
+  std::size_t block_rows_ = 0;         // positions per block
+  std::size_t block_head_bytes_ = 0;   // one KV head's key and value sections of a block
+  std::size_t head_bytes_ = 0;         // one KV head's own rows, keys then values
+  AlignedBuffer own_;                  // (layers, kv_heads): sinks and rings
   std::size_t head_history_bytes_ = 0;
   AlignedBuffer history_;  // (layers, kv_heads): key then value rollback rows, a ring by position
+  std::vector<std::vector<BlockId>> tables_;  // (layers): block k holds positions [sinks + kB, sinks + (k + 1)B)
   std::vector<std::size_t> lengths_;
   std::vector<float> key_peaks_;             // (layers): see key_peak
   std::vector<std::size_t> quantized_ends_;  // (layers, 2): first unquantized key / value position

@@ -5,7 +5,7 @@
 //   load(cache, in) / load_file(cache, path)   into an existing cache of the same shape and config
 //   load(in) / load_file(path)                 a new cache of the shape and config the file names
 //
-// A restored cache equals the saved one: raw_storage(), memory(), views, attention, how far it
+// A restored cache equals the saved one: stored_bytes(), memory(), views, attention, how far it
 // can roll back, and what further appends do. Loading is all-or-nothing: every byte is read and
 // checked before the target changes. A damaged or foreign file throws kvq::Error(io) naming the
 // section and offset; a sound file for another shape or configuration throws shape_mismatch.
@@ -35,6 +35,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvq/cache/kv_cache.hpp"
@@ -139,29 +140,65 @@ struct CacheAccess {
 
   /// Calls visit(pointer, bytes) for every piece of one layer section, in file order: the
   /// pieces of `c` (const to save, mutable to restore) in state `s`.
+  /// Packed rows [0, packed) of one stream are in blocks: the file holds all their codes, then all
+  /// scales, then all zero points, each visited by runs within one block.
   template <class Cache, class Visit>
   static void visit_pieces(Cache& c, std::size_t layer, const LayerState& s, Visit&& visit) {
+    using Byte = std::conditional_t<std::is_const_v<Cache>, const std::uint8_t, std::uint8_t>;
+    auto& cache = const_cast<BasicKVCache&>(c);  // pointers only; a const cache is only read
+    const std::size_t block = cache.block_rows_;
     for (std::size_t h = 0; h < c.shape().kv_heads; ++h)
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         const StreamLayout& lay = layout(c, t);
         const StreamState& st = s.streams[BasicKVCache::index(t)];
-        auto* base = c.stream_base(t, layer, h);
         const std::size_t r = row(lay), end = std::size_t(st.quantized_end), packed = end - lay.sinks;
         const std::size_t length = std::size_t(s.length), first = first_in_ring(lay, length);
-        visit(base + lay.sink_offset, std::min(lay.sinks, length) * r);
-        for (std::size_t p = first; p < length; ++p) visit(c.ring_row(t, layer, h, p), r);
-        visit(base + lay.code_offset, packed * lay.row_bytes);
-        visit(base + lay.scale_offset, params(lay, packed));
-        if (lay.spec.has_zero_point()) visit(base + lay.zero_offset, params(lay, packed));
-        for (std::size_t p = std::size_t(st.kept_from); p < end; ++p) visit(c.history_row(t, layer, h, p), r);
+        visit(static_cast<Byte*>(cache.own_base(t, layer, h)) + lay.sink_offset, std::min(lay.sinks, length) * r);
+        for (std::size_t p = first; p < length; ++p) visit(static_cast<Byte*>(cache.ring_row(t, layer, h, p)), r);
+        for (const int part : {0, 1, 2}) {  // codes, scales, zero points
+          if (part == 2 && !lay.spec.has_zero_point()) break;
+          for (std::size_t a = 0; a < packed;) {
+            const std::size_t n = std::min(packed - a, block - a % block);
+            if (part == 0) visit(static_cast<Byte*>(cache.code_row(t, layer, h, a)), n * lay.row_bytes);
+            else {
+              const auto [scales, zeros] = cache.params_of(t, layer, h, a);
+              visit(static_cast<Byte*>(part == 1 ? scales : zeros), params(lay, n));
+            }
+            a += n;
+          }
+        }
+        for (std::size_t p = std::size_t(st.kept_from); p < end; ++p)
+          visit(static_cast<Byte*>(cache.history_row(t, layer, h, p)), r);
       }
+  }
+
+  /// Fresh zeroed blocks for the layer states (before restore, which cannot fail). Throws
+  /// kvq::Error when the store cannot supply them, having kept none.
+  static std::vector<std::vector<BlockId>> fresh_blocks(BasicKVCache& c, const std::vector<LayerState>& states) {
+    std::vector<std::vector<BlockId>> tables(states.size());
+    try {
+      for (std::size_t l = 0; l < states.size(); ++l) {
+        const LayerState& s = states[l];
+        const std::size_t n = c.blocks_for(std::size_t(s.length), std::size_t(s.streams[0].quantized_end),
+                                           std::size_t(s.streams[1].quantized_end));
+        tables[l].reserve(n);
+        while (tables[l].size() < n) tables[l].push_back(c.store_->acquire("a cache being loaded"));
+      }
+    } catch (...) {
+      for (const auto& table : tables)
+        for (const BlockId id : table) c.store_->release(id);
+      throw;
+    }
+    return tables;
   }
 
   /// Replaces the cache's contents with checked layer states and section payloads. noexcept:
   /// everything was validated before.
   static void restore(BasicKVCache& c, const std::vector<LayerState>& states,
-                      const std::vector<std::vector<std::uint8_t>>& payloads) noexcept {
+                      const std::vector<std::vector<std::uint8_t>>& payloads,
+                      std::vector<std::vector<BlockId>>&& tables) noexcept {
     c.clear();
+    c.tables_ = std::move(tables);
     for (std::size_t l = 0; l < states.size(); ++l) {
       const LayerState& s = states[l];
       const std::uint8_t* in = payloads[l].data();
@@ -384,7 +421,7 @@ inline void read_body(FileReader& file, BasicKVCache& target) {
   for (std::size_t l = 0; l < layers; ++l)
     payloads[l] = file.section(tag_layer, CacheAccess::layer_bytes(target, states[l]), "layer " + std::to_string(l));
   file.expect_end();
-  CacheAccess::restore(target, states, payloads);
+  CacheAccess::restore(target, states, payloads, CacheAccess::fresh_blocks(target, states));
 }
 
 }  // namespace detail

@@ -21,6 +21,8 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <numeric>
+#include <utility>
 
 #include "kvq/cache/cache_config.hpp"
 #include "kvq/core/checked.hpp"
@@ -29,35 +31,60 @@
 
 namespace kvq::inline v0 {
 
+/// Longest attention tile (kernels/attention): bounds the kernels' stack scratch.
+inline constexpr std::size_t max_tile_tokens = 128;
+
+/// Positions per attention tile over keys stored as `spec` (quantized or not): whole per-channel
+/// groups of at least 64 positions when a group fits a tile, else 32.
+constexpr std::size_t tile_tokens(const QuantizerSpec& spec, bool quantized) noexcept {
+  if (quantized && spec.axis == Axis::per_channel && spec.group <= max_tile_tokens)
+    return spec.group * std::max<std::size_t>(1, 64 / spec.group);
+  return 32;
+}
+
+/// Block lengths must be multiples of this: whole key tiles and whole 64-row steps of the dense
+/// kernel (so attention over blocks reads the tiles one pass would), and whole per-channel groups
+/// of either tensor.
+inline std::size_t block_unit(const CacheConfig& config) {
+  std::size_t unit = std::lcm(tile_tokens(config.key, config.quantize_keys), std::size_t(64));
+  for (const auto& [spec, quantized] : {std::pair{config.key, config.quantize_keys}, std::pair{config.value, config.quantize_values}})
+    if (quantized && spec.axis == Axis::per_channel) unit = std::lcm(unit, spec.group);
+  return unit;
+}
+
 struct StreamLayout {
   QuantizerSpec spec{};
   bool quantized = false;
   std::size_t head_dim = 0, sinks = 0, window = 0, capacity = 0;
   Scalar residual = Scalar::f16;
 
-  std::size_t ring_rows = 0;           // full-precision rows: the pending ones and the newest packed ones
+  // Rows of a ring by position: quantized streams keep the pending rows and the newest packed
+  // ones in a small ring of their own; unquantized streams keep every row after the sinks, in
+  // blocks (ring_rows = capacity - sinks, so slot = position - sinks).
+  std::size_t ring_rows = 0;
   std::size_t history_rows = 0;        // copies of the newest packed rows, for rollback (beside the stream)
   std::size_t max_quantized_rows = 0;  // rows of codes the capacity can need
   std::size_t row_bytes = 0;           // packed bytes per token row
-  std::size_t param_count = 0;         // parameter pairs for max_quantized_rows
-  std::size_t sink_offset = 0, ring_offset = 0, scale_offset = 0, zero_offset = 0, code_offset = 0;
-  std::size_t bytes = 0;               // whole stream, 64-byte multiple
+  // The stream's own memory, per (layer, KV head): sink rows, then the ring of a quantized stream.
+  std::size_t sink_offset = 0, ring_offset = 0, bytes = 0;
+  // Its part of a block of block_rows positions (from sinks + k * block_rows): packed codes, then
+  // scales and zero points for those rows; or, unquantized, the rows in the residual type.
+  std::size_t block_rows = 0, block_scale_offset = 0, block_zero_offset = 0, block_bytes = 0;
 
   static constexpr std::size_t align(std::size_t n) noexcept { return (n + 63) / 64 * 64; }
 
   StreamLayout() = default;
 
-  StreamLayout(const QuantizerSpec& s, bool quantize, std::size_t dim, const CacheConfig& config, std::size_t cap)
+  StreamLayout(const QuantizerSpec& s, bool quantize, std::size_t dim, const CacheConfig& config, std::size_t cap,
+               std::size_t block)
       : spec(s), quantized(quantize), head_dim(dim), sinks(config.sinks), window(config.window), capacity(cap),
-        residual(config.residual) {
+        residual(config.residual), block_rows(block) {
     const std::size_t after_sinks = capacity > sinks ? capacity - sinks : 0;
     if (quantized) {
       const std::size_t step = spec.axis == Axis::per_channel ? spec.group : 1;
       ring_rows = std::min(saturating_add(window, step), after_sinks);  // a window of SIZE_MAX: never quantized
       max_quantized_rows = after_sinks / step * step;
       row_bytes = packed_bytes(head_dim, spec.bits);
-      param_count = spec.axis == Axis::per_channel ? max_quantized_rows / spec.group * head_dim
-                                                   : max_quantized_rows * groups_per_row(spec, head_dim);
     } else {
       ring_rows = after_sinks;
     }
@@ -68,13 +95,23 @@ struct StreamLayout {
       history_rows = std::min(std::min(config.rollback_depth, max_quantized_rows) +
                                   (spec.axis == Axis::per_channel ? spec.group : 1), max_quantized_rows);
     const std::size_t residual_row = head_dim * size_of(residual);
-    const std::size_t param_bytes = param_count * size_of(spec.param);
     sink_offset = 0;
     ring_offset = align(std::min(sinks, capacity) * residual_row);
-    scale_offset = ring_offset + align(ring_rows * residual_row);
-    zero_offset = scale_offset + align(param_bytes);
-    code_offset = zero_offset + (spec.has_zero_point() ? align(param_bytes) : 0);
-    bytes = code_offset + align(max_quantized_rows * row_bytes);
+    bytes = ring_offset + (quantized ? align(ring_rows * residual_row) : 0);
+    if (quantized) {
+      const std::size_t param_bytes = params_before(block_rows) * size_of(spec.param);
+      block_scale_offset = align(block_rows * row_bytes);
+      block_zero_offset = block_scale_offset + align(param_bytes);
+      block_bytes = block_zero_offset + (spec.has_zero_point() ? align(param_bytes) : 0);
+    } else {
+      block_bytes = align(block_rows * residual_row);
+    }
+  }
+
+  /// Parameter pairs of the first `rows` packed rows (rows: whole groups when per channel); also
+  /// the index of row `rows`' first pair, counted from the start of its block or of the stream.
+  std::size_t params_before(std::size_t rows) const noexcept {
+    return spec.axis == Axis::per_channel ? rows / spec.group * head_dim : rows * groups_per_row(spec, head_dim);
   }
 
   /// First position that is not quantized when the stream holds `length` tokens.

@@ -1,8 +1,10 @@
 #pragma once
-// StreamView: read-only access to how one (layer, KV head) stores one tensor (keys or values).
-// Positions [0, sinks_stored) are sink rows in the residual type; [first_quantized, end_quantized)
-// are packed codes with their parameters; [end_quantized, length) are pending rows in a ring of
-// the residual type. Kernels read this directly; read_row() is the plain (slow) way for oracles.
+// StreamView: read-only access to one segment of how one (layer, KV head) stores one tensor (keys
+// or values). A cache keeps its packed rows in blocks, so a stream is a short list of segments
+// (BasicKVCache::view); within one, positions [0, sinks_stored) are sink rows in the residual
+// type, [first_quantized, end_quantized) are packed codes with their parameters, contiguous, and
+// later positions are rows of the residual type in a ring by position (slot (p - ring_origin) mod
+// ring_rows). Kernels read this directly; read_row() is the plain (slow) way for oracles.
 
 #include <cstddef>
 #include <cstdint>
@@ -23,7 +25,7 @@ struct StreamView {
   std::size_t sinks_stored = 0;          // min(sinks, length)
   const std::uint8_t* sinks = nullptr;   // (sinks_stored, head_dim) residual type
 
-  std::size_t first_quantized = 0;       // = configured sinks
+  std::size_t first_quantized = 0;       // first position of the segment's packed rows (>= sinks)
   std::size_t end_quantized = 0;         // first position not (yet) quantized
   const std::uint8_t* codes = nullptr;   // (end_quantized - first_quantized, row_bytes)
   std::size_t row_bytes = 0;
@@ -32,6 +34,7 @@ struct StreamView {
 
   const std::uint8_t* ring = nullptr;    // (ring_rows, head_dim) residual type
   std::size_t ring_rows = 0;
+  std::size_t ring_origin = 0;           // the position whose row sits in slot 0
 
   std::size_t residual_row_bytes() const noexcept { return head_dim * size_of(residual); }
 
@@ -39,12 +42,12 @@ struct StreamView {
     return sinks + position * residual_row_bytes();
   }
   const std::uint8_t* pending_row(std::size_t position) const noexcept {
-    return ring + ((position - first_quantized) % ring_rows) * residual_row_bytes();
+    return ring + ((position - ring_origin) % ring_rows) * residual_row_bytes();
   }
   const std::uint8_t* code_row(std::size_t position) const noexcept {
     return codes + (position - first_quantized) * row_bytes;
   }
-  /// Index of the first parameter pair that applies to `position` (a quantized position).
+  /// Index of the first parameter pair that applies to `position` (a packed position of the segment).
   std::size_t param_index(std::size_t position) const noexcept {
     const std::size_t row = position - first_quantized;
     return spec.axis == Axis::per_channel ? row / spec.group * head_dim : row * groups_per_row(spec, head_dim);

@@ -1013,11 +1013,7 @@ struct Kernel {
   }
 
   KVQ_TARGET_AVX2_ATTENTION void run() noexcept {
-    for (std::size_t h = 0; h < task.group; ++h) {
-      task.max[h] = -std::numeric_limits<float>::infinity();
-      task.sum[h] = 0.0f;
-      std::fill(task.acc + h * dim, task.acc + (h + 1) * dim, 0.0f);
-    }
+    start_state(task);
     for (std::size_t a = task.begin; a < task.end;) {
       const std::size_t b = tile_end(k, a, task.end);
       key_scores(a, b);

@@ -545,11 +545,7 @@ struct Kernel {
   }
 
   KVQ_TARGET_AVX512_ATTENTION void run() noexcept {
-    for (std::size_t h = 0; h < task.group; ++h) {
-      task.max[h] = -std::numeric_limits<float>::infinity();
-      task.sum[h] = 0.0f;
-      for (std::size_t c = 0; c < dim; ++c) task.acc[h * dim + c] = 0.0f;
-    }
+    start_state(task);
     if (dense_supported(task)) {
       dense_span<NV>(task, task.begin, task.end);
       return;

@@ -180,7 +180,7 @@ inline bool dense_supported(const DecodeTask& t) noexcept {
   const StreamView &k = t.keys, &v = t.values;
   return !k.quantized && !v.quantized && t.rope == nullptr && k.residual == v.residual &&
          (k.residual == Scalar::f16 || k.residual == Scalar::f32) && k.ring_rows == v.ring_rows &&
-         k.sinks_stored == v.sinks_stored && k.first_quantized == v.first_quantized;
+         k.sinks_stored == v.sinks_stored && k.first_quantized == v.first_quantized && k.ring_origin == v.ring_origin;
 }
 
 /// Positions [a, b): sink rows, then pending rows split where the ring wraps.
@@ -200,8 +200,12 @@ KVQ_TARGET_AVX512_ATTENTION void dense_span(const DecodeTask& t, std::size_t a, 
       a = e;
       continue;
     }
-    const std::size_t idx = (a - k.first_quantized) % k.ring_rows, room = k.ring_rows - idx;
-    const std::size_t e = b - a < room ? b : a + room;
+    const std::size_t idx = (a - k.ring_origin) % k.ring_rows, room = k.ring_rows - idx;
+    // dense_run tiles by 64 rows from where it starts: start on the ring's 64-row grid, so a
+    // stream read in blocks (block_unit: whole 64s) gives the bits of one read in one piece.
+    const std::size_t off_grid = (a - k.ring_origin) % 64;
+    std::size_t e = b - a < room ? b : a + room;
+    if (off_grid != 0 && e - a > 64 - off_grid) e = a + (64 - off_grid);
     run(k.pending_row(a), v.pending_row(a), e - a);
     a = e;
   }

@@ -27,28 +27,50 @@ inline constexpr float integer_key_spread_limit = 4.0f;
 /// this the rows around a rare large one lose their weights entirely.
 inline constexpr float integer_value_spread_limit = 64.0f;
 
-/// False when the key blocks or the value rows of [task.begin, task.end) have a scale spread the
-/// integer tier cannot carry (see the limits above). One scan per tensor and task: per-block
-/// scans cost three times as much for no better answer (a block whose own channels are all small
-/// loses nothing to int8).
-inline bool integer_tier_carries(const DecodeTask& task) noexcept {
-  const StreamView &k = task.keys, &v = task.values;
-  if (task.rope == nullptr && k.quantized && k.spec.axis == Axis::per_channel) {
-    const std::size_t first = std::max(task.begin, k.first_quantized), last = std::min(task.end, k.end_quantized);
-    if (first < last) {  // the task's key blocks hold consecutive parameter rows: one scan
-      const std::size_t g = k.spec.group, blocks = (last - 1 - k.first_quantized) / g - (first - k.first_quantized) / g + 1;
-      const std::size_t count = blocks * k.head_dim;
-      const auto [top, sum] = magnitude_extent(k.spec.param, k.scales + k.param_index(first) * size_of(k.spec.param), count);
-      if (double(top) * double(count) > double(integer_key_spread_limit) * sum) return false;
+/// The scale spread of the key blocks and value rows a range covers, gathered over the segments
+/// it is stored in (one scan per tensor and segment: per-block scans cost three times as much for
+/// no better answer, since a block whose own channels are all small loses nothing to int8).
+class ScaleSpread {
+ public:
+  void add(const DecodeTask& task) noexcept {
+    const StreamView &k = task.keys, &v = task.values;
+    if (task.rope == nullptr && k.quantized && k.spec.axis == Axis::per_channel) {
+      const std::size_t first = std::max(task.begin, k.first_quantized), last = std::min(task.end, k.end_quantized);
+      if (first < last) {  // the key blocks hold consecutive parameter rows
+        const std::size_t g = k.spec.group, blocks = (last - 1 - k.first_quantized) / g - (first - k.first_quantized) / g + 1;
+        keys_.add(k.spec.param, k.scales + k.param_index(first) * size_of(k.spec.param), blocks * k.head_dim);
+      }
     }
+    const auto [a, b] = quantized_value_rows(v, task.begin, task.end);  // the integer tier reads these rows
+    if (a < b)
+      values_.add(v.spec.param, v.scales + v.param_index(a) * size_of(v.spec.param), (b - a) * groups_per_row(v.spec, v.head_dim));
   }
-  const auto [a, b] = quantized_value_rows(v, task.begin, task.end);  // the integer tier reads these rows
-  if (a < b) {
-    const std::size_t count = (b - a) * groups_per_row(v.spec, v.head_dim);
-    const auto [top, sum] = magnitude_extent(v.spec.param, v.scales + v.param_index(a) * size_of(v.spec.param), count);
-    if (double(top) * double(count) > double(integer_value_spread_limit) * sum) return false;
+  /// False when the keys or the values have a spread the integer tier cannot carry (limits above).
+  bool integer_tier_carries() const noexcept {
+    return keys_.within(integer_key_spread_limit) && values_.within(integer_value_spread_limit);
   }
-  return true;
+
+ private:
+  struct Extent {
+    float top = 0.0f;
+    double sum = 0.0;
+    std::size_t count = 0;
+    void add(Scalar type, const std::uint8_t* scales, std::size_t n) noexcept {
+      const auto [t, s] = magnitude_extent(type, scales, n);
+      top = std::max(top, t);
+      sum += s;
+      count += n;
+    }
+    bool within(float limit) const noexcept { return !(double(top) * double(count) > double(limit) * sum); }
+  };
+  Extent keys_, values_;
+};
+
+/// ScaleSpread of one task stored in one segment.
+inline bool integer_tier_carries(const DecodeTask& task) noexcept {
+  ScaleSpread spread;
+  spread.add(task);
+  return spread.integer_tier_carries();
 }
 
 }  // namespace kvq::inline v0::kernels::attention

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kvq/cache/stream_layout.hpp"
 #include "kvq/cache/stream_view.hpp"
 #include "kvq/pack/bitpack.hpp"
 #include "kvq/rope/rope.hpp"
@@ -44,7 +45,7 @@ constexpr const char* to_string(Tier t) noexcept { return t == Tier::exact ? "ex
 namespace kvq::inline v0::kernels::attention {
 
 /// Longest tile of positions a kernel works on at once; bounds the stack scratch.
-inline constexpr std::size_t max_tile = 128;
+inline constexpr std::size_t max_tile = max_tile_tokens;
 /// Most query heads per KV head (GQA ratio) the kernels accept.
 inline constexpr std::size_t max_group = 64;
 
@@ -56,21 +57,19 @@ struct DecodeTask {
   std::size_t group = 1;            // query heads sharing the KV head
   std::size_t begin = 0, end = 0;
   Tier tier = Tier::exact;
+  // A cache stores a stream in segments (blocks); a range crossing several runs once per segment,
+  // each continuing the state the previous one left, and gives the bits of one pass over them.
+  bool resume = false;  // true: max, sum and acc already hold the state of the positions before begin
   // Output: the online-softmax state over [begin, end).
   float* max = nullptr;  // (group) running maximum score (-inf if the range is empty)
   float* sum = nullptr;  // (group) sum of exp(score - max)
   float* acc = nullptr;  // (group, head_dim) sum of exp(score - max) * value
 };
 
-/// Tile length: whole key blocks of at least 64 positions when keys are quantized per channel
-/// (and a block fits), else 32. Tiles start at first_quantized and chunks are whole tiles, so
-/// tile boundaries (and with them the integer tier's per-tile weight quantization) do not
+/// Tile length (stream_layout.hpp). Tiles start at first_quantized and chunks are whole tiles,
+/// so tile boundaries (and with them the integer tier's per-tile weight quantization) do not
 /// depend on the chunk size.
-inline std::size_t tile_tokens(const StreamView& keys) noexcept {
-  if (keys.quantized && keys.spec.axis == Axis::per_channel && keys.spec.group <= max_tile)
-    return keys.spec.group * std::max<std::size_t>(1, 64 / keys.spec.group);
-  return 32;
-}
+inline std::size_t tile_tokens(const StreamView& keys) noexcept { return kvq::tile_tokens(keys.spec, keys.quantized); }
 
 /// End of the tile starting at p: sinks in tiles of up to 32, then tiles aligned to first_quantized.
 inline std::size_t tile_end(const StreamView& keys, std::size_t p, std::size_t end) noexcept {
@@ -116,6 +115,17 @@ inline void softmax_update(float* scores, std::size_t n, float& max, float& sum,
   for (std::size_t t = 0; t < n; ++t) {
     scores[t] = std::exp(scores[t] - m);
     sum += scores[t];
+  }
+}
+
+/// The empty online-softmax state, unless the task continues one (DecodeTask::resume).
+inline void start_state(const DecodeTask& task) noexcept {
+  if (task.resume) return;
+  const std::size_t dim = task.keys.head_dim;
+  for (std::size_t h = 0; h < task.group; ++h) {
+    task.max[h] = -std::numeric_limits<float>::infinity();
+    task.sum[h] = 0.0f;
+    std::fill(task.acc + h * dim, task.acc + (h + 1) * dim, 0.0f);
   }
 }
 
@@ -224,11 +234,7 @@ inline void integer_values(const DecodeTask& task, std::size_t tile_begin, std::
 inline void decode_task(const DecodeTask& task) noexcept {
   const StreamView &k = task.keys, &v = task.values;
   const std::size_t dim = k.head_dim;
-  for (std::size_t h = 0; h < task.group; ++h) {
-    task.max[h] = -std::numeric_limits<float>::infinity();
-    task.sum[h] = 0.0f;
-    std::fill(task.acc + h * dim, task.acc + (h + 1) * dim, 0.0f);
-  }
+  start_state(task);
   float scores[max_group][max_tile];
   float row[max_head_dim];
   for (std::size_t a = task.begin; a < task.end;) {

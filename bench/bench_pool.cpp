@@ -1,0 +1,123 @@
+// KVPool against a KVCache of its own: appending one token at a time (8 KV heads x 128, K4V2),
+// forking a 10K-token prefix, and saving and loading one sequence (GB/s of file bytes).
+#include <benchmark/benchmark.h>
+
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kvq/kvq.hpp"
+
+namespace {
+
+constexpr std::size_t kHeads = 8, kDim = 128, kCapacity = 16384;
+
+std::vector<float> normal_rows(std::size_t tokens, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(tokens * kHeads * kDim);
+  for (float& v : x) v = normal(rng);
+  return x;
+}
+
+kvq::CacheConfig k4v2() { return kvq::parse_cache_config("k4c32-v2t32-r128-s0"); }
+
+kvq::PoolShape pool_shape(std::size_t layers) {
+  kvq::PoolShape s;
+  s.layers = layers;
+  s.kv_heads = kHeads;
+  s.head_dim = kDim;
+  s.max_tokens = kCapacity;
+  s.memory_blocks = 4096;
+  return s;
+}
+
+template <class Append, class Reset>
+void append_loop(benchmark::State& state, Append&& append, Reset&& reset) {
+  const auto k = normal_rows(1, 1), v = normal_rows(1, 2);
+  std::size_t position = 0;
+  for (auto _ : state) {
+    if (position == kCapacity) {
+      reset();
+      position = 0;
+    }
+    append(position++, k, v);
+  }
+  state.counters["values/s"] = benchmark::Counter(double(2 * kHeads * kDim), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void append_cache(benchmark::State& state) {
+  kvq::BasicKVCache cache(kvq::CacheShape{1, kHeads, kDim, kCapacity}, k4v2());
+  append_loop(state, [&](std::size_t p, const auto& k, const auto& v) { cache.append(0, p, k, v); }, [&] { cache.clear(); });
+}
+
+void append_pool(benchmark::State& state) {
+  kvq::KVPool pool(pool_shape(1), k4v2());
+  kvq::SequenceId id = pool.add_sequence();
+  append_loop(state, [&](std::size_t p, const auto& k, const auto& v) { pool.append(id, 0, p, k, v); },
+              [&] {
+                pool.remove_sequence(id);
+                id = pool.add_sequence();
+              });
+}
+
+/// A pool holding one sequence of `tokens` tokens in 4 layers.
+struct Filled {
+  kvq::KVPool pool{pool_shape(4), k4v2()};
+  kvq::SequenceId id = pool.add_sequence();
+  explicit Filled(std::size_t tokens) {
+    const auto k = normal_rows(tokens, 3), v = normal_rows(tokens, 4);
+    for (std::size_t l = 0; l < 4; ++l) pool.append(id, l, 0, k, v);
+  }
+};
+
+void fork_prefix(benchmark::State& state) {
+  Filled f(10000);
+  for (auto _ : state) {
+    const kvq::SequenceId child = f.pool.fork(f.id, 10000);
+    f.pool.remove_sequence(child);
+  }
+  const kvq::SequenceId child = f.pool.fork(f.id, 10000);
+  const kvq::PoolMemory m = f.pool.memory();
+  state.counters["shared_MB"] = double(m.shared) * 1e-6;
+  state.counters["own_MB_per_sequence"] = double(m.own) * 0.5e-6;
+  f.pool.remove_sequence(child);
+}
+
+void save_sequence(benchmark::State& state) {
+  Filled f(10000);
+  std::size_t bytes = 0;
+  for (auto _ : state) {
+    std::ostringstream out;
+    kvq::save(f.pool.sequence(f.id), out);
+    bytes = out.str().size();
+    benchmark::DoNotOptimize(bytes);
+  }
+  state.counters["GB/s"] = benchmark::Counter(double(bytes) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void load_sequence(benchmark::State& state) {
+  Filled f(10000);
+  std::ostringstream out;
+  kvq::save(f.pool.sequence(f.id), out);
+  const std::string file = out.str();
+  for (auto _ : state) {
+    std::istringstream in(file);
+    const kvq::SequenceId id = f.pool.load_sequence(in);
+    state.PauseTiming();
+    f.pool.remove_sequence(id);
+    state.ResumeTiming();
+  }
+  state.counters["GB/s"] = benchmark::Counter(double(file.size()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+}  // namespace
+
+BENCHMARK(append_cache)->Name("append/cache/K4V2/8x128");
+BENCHMARK(append_pool)->Name("append/pool/K4V2/8x128");
+BENCHMARK(fork_prefix)->Name("fork/K4V2/4x8x128/10000")->Unit(benchmark::kMicrosecond);
+BENCHMARK(save_sequence)->Name("save/K4V2/4x8x128/10000")->Unit(benchmark::kMillisecond);
+BENCHMARK(load_sequence)->Name("load/K4V2/4x8x128/10000")->Unit(benchmark::kMillisecond);
+
+BENCHMARK_MAIN();

@@ -1,0 +1,120 @@
+#pragma once
+// BlockStore: fixed-size blocks of cache memory, committed when first used and shared by
+// reference count. A cache keeps its packed rows (and the rows of unquantized tensors) in blocks
+// of one layer and a fixed number of tokens; caches that fork share the blocks they have in
+// common. Blocks are only ever written by a cache that holds the sole reference (a shared block
+// is copied first), so sharing never changes what another cache reads.
+//
+// Thread safety: acquire, retain and release may be called from any thread; data() of a block
+// the caller holds needs no lock (its table slot is written once, before the block is handed out).
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kvq/core/aligned_buffer.hpp"
+#include "kvq/error.hpp"
+
+namespace kvq::inline v0 {
+
+using BlockId = std::uint32_t;
+
+struct BlockCounts {
+  std::size_t committed = 0;  // blocks whose memory is allocated (in use or free for reuse)
+  std::size_t in_use = 0;     // blocks some cache refers to
+  std::size_t shared = 0;     // blocks more than one cache refers to
+};
+
+class BlockStore {
+ public:
+  /// Most blocks one store hands out: ids are 32-bit.
+  static constexpr std::size_t max_blocks_limit = std::size_t(1) << 31;
+
+  BlockStore(std::size_t block_bytes, std::size_t max_blocks)
+      : block_bytes_((block_bytes + 63) / 64 * 64), max_blocks_(max_blocks) {
+    if (block_bytes == 0 || max_blocks == 0 || max_blocks > max_blocks_limit)
+      throw Error(ErrorCode::invalid_argument, "block store: " + std::to_string(max_blocks) + " blocks of " +
+                                                   std::to_string(block_bytes) + " bytes (need at least one block of " +
+                                                   "at least one byte, and at most 2^31 blocks)");
+    slots_ = std::make_unique<Slot[]>(max_blocks);
+  }
+  BlockStore(const BlockStore&) = delete;
+  BlockStore& operator=(const BlockStore&) = delete;
+
+  std::size_t block_bytes() const noexcept { return block_bytes_; }
+  std::size_t max_blocks() const noexcept { return max_blocks_; }
+
+  /// A zeroed block with one reference. Throws kvq::Error (capacity_exceeded) when every block is
+  /// in use, naming `what` needed it; out_of_memory when the system refuses the memory.
+  BlockId acquire(const char* what = "a cache") {
+    std::lock_guard lock(mutex_);
+    BlockId id;
+    if (!free_.empty()) {
+      id = free_.back();
+      std::memset(slots_[id].data.load(std::memory_order_relaxed), 0, block_bytes_);
+      free_.pop_back();
+    } else {
+      if (committed_ == max_blocks_)
+        throw Error(ErrorCode::capacity_exceeded, std::string(what) + " needs another block, but all " +
+                                                      std::to_string(max_blocks_) + " blocks of " +
+                                                      std::to_string(block_bytes_) + " bytes are in use");
+      id = BlockId(committed_);
+      buffers_.emplace_back(block_bytes_);  // may throw: nothing changed yet
+      slots_[id].data.store(buffers_.back().data(), std::memory_order_release);
+      ++committed_;
+    }
+    slots_[id].refs.store(1, std::memory_order_relaxed);
+    ++in_use_;
+    return id;
+  }
+
+  /// Blocks that acquire() can still hand out.
+  std::size_t available() const {
+    std::lock_guard lock(mutex_);
+    return max_blocks_ - in_use_;
+  }
+
+  void retain(BlockId id) noexcept {
+    std::lock_guard lock(mutex_);
+    if (slots_[id].refs.fetch_add(1, std::memory_order_relaxed) == 1) ++shared_;
+  }
+  void release(BlockId id) noexcept {
+    std::lock_guard lock(mutex_);
+    const unsigned before = slots_[id].refs.fetch_sub(1, std::memory_order_relaxed);
+    if (before == 2) --shared_;
+    if (before == 1) {
+      free_.push_back(id);
+      --in_use_;
+    }
+  }
+  /// True when more than one cache refers to the block: it must be copied before a write.
+  bool shared(BlockId id) const noexcept { return slots_[id].refs.load(std::memory_order_relaxed) > 1; }
+
+  std::uint8_t* data(BlockId id) noexcept { return slots_[id].data.load(std::memory_order_acquire); }
+  const std::uint8_t* data(BlockId id) const noexcept { return slots_[id].data.load(std::memory_order_acquire); }
+
+  BlockCounts counts() const {
+    std::lock_guard lock(mutex_);
+    return {committed_, in_use_, shared_};
+  }
+
+ private:
+  struct Slot {
+    std::atomic<std::uint8_t*> data{nullptr};
+    std::atomic<unsigned> refs{0};
+  };
+
+  std::size_t block_bytes_, max_blocks_;
+  std::unique_ptr<Slot[]> slots_;  // fixed size: readers never see it move
+  mutable std::mutex mutex_;
+  std::vector<AlignedBuffer> buffers_;  // buffers_[i] backs block i; moving a buffer keeps its memory
+  std::vector<BlockId> free_;
+  std::size_t committed_ = 0, in_use_ = 0, shared_ = 0;
+};
+
+}  // namespace kvq::inline v0

@@ -1,0 +1,457 @@
+// KVPool and the paged cache under it: attention over many blocks, forks that share blocks,
+// rollback, save/load, an exhausted pool, memory that follows the length, and random operation
+// sequences checked against fresh caches fed each sequence's final tokens.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvq/kvq.hpp"
+#include "support/cache_state.hpp"
+#include "support/compare.hpp"
+#include "support/random.hpp"
+
+namespace {
+
+using kvq::BasicKVCache;
+using kvq::CacheConfig;
+using kvq::CacheShape;
+using kvq::KVPool;
+using kvq::PoolShape;
+using kvq::SequenceId;
+
+CacheConfig config_of(const char* text) { return kvq::parse_cache_config(text); }
+
+/// Tokens of one sequence as the test model keeps them: (tokens, kv_heads, head_dim) each.
+struct Tokens {
+  std::vector<float> keys, values;
+  std::size_t size(std::size_t row) const { return keys.size() / row; }
+  void add(std::size_t n, std::size_t row, std::mt19937& rng) {
+    std::normal_distribution<float> normal;
+    for (std::size_t i = 0; i < n * row; ++i) keys.push_back(normal(rng) + (i % 64 == 3 ? 6.0f : 0.0f));
+    for (std::size_t i = 0; i < n * row; ++i) values.push_back(normal(rng));
+  }
+  void cut(std::size_t n, std::size_t row) {
+    keys.resize(n * row);
+    values.resize(n * row);
+  }
+  std::span<const float> k(std::size_t from, std::size_t to, std::size_t row) const {
+    return std::span(keys).subspan(from * row, (to - from) * row);
+  }
+  std::span<const float> v(std::size_t from, std::size_t to, std::size_t row) const {
+    return std::span(values).subspan(from * row, (to - from) * row);
+  }
+};
+
+std::size_t row_of(const CacheShape& s) { return s.kv_heads * s.head_dim; }
+
+/// A cache of its own fed `tokens` in one append per layer.
+BasicKVCache fresh_cache(const CacheShape& shape, const CacheConfig& config, const Tokens& tokens) {
+  BasicKVCache cache(shape, config);
+  const std::size_t row = row_of(shape), n = tokens.size(row);
+  for (std::size_t l = 0; l < shape.layers; ++l) cache.append(l, 0, tokens.k(0, n, row), tokens.v(0, n, row));
+  return cache;
+}
+
+/// Decode attention at the newest position of every layer, both tiers, two query heads per KV head.
+std::vector<float> decode_outputs(const BasicKVCache& cache) {
+  std::vector<float> all;
+  const std::size_t heads = cache.shape().kv_heads * 2, dim = cache.shape().head_dim;
+  const auto q = kvq::test::normal_vector(heads * dim, 17, 0.3f);
+  std::vector<float> out(q.size());
+  for (std::size_t l = 0; l < cache.shape().layers; ++l) {
+    if (cache.length(l) == 0) continue;
+    for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
+      kvq::decode_attention(cache, l, cache.length(l) - 1, q, out, {.tier = tier, .chunk_tokens = 96});
+      all.insert(all.end(), out.begin(), out.end());
+    }
+  }
+  return all;
+}
+
+const char* const kConfigs[] = {"k4c32-v2t32-r20-s3", "k2c16-v4t32-r32-s0-post", "k8c32-v8t32-r16-s1-f32",
+                                "k3c8-v5t16-r5-s2", "k16-v16-r0-s1", "k16-v16-r0-s0-post-f32", "k4c32-v2c32-r40-s0",
+                                "k4t64-v16-r8-s0"};
+
+// Attention reads a stream as one segment per block: with blocks of one unit, of two, and one
+// block for the whole capacity, every kernel gives the same bits, and stays near the oracle.
+TEST(PagedCache, AttentionOverManyBlocksEqualsOneBlock) {
+  for (const char* text : kConfigs) {
+    const CacheConfig config = config_of(text);
+    const std::size_t unit = kvq::block_unit(config), n = 611;
+    CacheShape shape{2, 2, 64, 700};
+    Tokens tokens;
+    std::mt19937 rng(3);
+    tokens.add(n, row_of(shape), rng);
+    std::vector<std::vector<float>> outputs;
+    for (const std::size_t block : {unit, 2 * unit, (700 + unit - 1) / unit * unit}) {
+      shape.block_tokens = block;
+      const BasicKVCache cache = fresh_cache(shape, config, tokens);
+      EXPECT_EQ(cache.segments(0), block >= 700 ? 1u : (n - config.sinks + block - 1) / block) << text;
+      outputs.push_back(decode_outputs(cache));
+      // Exact tier near the oracle, for one layer and head group.
+      const auto q = kvq::test::normal_vector(4 * 64, 17, 0.3f);
+      std::vector<float> exact(q.size()), oracle(q.size());
+      kvq::decode_attention(cache, 1, n - 1, q, exact);
+      kvq::reference_attention(cache, 1, n - 1, q, oracle);
+      EXPECT_LT(kvq::test::relative_error(exact, oracle), 1e-5) << text << " block " << block;
+    }
+    EXPECT_TRUE(outputs[0] == outputs[1]) << text;
+    EXPECT_TRUE(outputs[0] == outputs[2]) << text;
+  }
+}
+
+// Every path the cache has for attention is cut the same way: each kernel, forced by max_isa.
+TEST(PagedCache, EveryKernelLevelAgreesAcrossBlockLengths) {
+  for (const kvq::isa::Level level : {kvq::isa::Level::scalar, kvq::isa::Level::avx2, kvq::isa::Level::avx512}) {
+    for (const char* text : {"k4c32-v2t32-r20-s3-post", "k4c32-v2t32-r20-s3"}) {
+      const CacheConfig config = config_of(text);
+      CacheShape shape{1, 2, 64, 400};
+      Tokens tokens;
+      std::mt19937 rng(4);
+      tokens.add(333, row_of(shape), rng);
+      const auto q = kvq::test::normal_vector(4 * 64, 5, 0.3f);
+      std::vector<float> a(q.size()), b(q.size());
+      shape.block_tokens = 64;
+      kvq::decode_attention(fresh_cache(shape, config, tokens), 0, 332, q, a, {.max_isa = level});
+      shape.block_tokens = 448;
+      kvq::decode_attention(fresh_cache(shape, config, tokens), 0, 332, q, b, {.max_isa = level});
+      EXPECT_EQ(a, b) << text << " level " << int(level);
+    }
+  }
+}
+
+TEST(PagedCache, BlockLengthsAreCheckedAgainstTheUnit) {
+  const CacheConfig config = config_of("k4c48-v2c24-r20-s0");
+  EXPECT_EQ(kvq::block_unit(config), 192u);  // whole key tiles (one group of 48), value groups of 24, 64-row steps
+  EXPECT_EQ(kvq::block_unit(config_of("k4c20-v2t32-r20-s0")), 960u);  // tiles of 60, 64-row steps
+  EXPECT_EQ(kvq::block_unit(config_of("k16-v16-r0-s0")), 64u);
+  CacheShape shape{1, 1, 64, 1000};
+  shape.block_tokens = 384;
+  EXPECT_EQ(BasicKVCache(shape, config).block_tokens(), 384u);
+  shape.block_tokens = 96;
+  try {
+    BasicKVCache cache(shape, config);
+    FAIL() << "a block of 96 positions was accepted";
+  } catch (const kvq::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("block_tokens 96"), std::string::npos) << e.what();
+  }
+}
+
+// The cache commits blocks as rows reach them: memory follows the length, not the capacity.
+TEST(PagedCache, MemoryIsCommittedAsTokensArrive) {
+  const CacheShape shape{2, 2, 64, 32768};
+  BasicKVCache cache(shape, config_of("k4c32-v2t32-r128-s1"));
+  const std::size_t empty = cache.allocated_bytes();
+  EXPECT_EQ(cache.block_count(0), 0u);
+  Tokens tokens;
+  std::mt19937 rng(5);
+  tokens.add(1000, row_of(shape), rng);
+  for (std::size_t l = 0; l < 2; ++l) cache.append(l, 0, tokens.k(0, 1000, 128), tokens.v(0, 1000, 128));
+  EXPECT_EQ(cache.block_count(0), 1u);  // 872 packed value rows: one block of 1024
+  EXPECT_LT(cache.allocated_bytes() - empty, 2 * cache.blocks().block_bytes() + 1);
+}
+
+// Context shift moves packed rows across block boundaries: the same rows as in one block.
+TEST(PagedCache, EraseAcrossBlocksKeepsEveryRow) {
+  const CacheConfig config = config_of("k4c32-v2t32-r20-s3");
+  CacheShape shape{2, 2, 64, 1000};
+  Tokens tokens;
+  std::mt19937 rng(12);
+  tokens.add(700, row_of(shape), rng);
+  shape.block_tokens = 64;
+  BasicKVCache paged = fresh_cache(shape, config, tokens);
+  shape.block_tokens = 1024;
+  BasicKVCache whole = fresh_cache(shape, config, tokens);
+  for (const auto& [first, count] : {std::pair<std::size_t, std::size_t>{35, 96}, {259, 32}, {3, 160}}) {
+    paged.erase(first, count);
+    whole.erase(first, count);
+    for (std::size_t l = 0; l < 2; ++l) EXPECT_TRUE(kvq::test::stored_rows(paged, l) == kvq::test::stored_rows(whole, l));
+    EXPECT_EQ(decode_outputs(paged), decode_outputs(whole));
+    EXPECT_EQ(paged.block_count(0), (paged.quantized_end(kvq::Tensor::values, 0) - 3 + 63) / 64);
+  }
+}
+
+PoolShape small_pool(std::size_t blocks = 4096) {
+  PoolShape p;
+  p.layers = 2;
+  p.kv_heads = 2;
+  p.head_dim = 64;
+  p.max_tokens = 4096;
+  p.block_tokens = 64;
+  p.memory_blocks = blocks;
+  return p;
+}
+
+// A fork shares every block of the prefix: memory grows by the fork's own rows only; writes on
+// either side leave the other's bytes alone; removing both returns every block.
+TEST(KVPool, ForkSharesThePrefixAndCopiesOnlyOwnRows) {
+  const CacheConfig config = config_of("k4c32-v2t32-r32-s2");
+  KVPool pool(small_pool(), config);
+  const std::size_t row = 128;
+  Tokens parent_tokens;
+  std::mt19937 rng(6);
+  parent_tokens.add(2000, row, rng);
+  const SequenceId parent = pool.add_sequence();
+  for (std::size_t l = 0; l < 2; ++l) pool.append(parent, l, 0, parent_tokens.k(0, 2000, row), parent_tokens.v(0, 2000, row));
+  const kvq::PoolMemory before = pool.memory();
+  const std::size_t blocks_before = pool.blocks().counts().in_use;
+  const SequenceId child = pool.fork(parent, 2000);
+  const kvq::PoolMemory after = pool.memory();
+  EXPECT_EQ(pool.blocks().counts().in_use, blocks_before) << "a fork at the full length copies no block";
+  EXPECT_EQ(after.used - before.used, after.own - before.own) << "only the fork's own rows are new";
+  EXPECT_EQ(after.shared, blocks_before * pool.block_bytes());
+  EXPECT_TRUE(pool.sequence(child).stored_bytes() == pool.sequence(parent).stored_bytes());
+
+  const auto parent_bytes = pool.sequence(parent).stored_bytes();
+  Tokens child_tokens = parent_tokens;
+  child_tokens.add(300, row, rng);
+  for (std::size_t l = 0; l < 2; ++l) pool.append(child, l, 2000, child_tokens.k(2000, 2300, row), child_tokens.v(2000, 2300, row));
+  EXPECT_TRUE(pool.sequence(parent).stored_bytes() == parent_bytes) << "the child's writes reached the parent";
+  kvq::test::expect_same_state(pool.sequence(child), fresh_cache(pool.shape().sequence_shape(), config, child_tokens),
+                               "child against a fresh cache");
+  kvq::test::expect_same_state(pool.sequence(parent), fresh_cache(pool.shape().sequence_shape(), config, parent_tokens),
+                               "parent against a fresh cache");
+  EXPECT_EQ(decode_outputs(pool.sequence(child)), decode_outputs(fresh_cache(pool.shape().sequence_shape(), config, child_tokens)));
+
+  pool.remove_sequence(parent);
+  pool.remove_sequence(child);
+  EXPECT_EQ(pool.blocks().counts().in_use, 0u);
+  EXPECT_EQ(pool.memory().used, 0u);
+  EXPECT_EQ(pool.sequence_count(), 0u);
+}
+
+// Speculative decoding: fork at an older length, then different tokens.
+TEST(KVPool, ForkAtAnOlderLengthIsExactWithinTheRollbackDepth) {
+  const CacheConfig config = config_of("k4c32-v2t32-r16-s1");  // rollback depth 16
+  KVPool pool(small_pool(), config);
+  const std::size_t row = 128;
+  Tokens tokens;
+  std::mt19937 rng(7);
+  tokens.add(500, row, rng);
+  const SequenceId a = pool.add_sequence();
+  for (std::size_t l = 0; l < 2; ++l) pool.append(a, l, 0, tokens.k(0, 500, row), tokens.v(0, 500, row));
+  const auto a_bytes = pool.sequence(a).stored_bytes();
+  const SequenceId b = pool.fork(a, 488);
+  Tokens other = tokens;
+  other.cut(488, row);
+  other.add(40, row, rng);
+  for (std::size_t l = 0; l < 2; ++l) pool.append(b, l, 488, other.k(488, 528, row), other.v(488, 528, row));
+  EXPECT_TRUE(pool.sequence(a).stored_bytes() == a_bytes);
+  kvq::test::expect_same_state(pool.sequence(b), fresh_cache(pool.shape().sequence_shape(), config, other), "fork at 488");
+  // Beyond the depth: a named error, nothing new.
+  const std::size_t count = pool.sequence_count(), used = pool.memory().used;
+  try {
+    (void)pool.fork(a, 400);
+    FAIL() << "a fork 100 tokens back was accepted";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::unsupported) << e.what();
+  }
+  EXPECT_EQ(pool.sequence_count(), count);
+  EXPECT_EQ(pool.memory().used, used);
+}
+
+TEST(KVPool, ExhaustedPoolNamesTheBlocksAndChangesNothing) {
+  const CacheConfig config = config_of("k4c32-v2t32-r32-s0");
+  KVPool pool(small_pool(9), config);
+  const std::size_t row = 128;
+  Tokens tokens;
+  std::mt19937 rng(8);
+  tokens.add(250, row, rng);
+  const SequenceId s = pool.add_sequence();
+  for (std::size_t l = 0; l < 2; ++l) pool.append(s, l, 0, tokens.k(0, 250, row), tokens.v(0, 250, row));
+  EXPECT_EQ(pool.blocks().counts().in_use, 8u);  // 218 packed value rows per layer: 4 blocks of 64
+  const auto bytes = pool.sequence(s).stored_bytes();
+  tokens.add(200, row, rng);
+  try {  // 418 packed value rows need 7 blocks
+    pool.append(s, 0, 250, tokens.k(250, 450, row), tokens.v(250, 450, row));
+    FAIL() << "appending past the pool's blocks was accepted";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::capacity_exceeded);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("sequence " + std::to_string(s)), std::string::npos) << what;
+    EXPECT_NE(what.find("needs 3 more blocks"), std::string::npos) << what;
+    EXPECT_NE(what.find("1 free"), std::string::npos) << what;
+  }
+  EXPECT_TRUE(pool.sequence(s).stored_bytes() == bytes);
+  EXPECT_EQ(pool.sequence(s).length(0), 250u);
+}
+
+TEST(KVPool, SavedSequencesLoadBackAndBadFilesChangeNothing) {
+  const CacheConfig config = config_of("k4c32-v2t32-r32-s2");
+  KVPool pool(small_pool(), config);
+  const std::size_t row = 128;
+  Tokens tokens;
+  std::mt19937 rng(9);
+  tokens.add(700, row, rng);
+  const SequenceId s = pool.add_sequence();
+  for (std::size_t l = 0; l < 2; ++l) pool.append(s, l, 0, tokens.k(0, 700, row), tokens.v(0, 700, row));
+  std::stringstream file;
+  kvq::save(pool.sequence(s), file);
+  const std::string bytes = file.str();
+  const SequenceId t = pool.load_sequence(file);
+  kvq::test::expect_same_state(pool.sequence(t), pool.sequence(s), "loaded sequence");
+  // Into a cache of its own too: the file does not depend on the block length.
+  CacheShape other = pool.shape().sequence_shape();
+  other.block_tokens = 256;
+  BasicKVCache own(other, config);
+  std::stringstream again(bytes);
+  kvq::load(own, again);
+  EXPECT_TRUE(kvq::test::stored_rows(own, 1) == kvq::test::stored_rows(pool.sequence(s), 1));
+  EXPECT_EQ(decode_outputs(own), decode_outputs(pool.sequence(s)));
+
+  const std::size_t count = pool.sequence_count(), used = pool.memory().used;
+  for (const std::size_t cut : {std::size_t(10), bytes.size() / 2, bytes.size() - 1}) {
+    std::stringstream truncated(bytes.substr(0, cut));
+    EXPECT_THROW((void)pool.load_sequence(truncated), kvq::Error) << "cut at " << cut;
+  }
+  std::string flipped = bytes;
+  flipped[bytes.size() / 2] ^= 0x10;
+  std::stringstream corrupt(flipped);
+  EXPECT_THROW((void)pool.load_sequence(corrupt), kvq::Error);
+  EXPECT_EQ(pool.sequence_count(), count);
+  EXPECT_EQ(pool.memory().used, used);
+}
+
+// What an engine sees of memory: committed blocks follow the tokens held.
+TEST(KVPool, CommittedMemoryFollowsTheLength) {
+  PoolShape shape = small_pool();
+  shape.layers = 4;
+  shape.kv_heads = 8;
+  shape.head_dim = 128;
+  shape.max_tokens = 32768;
+  const CacheConfig config = config_of("k4c32-v2t32-r128-s1");
+  KVPool pool(shape, config);
+  const SequenceId s = pool.add_sequence();
+  Tokens tokens;
+  std::mt19937 rng(10);
+  tokens.add(1000, 8 * 128, rng);
+  for (std::size_t l = 0; l < 4; ++l) pool.append(s, l, 0, tokens.k(0, 1000, 1024), tokens.v(0, 1000, 1024));
+  const double held = double(pool.sequence(s).memory().total_bytes()), committed = double(pool.memory().committed);
+  // Blocks round the packed rows up to 64 positions; the ring holds R + G rows and the rollback
+  // copies D + G and D + 1: about 1.2x the bytes the tokens need (a cache of the whole 32K
+  // capacity committed up front would be about 24x).
+  EXPECT_GT(committed, held);
+  EXPECT_LT(committed, 1.3 * held) << "committed " << committed << " for " << held << " bytes held";
+}
+
+// Random operations on several sequences against a model that keeps each sequence's tokens:
+// after every step, each sequence equals a fresh cache fed its tokens (bytes, rows, attention).
+TEST(KVPool, RandomOperationsMatchFreshCaches) {
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4t32-r8-s0-post", "k16-v16-r0-s1-f32"}) {
+    const CacheConfig config = config_of(text);
+    KVPool pool(small_pool(), config);
+    const CacheShape shape = pool.shape().sequence_shape();
+    const std::size_t row = row_of(shape);
+    std::map<SequenceId, Tokens> model;
+    std::mt19937 rng(11);
+    auto pick = [&] {
+      auto it = model.begin();
+      std::advance(it, std::uniform_int_distribution<std::size_t>(0, model.size() - 1)(rng));
+      return it->first;
+    };
+    model[pool.add_sequence()] = {};
+    for (int step = 0; step < 60; ++step) {
+      const int op = std::uniform_int_distribution<int>(0, 9)(rng);
+      if (op < 5 || model.size() == 0) {  // append a chunk
+        if (model.empty()) model[pool.add_sequence()] = {};
+        const SequenceId id = pick();
+        Tokens& t = model[id];
+        const std::size_t from = t.size(row), n = std::uniform_int_distribution<std::size_t>(1, 90)(rng);
+        if (from + n > shape.capacity) continue;
+        t.add(n, row, rng);
+        for (std::size_t l = 0; l < shape.layers; ++l) pool.append(id, l, from, t.k(from, from + n, row), t.v(from, from + n, row));
+      } else if (op < 7) {  // fork within the rollback depth
+        const SequenceId id = pick();
+        const std::size_t n = model[id].size(row), back = std::uniform_int_distribution<std::size_t>(0, 16)(rng);
+        const std::size_t length = n > back ? n - back : 0;
+        try {
+          const SequenceId child = pool.fork(id, length);
+          Tokens t = model[id];
+          t.cut(length, row);
+          model[child] = t;
+        } catch (const kvq::Error& e) {  // past what earlier rollbacks left: refused, nothing changed
+          ASSERT_EQ(e.code(), kvq::ErrorCode::unsupported) << e.what();
+        }
+      } else if (op < 9) {  // roll back speculative tokens
+        const SequenceId id = pick();
+        const std::size_t n = model[id].size(row), back = std::uniform_int_distribution<std::size_t>(0, 16)(rng);
+        try {
+          pool.truncate(id, n > back ? n - back : 0);
+          model[id].cut(n > back ? n - back : 0, row);
+        } catch (const kvq::Error& e) {
+          ASSERT_EQ(e.code(), kvq::ErrorCode::unsupported) << e.what();
+        }
+      } else if (model.size() > 1) {
+        const SequenceId id = pick();
+        pool.remove_sequence(id);
+        model.erase(id);
+      }
+      for (const auto& [id, tokens] : model) {
+        const BasicKVCache fresh = fresh_cache(shape, config, tokens);
+        ASSERT_TRUE(pool.sequence(id).stored_bytes() == fresh.stored_bytes()) << text << " step " << step << " sequence " << id;
+        if (step % 10 == 9) {
+          kvq::test::expect_same_state(pool.sequence(id), fresh, std::string(text) + " step " + std::to_string(step));
+          EXPECT_EQ(decode_outputs(pool.sequence(id)), decode_outputs(fresh)) << text << " step " << step;
+        }
+      }
+    }
+    for (const auto& [id, tokens] : model) pool.remove_sequence(id);
+    EXPECT_EQ(pool.blocks().counts().in_use, 0u) << text;
+  }
+}
+
+// Appends to different sequences run concurrently (run under ThreadSanitizer in CI).
+TEST(KVPoolThreads, AppendsToDifferentSequencesRunConcurrently) {
+  const CacheConfig config = config_of("k4c32-v2t32-r16-s1");
+  KVPool pool(small_pool(), config);
+  const std::size_t row = 128, threads = 4, n = 400;
+  std::vector<SequenceId> ids;
+  std::vector<Tokens> tokens(threads);
+  for (std::size_t i = 0; i < threads; ++i) {
+    ids.push_back(pool.add_sequence());
+    std::mt19937 rng(unsigned(20 + i));
+    tokens[i].add(n, row, rng);
+  }
+  std::vector<std::thread> workers;
+  for (std::size_t i = 0; i < threads; ++i)
+    workers.emplace_back([&, i] {
+      for (std::size_t p = 0; p < n; p += 25)
+        for (std::size_t l = 0; l < 2; ++l) pool.append(ids[i], l, p, tokens[i].k(p, p + 25, row), tokens[i].v(p, p + 25, row));
+      (void)pool.memory();
+    });
+  for (auto& w : workers) w.join();
+  for (std::size_t i = 0; i < threads; ++i)
+    EXPECT_TRUE(pool.sequence(ids[i]).stored_bytes() == fresh_cache(pool.shape().sequence_shape(), config, tokens[i]).stored_bytes());
+}
+
+TEST(KVPool, BadArgumentsAreNamed) {
+  const CacheConfig config = config_of("k4c32-v2t32-r16-s1");
+  PoolShape shape = small_pool();
+  shape.block_tokens = 48;
+  EXPECT_THROW(KVPool(shape, config), kvq::Error);
+  KVPool pool(small_pool(), config);
+  try {
+    pool.truncate(42, 0);
+    FAIL();
+  } catch (const kvq::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no sequence 42"), std::string::npos) << e.what();
+  }
+  const SequenceId s = pool.add_sequence();
+  std::vector<float> k(3 * 128, 1.0f), v(3 * 128, 1.0f);
+  try {
+    pool.append(s, 0, 5, k, v);
+    FAIL();
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::out_of_order);
+    EXPECT_NE(std::string(e.what()).find("sequence " + std::to_string(s) + ": layer 0"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
