@@ -5,7 +5,9 @@
 // decode_avx2/... caps the kernels at AVX2 (DecodeOptions::max_isa), the path of CPUs without AVX-512;
 // decode_blocks/.../block:<B> reads the cache in blocks of B positions (CacheShape::block_tokens:
 // 256 as a KVPool's default, 32768 one block for the whole context) where the other rows use the
-// cache's default of 1024.
+// cache's default of 1024; verify/.../T:<T> checks T stored positions at once with kvq::attend
+// (speculative verification: one pass over the cache for all T x 4 query rows of a KV head),
+// against T decode steps.
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
@@ -88,6 +90,23 @@ void decode_step(benchmark::State& state, std::string config, kvq::Tier tier, st
   state.counters["GB/s"] = benchmark::Counter(b.layer_bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["layers"] = double(b.layers);
   state.SetLabel(kvq::kernels::attention::to_string(kvq::decode_path(*b.cache, kHeads, max_isa)));
+}
+
+void verify_step(benchmark::State& state, std::string config, kvq::Tier tier, std::size_t context, std::size_t tokens) {
+  Built& b = cache_for(config, context, 0);
+  std::vector<float> q(tokens * kHeads * kDim), out(q.size());
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  for (auto& x : q) x = normal(rng);
+  std::size_t layer = 0;
+  for (auto _ : state) {
+    kvq::attend({.cache = b.cache.get(), .layer = layer, .first_position = context - tokens, .tokens = tokens, .queries = q,
+                 .out = out},
+                {.tier = tier});
+    benchmark::DoNotOptimize(out.data());
+    layer = (layer + 1) % b.layers;
+  }
+  state.counters["GB/s"] = benchmark::Counter(b.layer_bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // Streaming read of a 1 GiB huge-page buffer: the memory ceiling the decode figures compare to.
@@ -178,6 +197,20 @@ int main(int argc, char** argv) {
                                  kvq::isa::Level::avx512, false)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
+  }
+  // Speculative verification of T positions in one call, 32K, one thread.
+  for (const Named& c : caches) {
+    const std::string_view name = c.name;
+    if (name != "fp16" && !name.starts_with("K4V2")) continue;
+    for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
+      if (name == "fp16" && tier == kvq::Tier::integer) continue;
+      for (const std::size_t tokens : {4, 8})
+        benchmark::RegisterBenchmark(std::string("verify/").append(name).append("/").append(kvq::to_string(tier))
+                                         .append("/32768/T:").append(std::to_string(tokens)).c_str(),
+                                     verify_step, std::string(c.config), tier, std::size_t(32768), tokens)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+    }
   }
   // Blocks: the same caches read in more or fewer segments, 32K, one thread.
   for (const Named& c : caches) {

@@ -67,7 +67,7 @@ std::size_t parse_count(std::string_view flag, const std::string& v) {
 }
 
 int run(int argc, char** argv) {
-  std::string model_path = kvq::llama::default_model_path().string(), config_text = "k4c32-v2t32-r32-s1";
+  std::string model_path = kvq::llama::default_model_path().string(), config_text = "k4c32-v2t8-r32-s1";
   std::size_t conversations = 4, steps = 48;
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];

@@ -23,4 +23,5 @@
 #include "kvq/parallel/executor.hpp"
 #include "kvq/attention/reference.hpp"
 #include "kvq/attention/decode.hpp"
+#include "kvq/attention/attend.hpp"
 #include "kvq/metrics/attention_error.hpp"

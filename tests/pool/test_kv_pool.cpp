@@ -178,6 +178,34 @@ TEST(PagedCache, EraseAcrossBlocksKeepsEveryRow) {
   }
 }
 
+// Keys and values straight from an engine's fused QKV activations in f16 or bf16: the same bytes
+// as appending the same numbers as dense floats.
+TEST(PagedCache, AppendsStridedHalfPrecisionRows) {
+  const std::size_t heads = 4, kv_heads = 2, dim = 64, tokens = 150, fused = heads + 2 * kv_heads;
+  const CacheShape shape{1, kv_heads, dim, 400};
+  for (const kvq::Scalar type : {kvq::Scalar::f16, kvq::Scalar::bf16}) {
+    const auto x = kvq::test::normal_vector(tokens * fused * dim, 30);
+    std::vector<std::uint16_t> qkv(x.size());
+    kvq::store_row(type, x.data(), x.size(), qkv.data());
+    std::vector<float> k(tokens * kv_heads * dim), v(k.size());
+    for (std::size_t t = 0; t < tokens; ++t)
+      for (std::size_t h = 0; h < kv_heads; ++h) {
+        kvq::load_row(type, qkv.data() + (t * fused + heads + h) * dim, dim, k.data() + (t * kv_heads + h) * dim);
+        kvq::load_row(type, qkv.data() + (t * fused + heads + kv_heads + h) * dim, dim, v.data() + (t * kv_heads + h) * dim);
+      }
+    BasicKVCache dense(shape, config_of("k4c32-v2t32-r20-s3")), strided(shape, config_of("k4c32-v2t32-r20-s3"));
+    dense.append(0, 0, k, v);
+    const kvq::TokenRows keys{qkv.data() + heads * dim, type, 100, fused * dim, dim};
+    const kvq::TokenRows values{qkv.data() + (heads + kv_heads) * dim, type, 100, fused * dim, dim};
+    strided.append(0, 0, keys, values);
+    const kvq::TokenRows more_keys{qkv.data() + (100 * fused + heads) * dim, type, 50, fused * dim, dim};
+    const kvq::TokenRows more_values{qkv.data() + (100 * fused + heads + kv_heads) * dim, type, 50, fused * dim, dim};
+    strided.append(0, 100, more_keys, more_values);
+    EXPECT_TRUE(dense.stored_bytes() == strided.stored_bytes()) << kvq::to_string(type);
+    EXPECT_THROW(strided.append(0, 150, more_keys, keys), kvq::Error);
+  }
+}
+
 PoolShape small_pool(std::size_t blocks = 4096) {
   PoolShape p;
   p.layers = 2;

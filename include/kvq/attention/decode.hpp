@@ -129,6 +129,72 @@ inline DecodePlan plan_decode(const BasicKVCache& cache, std::size_t layer, std:
   return p;
 }
 
+/// Query rows of one KV head, prepared: rotated to their positions (pre-RoPE) and scaled.
+struct QueryRows {
+  const float* data = nullptr;  // (rows, head_dim)
+  std::size_t rows = 0;
+  const RopeTable* rope = nullptr;  // non-null: keys are stored pre-RoPE
+};
+/// Online-softmax state of query rows: max (rows), sum (rows), acc (rows, head_dim).
+struct PartialState {
+  float *max, *sum, *acc;
+};
+
+/// The kernel over positions [begin, end) of one KV head, one segment (block) at a time, each
+/// continuing the state the previous one left. The integer tier falls back to exact for the whole
+/// range when its scales have outliers the tier cannot carry (integer_range.hpp).
+inline void run_range(const BasicKVCache& cache, std::size_t layer, std::size_t kvh, std::size_t begin, std::size_t end,
+                      const QueryRows& q, kernels::attention::Path path, const DecodeOptions& options,
+                      const PartialState& state) {
+  const std::size_t sinks = cache.config().sinks, block = cache.block_tokens();
+  auto segment_of = [&](std::size_t p) { return p < sinks ? 0 : (p - sinks) / block; };
+  const std::size_t first = segment_of(begin), last = segment_of(end - 1);
+  kernels::attention::DecodeTask t;
+  t.rope = q.rope;
+  t.queries = q.data;
+  t.group = q.rows;
+  t.max = state.max;
+  t.sum = state.sum;
+  t.acc = state.acc;
+  auto at_segment = [&](std::size_t k) {
+    t.keys = cache.keys(layer, kvh, k);
+    t.values = cache.values(layer, kvh, k);
+    t.begin = std::max(begin, cache.segment_begin(k));
+    t.end = std::min(end, sinks + (k + 1) * block);
+    t.resume = k != first;
+  };
+  t.tier = options.tier;
+  if (options.tier == Tier::integer && options.guard_outliers) {
+    kernels::attention::ScaleSpread spread;
+    for (std::size_t k = first; k <= last; ++k) at_segment(k), spread.add(t);
+    if (!spread.integer_tier_carries()) t.tier = Tier::exact;
+  }
+  for (std::size_t k = first; k <= last; ++k) {
+    at_segment(k);
+    kernels::attention::run(path, t);
+  }
+}
+
+/// Merges n partial states of one query row, in order (part j: max[j * stride], sum[j * stride],
+/// acc + j * stride), into the normalised output o (dim). The order is fixed, so the result does
+/// not depend on which thread computed which part.
+inline void merge_parts(const float* max, const float* sum, const float* acc, std::size_t n, std::size_t stride,
+                        std::size_t dim, float* o) noexcept {
+  float m = -std::numeric_limits<float>::infinity();
+  for (std::size_t j = 0; j < n; ++j) m = std::max(m, max[j * stride]);
+  std::fill(o, o + dim, 0.0f);
+  float total = 0.0f;
+  for (std::size_t j = 0; j < n; ++j) {
+    if (max[j * stride] == -std::numeric_limits<float>::infinity()) continue;
+    const float w = std::exp(max[j * stride] - m);
+    total += w * sum[j * stride];
+    const float* a = acc + j * stride;
+    for (std::size_t c = 0; c < dim; ++c) o[c] += w * a[c];
+  }
+  const float inv = 1.0f / total;
+  for (std::size_t c = 0; c < dim; ++c) o[c] *= inv;
+}
+
 }  // namespace detail
 
 /// Decode attention for one position: q, out (heads, head_dim); queries follow the cache's
@@ -156,63 +222,23 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
   const RopeTable* rope = pre ? &cache.rope() : nullptr;
   const kernels::attention::Path path =
       kernels::attention::select_path(cache.keys(layer, 0, 0), cache.values(layer, 0, 0), plan.group, rope, options.max_isa);
-  const std::size_t sinks = cache.config().sinks, block = cache.block_tokens();
+  const std::size_t sinks = cache.config().sinks;
   auto task_at = [&](std::size_t i) {
     const std::size_t kvh = i / plan.chunks, j = i % plan.chunks;
     const std::size_t begin = j == 0 ? 0 : sinks + j * plan.chunk, end = std::min(plan.tokens, sinks + (j + 1) * plan.chunk);
-    // The chunk runs once per segment (block) it crosses, each continuing the previous state.
-    auto segment_of = [&](std::size_t p) { return p < sinks ? 0 : (p - sinks) / block; };
-    const std::size_t first = segment_of(begin), last = segment_of(end - 1);
-    kernels::attention::DecodeTask t;
-    t.rope = rope;
-    t.queries = ws.queries.data() + kvh * plan.group * dim;
-    t.group = plan.group;
     float* base = ws.partial.data() + i * stride;
-    t.max = base;
-    t.sum = base + plan.group;
-    t.acc = base + 2 * plan.group;
-    auto at_segment = [&](std::size_t k) {
-      t.keys = cache.keys(layer, kvh, k);
-      t.values = cache.values(layer, kvh, k);
-      t.begin = std::max(begin, cache.segment_begin(k));
-      t.end = std::min(end, sinks + (k + 1) * block);
-      t.resume = k != first;
-    };
-    // Outlier scales the integer tier cannot carry: the chunk runs exact (integer_range.hpp).
-    t.tier = options.tier;
-    if (options.tier == Tier::integer && options.guard_outliers) {
-      kernels::attention::ScaleSpread spread;
-      for (std::size_t k = first; k <= last; ++k) at_segment(k), spread.add(t);
-      if (!spread.integer_tier_carries()) t.tier = Tier::exact;
-    }
-    for (std::size_t k = first; k <= last; ++k) {
-      at_segment(k);
-      kernels::attention::run(path, t);
-    }
+    detail::run_range(cache, layer, kvh, begin, end, {ws.queries.data() + kvh * plan.group * dim, plan.group, rope}, path,
+                      options, {base, base + plan.group, base + 2 * plan.group});
   };
   const std::size_t n = plan.kv_heads * plan.chunks;
   if (options.executor != nullptr && n > 1) options.executor->parallel_for(n, task_at);
   else for (std::size_t i = 0; i < n; ++i) task_at(i);
 
-  // Exact merge in chunk order.
   for (std::size_t kvh = 0; kvh < plan.kv_heads; ++kvh) {
-    for (std::size_t g = 0; g < plan.group; ++g) {
-      float m = -std::numeric_limits<float>::infinity();
-      for (std::size_t j = 0; j < plan.chunks; ++j) m = std::max(m, ws.partial[(kvh * plan.chunks + j) * stride + g]);
-      float* o = out.data() + (kvh * plan.group + g) * dim;
-      std::fill(o, o + dim, 0.0f);
-      float sum = 0.0f;
-      for (std::size_t j = 0; j < plan.chunks; ++j) {
-        const float* base = ws.partial.data() + (kvh * plan.chunks + j) * stride;
-        if (base[g] == -std::numeric_limits<float>::infinity()) continue;
-        const float w = std::exp(base[g] - m);
-        sum += w * base[plan.group + g];
-        const float* acc = base + 2 * plan.group + g * dim;
-        for (std::size_t c = 0; c < dim; ++c) o[c] += w * acc[c];
-      }
-      const float inv = 1.0f / sum;
-      for (std::size_t c = 0; c < dim; ++c) o[c] *= inv;
-    }
+    const float* parts = ws.partial.data() + kvh * plan.chunks * stride;
+    for (std::size_t g = 0; g < plan.group; ++g)
+      detail::merge_parts(parts + g, parts + plan.group + g, parts + 2 * plan.group + g * dim, plan.chunks, stride, dim,
+                          out.data() + (kvh * plan.group + g) * dim);
   }
 }
 

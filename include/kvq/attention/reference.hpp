@@ -67,8 +67,12 @@ inline MatrixD attend(const MatrixD& queries, const MatrixD& keys, const MatrixD
 }
 
 namespace detail {
+/// Checks attention of `tokens` query positions from first_position: the positions are stored in
+/// the cache, or (new_keys_peak >= 0) they are new tokens given beside it, attending to the stored
+/// positions before first_position and to each other, with keys up to new_keys_peak in magnitude.
 inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, std::size_t first_position,
-                                 std::size_t tokens, std::span<const float> q, std::size_t out_size) {
+                                 std::size_t tokens, std::span<const float> q, std::size_t out_size,
+                                 float new_keys_peak = -1.0f) {
   const CacheShape& s = cache.shape();
   const std::size_t q_size = q.size();
   if (layer >= s.layers)
@@ -83,10 +87,17 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
     throw Error(ErrorCode::shape_mismatch, "attention: " + std::to_string(heads) +
                                                " query heads are not a multiple of " + std::to_string(s.kv_heads) +
                                                " KV heads");
-  if (tokens > cache.length(layer) || first_position > cache.length(layer) - tokens)  // no sum that could wrap
+  const bool stored = new_keys_peak < 0.0f;
+  if (stored && (tokens > cache.length(layer) || first_position > cache.length(layer) - tokens))  // no sum that could wrap
     throw Error(ErrorCode::invalid_argument, "attention: layer " + std::to_string(layer) + " holds " +
                                                  std::to_string(cache.length(layer)) + " tokens; query positions up to " +
                                                  std::to_string(first_position + tokens - 1) + " need them appended first");
+  if (!stored && (first_position > cache.length(layer) || tokens > cache.capacity() - first_position))
+    throw Error(ErrorCode::invalid_argument, "attention: layer " + std::to_string(layer) + " holds " +
+                                                 std::to_string(cache.length(layer)) + " tokens of a capacity of " +
+                                                 std::to_string(cache.capacity()) + "; " + std::to_string(tokens) +
+                                                 " new tokens from position " + std::to_string(first_position) +
+                                                 " need the positions before them stored and room after");
   if (!all_below(q.data(), q.size(), std::numeric_limits<float>::infinity())) {
     const std::size_t at = std::size_t(std::find_if(q.begin(), q.end(), [](float x) { return !std::isfinite(x); }) - q.begin());
     throw Error(ErrorCode::non_finite_input, "attention: layer " + std::to_string(layer) + ", query head " +
@@ -96,7 +107,7 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
   // Scores |q.k| / sqrt(d) <= sum|q| x (largest |key|) x sqrt(2) (a RoPE pair rotates into one
   // channel) must stay finite in float with room for the kernels' sums and the dequantized keys'
   // rounding; past that an fp32 kernel would produce inf - inf = NaN where the oracle is finite.
-  const double key_peak = cache.key_peak(layer);
+  const double key_peak = std::max(cache.key_peak(layer), new_keys_peak);
   const double limit = double(std::numeric_limits<float>::max()) / 64;
   for (std::size_t row = 0; row < q_size / s.head_dim; ++row) {
     double l1 = 0;

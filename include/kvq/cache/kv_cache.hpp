@@ -59,6 +59,17 @@ constexpr const char* to_string(Tensor t) noexcept { return t == Tensor::keys ? 
 
 /// Most tokens a cache holds: positions and row counts stay far from any integer's end.
 inline constexpr std::size_t max_capacity = RopeTable::max_positions_limit;
+/// Rows of new keys or values as an engine holds them: `tokens` x kv_heads rows of head_dim
+/// contiguous elements of `type` (f32, f16 or bf16), row (t, h) starting at element
+/// t * token_stride + h * head_stride of `data`.
+struct TokenRows {
+  const void* data = nullptr;
+  Scalar type = Scalar::f32;
+  std::size_t tokens = 0;
+  std::size_t token_stride = 0;  // elements from one token to the next
+  std::size_t head_stride = 0;   // elements from one KV head to the next
+};
+
 /// Longest block of memory: a block is committed whole.
 inline constexpr std::size_t max_block_tokens = 65536;
 
@@ -260,6 +271,20 @@ class BasicKVCache {
       raise_floor(Tensor::values, layer, p + 1);
       lengths_[layer] = p + 1;
     }
+  }
+
+  /// append for keys and values in the engine's own layout and type (f16/bf16 activations with
+  /// strides): converted to float rows, then appended with every rule and check of the float
+  /// append. Throws kvq::Error (shape_mismatch) when the two views disagree on the token count.
+  void append(std::size_t layer, std::size_t position, const TokenRows& keys, const TokenRows& values) {
+    if (keys.tokens != values.tokens || (keys.tokens != 0 && (keys.data == nullptr || values.data == nullptr)))
+      throw Error(ErrorCode::shape_mismatch, "layer " + std::to_string(layer) + ": key rows of " +
+                                                 std::to_string(keys.tokens) + " and value rows of " +
+                                                 std::to_string(values.tokens) + " tokens (or a null view)");
+    thread_local std::vector<float> k, v;
+    gather(keys, k);
+    gather(values, v);
+    append(layer, position, k, v);
   }
 
   /// The same checks as append, without changing anything: an engine can ask first and fall back.
@@ -476,6 +501,16 @@ class BasicKVCache {
   friend struct detail::CacheAccess;
 
   static constexpr std::size_t index(Tensor t) noexcept { return t == Tensor::keys ? 0 : 1; }
+
+  /// rows as (tokens, kv_heads, head_dim) floats.
+  void gather(const TokenRows& rows, std::vector<float>& out) const {
+    const std::size_t dim = shape_.head_dim, heads = shape_.kv_heads, bytes = size_of(rows.type);
+    out.resize(checked_mul(checked_mul(rows.tokens, heads, "token rows"), dim, "token rows"));
+    for (std::size_t t = 0; t < rows.tokens; ++t)
+      for (std::size_t h = 0; h < heads; ++h)
+        load_row(rows.type, static_cast<const std::uint8_t*>(rows.data) + (t * rows.token_stride + h * rows.head_stride) * bytes,
+                 dim, out.data() + (t * heads + h) * dim);
+  }
 
   MemoryUsage layer_usage(std::size_t length, std::size_t key_end, std::size_t value_end) const noexcept {
     MemoryUsage u = stream_usage(layouts_[0], length, key_end);

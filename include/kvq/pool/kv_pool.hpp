@@ -124,6 +124,11 @@ class KVPool {
     std::shared_lock lock(mutex_);
     with_context(id, [&](BasicKVCache& c) { c.append(layer, position, keys, values); });
   }
+  /// The same from rows in the engine's layout and type (TokenRows: f16/bf16 with strides).
+  void append(SequenceId id, std::size_t layer, std::size_t position, const TokenRows& keys, const TokenRows& values) {
+    std::shared_lock lock(mutex_);
+    with_context(id, [&](BasicKVCache& c) { c.append(layer, position, keys, values); });
+  }
   /// BasicKVCache::truncate on one sequence (rolling back speculative tokens).
   void truncate(SequenceId id, std::size_t length) {
     std::shared_lock lock(mutex_);

@@ -1,0 +1,256 @@
+#pragma once
+// Attention for engines: many requests in one call, each a block of T query positions of one
+// sequence and layer: a prefill chunk (with its T new keys and values, not stored yet, attended
+// exactly and causally), T speculative tokens to verify, or one decode step.
+//
+//   request r: queries (T, heads, d) at positions p0 .. p0 + T - 1
+//     stored prefix [0, P): every query of the request, read once by the kernels for all T x GQA
+//       query rows of a KV head (P = p0 with new tokens, p0 + 1 without)
+//     tail: query t also sees new tokens 0 .. t (exact, full precision), or stored positions
+//       p0 + 1 .. p0 + t
+//   work items (request, KV head, rows batch, context chunk) run on the executor; the parts
+//   merge in a fixed order, so results are bit-identical for every thread count.
+//
+// Prefill through append quantizes the prompt before the prompt attends to it; here a chunk's
+// queries see its own keys and values exactly, as KIVI and engines do, and the engine appends
+// them afterwards for later queries. A request of one position without new tokens is exactly
+// decode_attention.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvq/attention/decode.hpp"
+#include "kvq/cache/kv_cache.hpp"
+#include "kvq/error.hpp"
+
+namespace kvq::inline v0 {
+
+struct AttentionRequest {
+  const BasicKVCache* cache = nullptr;
+  std::size_t layer = 0;
+  std::size_t first_position = 0;  // p0: the position of the first query
+  std::size_t tokens = 1;          // T: query positions p0 .. p0 + T - 1
+  std::span<const float> queries;  // (T, heads, head_dim), following the cache's key_rope
+  /// Empty, or (T, kv_heads, head_dim) each: the keys (pre-RoPE when the cache stores them so)
+  /// and values of positions p0 .. p0 + T - 1, attended exactly; the cache's stored positions
+  /// from p0 on are then not read.
+  std::span<const float> new_keys, new_values;
+  std::span<float> out;  // (T, heads, head_dim)
+};
+
+namespace detail {
+
+/// One request, checked and laid out for the kernels.
+struct RequestPlan {
+  const AttentionRequest* request = nullptr;
+  std::size_t tokens = 0, heads = 0, group = 0, rows = 0, batches = 0, prefix = 0, chunk = 0, chunks = 0;
+  kernels::attention::Path path{};
+  std::size_t query_offset = 0, partial_offset = 0;  // into the workspace
+};
+
+inline bool overlaps(std::span<const float> a, std::span<const float> b) noexcept {
+  if (a.empty() || b.empty()) return false;
+  const std::less<const float*> before;
+  return before(a.data(), b.data() + b.size()) && before(b.data(), a.data() + a.size());
+}
+
+inline void check_request(const AttentionRequest& r, std::size_t index) {
+  const std::string which = "attention request " + std::to_string(index) + ": ";
+  if (r.cache == nullptr) throw Error(ErrorCode::invalid_argument, which + "no cache");
+  const CacheShape& s = r.cache->shape();
+  const bool fresh = !r.new_keys.empty() || !r.new_values.empty();
+  const std::size_t per_token = s.kv_heads * s.head_dim;
+  if (r.tokens == 0) throw Error(ErrorCode::invalid_argument, which + "zero query tokens");
+  if (fresh && (r.new_keys.size() != r.new_values.size() || r.new_keys.size() / per_token != r.tokens ||
+                r.new_keys.size() % per_token != 0))
+    throw Error(ErrorCode::shape_mismatch, which + "new keys of " + std::to_string(r.new_keys.size()) + " and values of " +
+                                               std::to_string(r.new_values.size()) + " floats are not " +
+                                               std::to_string(r.tokens) + " tokens x " + std::to_string(s.kv_heads) +
+                                               " KV heads x " + std::to_string(s.head_dim));
+  for (const auto& [span, what] : {std::pair{r.new_keys, "new keys"}, std::pair{r.new_values, "new values"}}) {
+    if (all_below(span.data(), span.size(), std::numeric_limits<float>::infinity())) continue;
+    const std::size_t at = std::size_t(std::find_if(span.begin(), span.end(), [](float x) { return !std::isfinite(x); }) - span.begin());
+    throw Error(ErrorCode::non_finite_input, which + what + " of token " + std::to_string(at / per_token) + ", KV head " +
+                                                 std::to_string(at % per_token / s.head_dim) + ", channel " +
+                                                 std::to_string(at % s.head_dim) + " is not finite");
+  }
+  for (const auto& [span, what] : {std::pair{r.queries, "queries"}, std::pair{r.new_keys, "new keys"},
+                                   std::pair{r.new_values, "new values"}})
+    if (overlaps(std::span<const float>(r.out.data(), r.out.size()), span))
+      throw Error(ErrorCode::invalid_argument, which + "the output overlaps the " + what);
+}
+
+}  // namespace detail
+
+/// Attention for a batch of requests (see the top of this file); every output is written only
+/// after every request has been checked. Throws kvq::Error naming the request on bad shapes,
+/// positions the cache does not hold, NaN/Inf queries or new tokens, outputs overlapping inputs
+/// or each other, and queries whose scores would overflow float.
+inline void attend(std::span<const AttentionRequest> requests, const DecodeOptions& options = {}) {
+  using kernels::attention::max_group;
+  std::vector<detail::RequestPlan> plans(requests.size());
+  std::size_t query_floats = 0, partial_floats = 0;
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    const AttentionRequest& r = requests[i];
+    detail::check_request(r, i);
+    const BasicKVCache& cache = *r.cache;
+    const std::size_t dim = cache.shape().head_dim, kv_heads = cache.shape().kv_heads;
+    const bool fresh = !r.new_keys.empty();
+    detail::RequestPlan& p = plans[i];
+    p.request = &r;
+    p.tokens = r.tokens;
+    try {
+      const float peak = fresh ? largest_magnitude(r.new_keys.data(), r.new_keys.size()) : -1.0f;
+      detail::check_attention_args(cache, r.layer, r.first_position, r.tokens, r.queries, r.out.size(), peak);
+    } catch (const Error& e) {
+      throw Error(e.code(), "attention request " + std::to_string(i) + ": " + e.message());
+    }
+    p.heads = r.queries.size() / p.tokens / dim;
+    p.group = p.heads / kv_heads;
+    p.rows = p.tokens * p.group;
+    p.batches = (p.rows + max_group - 1) / max_group;
+    p.prefix = fresh ? r.first_position : r.first_position + 1;
+    const std::size_t tile = kernels::attention::tile_tokens(cache.keys(r.layer, 0, 0));
+    p.chunk = std::max<std::size_t>(1, (options.chunk_tokens + tile - 1) / tile) * tile;
+    const std::size_t sinks = cache.config().sinks;
+    p.chunks = p.prefix == 0 ? 0 : p.prefix <= sinks ? 1 : (p.prefix - sinks + p.chunk - 1) / p.chunk;
+    const RopeTable* rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
+    p.path = kernels::attention::select_path(cache.keys(r.layer, 0, 0), cache.values(r.layer, 0, 0),
+                                             std::min(p.rows, max_group), rope, options.max_isa);
+    p.query_offset = query_floats;
+    query_floats += kv_heads * p.rows * dim;
+    p.partial_offset = partial_floats;
+    partial_floats += kv_heads * p.batches * (p.chunks + 1) * max_group * (dim + 2);
+  }
+  for (std::size_t i = 0; i < requests.size(); ++i)
+    for (std::size_t j = i + 1; j < requests.size(); ++j)
+      if (detail::overlaps(std::span<const float>(requests[i].out.data(), requests[i].out.size()),
+                           std::span<const float>(requests[j].out.data(), requests[j].out.size())))
+        throw Error(ErrorCode::invalid_argument, "attention requests " + std::to_string(i) + " and " + std::to_string(j) +
+                                                     " write overlapping outputs");
+
+  // One position without new tokens: decode_attention, bit for bit.
+  if (requests.size() == 1 && plans[0].tokens == 1 && requests[0].new_keys.empty())
+    return decode_attention(*requests[0].cache, requests[0].layer, requests[0].first_position, requests[0].queries,
+                            requests[0].out, options);
+
+  // The caller's scratch, captured by reference: tasks on other threads must not see their own.
+  thread_local std::vector<float> queries_scratch, partial_scratch;
+  std::vector<float>& own_queries = queries_scratch;
+  std::vector<float>& own_partial = partial_scratch;
+  own_queries.resize(query_floats);
+  own_partial.resize(partial_floats);
+  // Queries per KV head as rows (t, g): rotated to their own positions and scaled by 1/sqrt(d).
+  for (const detail::RequestPlan& p : plans) {
+    const AttentionRequest& r = *p.request;
+    const BasicKVCache& cache = *r.cache;
+    const std::size_t dim = cache.shape().head_dim;
+    const bool pre = cache.config().key_rope == KeyRope::pre;
+    const float scale = 1.0f / std::sqrt(float(dim));
+    for (std::size_t t = 0; t < p.tokens; ++t)
+      for (std::size_t h = 0; h < p.heads; ++h) {
+        const std::size_t kvh = h / p.group, row = t * p.group + h % p.group;
+        float* x = own_queries.data() + p.query_offset + (kvh * p.rows + row) * dim;
+        std::copy_n(r.queries.data() + (t * p.heads + h) * dim, dim, x);
+        if (pre) cache.rope().rotate(x, r.first_position + t);
+        for (std::size_t c = 0; c < dim; ++c) x[c] *= scale;
+      }
+  }
+
+  // Work items: (request, KV head, batch) x (prefix chunks + the exact tail).
+  struct Item {
+    std::size_t plan, kvh, batch, part;
+  };
+  std::vector<Item> items;
+  for (std::size_t i = 0; i < plans.size(); ++i)
+    for (std::size_t kvh = 0; kvh < requests[i].cache->shape().kv_heads; ++kvh)
+      for (std::size_t b = 0; b < plans[i].batches; ++b)
+        for (std::size_t part = 0; part <= plans[i].chunks; ++part) items.push_back({i, kvh, b, part});
+
+  auto run_item = [&](std::size_t index) {
+    const Item& it = items[index];
+    const detail::RequestPlan& p = plans[it.plan];
+    const AttentionRequest& r = *p.request;
+    const BasicKVCache& cache = *r.cache;
+    const std::size_t dim = cache.shape().head_dim, stride = max_group * (dim + 2);
+    const std::size_t row0 = it.batch * max_group, rows = std::min(max_group, p.rows - row0);
+    const float* q = own_queries.data() + p.query_offset + (it.kvh * p.rows + row0) * dim;
+    float* base = own_partial.data() + p.partial_offset + ((it.kvh * p.batches + it.batch) * (p.chunks + 1) + it.part) * stride;
+    const detail::PartialState state{base, base + max_group, base + 2 * max_group};
+    if (it.part < p.chunks) {  // a chunk of the stored prefix, read once for every row of the batch
+      const std::size_t sinks = cache.config().sinks;
+      const std::size_t begin = it.part == 0 ? 0 : sinks + it.part * p.chunk;
+      const std::size_t end = std::min(p.prefix, sinks + (it.part + 1) * p.chunk);
+      const RopeTable* rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
+      detail::run_range(cache, r.layer, it.kvh, begin, end, {q, rows, rope}, p.path, options, state);
+      return;
+    }
+    // The tail, exact: query t sees new tokens 0 .. t, or stored positions p0 + 1 .. p0 + t.
+    const bool fresh = !r.new_keys.empty(), pre = cache.config().key_rope == KeyRope::pre;
+    const std::size_t tail = fresh ? p.tokens : p.tokens - 1, kv_heads = cache.shape().kv_heads;
+    std::vector<float> keys(tail * dim), values(tail * dim);
+    for (std::size_t j = 0; j < tail; ++j) {
+      const std::size_t position = fresh ? r.first_position + j : r.first_position + 1 + j;
+      float* k = keys.data() + j * dim;
+      float* v = values.data() + j * dim;
+      if (fresh) {
+        std::copy_n(r.new_keys.data() + (j * kv_heads + it.kvh) * dim, dim, k);
+        std::copy_n(r.new_values.data() + (j * kv_heads + it.kvh) * dim, dim, v);
+      } else {
+        cache.read_row(Tensor::keys, r.layer, it.kvh, position, k);
+        cache.read_row(Tensor::values, r.layer, it.kvh, position, v);
+      }
+      if (pre) cache.rope().rotate(k, position);
+    }
+    for (std::size_t row = 0; row < rows; ++row) {
+      const std::size_t t = (row0 + row) / p.group, seen = fresh ? t + 1 : t;
+      const float* x = q + row * dim;
+      float* acc = state.acc + row * dim;
+      float& m = state.max[row];
+      float& sum = state.sum[row];
+      m = -std::numeric_limits<float>::infinity();
+      sum = 0.0f;
+      std::fill(acc, acc + dim, 0.0f);
+      float scores[max_tile_tokens];
+      for (std::size_t j0 = 0; j0 < seen; j0 += max_tile_tokens) {
+        const std::size_t n = std::min(max_tile_tokens, seen - j0);
+        for (std::size_t j = 0; j < n; ++j) {
+          float s = 0.0f;
+          for (std::size_t c = 0; c < dim; ++c) s += x[c] * keys[(j0 + j) * dim + c];
+          scores[j] = s;
+        }
+        kernels::attention::softmax_update(scores, n, m, sum, acc, dim);
+        for (std::size_t j = 0; j < n; ++j)
+          for (std::size_t c = 0; c < dim; ++c) acc[c] += scores[j] * values[(j0 + j) * dim + c];
+      }
+    }
+  };
+  if (options.executor != nullptr && items.size() > 1) options.executor->parallel_for(items.size(), run_item);
+  else for (std::size_t i = 0; i < items.size(); ++i) run_item(i);
+
+  for (const detail::RequestPlan& p : plans) {
+    const AttentionRequest& r = *p.request;
+    const std::size_t dim = r.cache->shape().head_dim, stride = max_group * (dim + 2);
+    for (std::size_t kvh = 0; kvh < r.cache->shape().kv_heads; ++kvh)
+      for (std::size_t row = 0; row < p.rows; ++row) {
+        const std::size_t b = row / max_group, k = row % max_group, t = row / p.group, g = row % p.group;
+        const float* parts = own_partial.data() + p.partial_offset + (kvh * p.batches + b) * (p.chunks + 1) * stride;
+        detail::merge_parts(parts + k, parts + max_group + k, parts + 2 * max_group + k * dim, p.chunks + 1, stride, dim,
+                            r.out.data() + (t * p.heads + kvh * p.group + g) * dim);
+      }
+  }
+}
+
+/// One request: attend({&request, 1}, options).
+inline void attend(const AttentionRequest& request, const DecodeOptions& options = {}) {
+  attend(std::span<const AttentionRequest>(&request, 1), options);
+}
+
+}  // namespace kvq::inline v0
