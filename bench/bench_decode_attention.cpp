@@ -34,9 +34,9 @@ struct Built {
   double layer_bytes = 0;
 };
 
-Built& cache_for(const std::string& config, std::size_t context, std::size_t block) {
+Built& cache_for(const std::string& config, std::size_t context, std::size_t block_tokens) {
   static std::map<std::tuple<std::string, std::size_t, std::size_t>, Built> built;
-  auto key = std::tuple{config, context, block};
+  auto key = std::tuple{config, context, block_tokens};
   if (auto it = built.find(key); it != built.end()) return it->second;
   built.clear();  // one cache at a time keeps memory bounded
   const kvq::CacheConfig c = kvq::parse_cache_config(config);
@@ -45,7 +45,7 @@ Built& cache_for(const std::string& config, std::size_t context, std::size_t blo
   const std::size_t layers = std::max<std::size_t>(2, std::size_t(160e6 / bytes) + 1);
   Built b;
   kvq::CacheShape shape{layers, kKvHeads, kDim, context};
-  shape.block_tokens = block;
+  shape.block_tokens = block_tokens;
   b.cache = std::make_unique<kvq::BasicKVCache>(shape, c);
   b.layers = layers;
   b.layer_bytes = bytes;
@@ -69,8 +69,8 @@ kvq::Executor* pool(std::size_t threads) {
 }
 
 void decode_step(benchmark::State& state, std::string config, kvq::Tier tier, std::size_t context, std::size_t threads,
-                 kvq::isa::Level max_isa, bool guard_outliers, std::size_t block = 0) {
-  Built& b = cache_for(config, context, block);
+                 kvq::isa::Level max_isa, bool guard_outliers, std::size_t block_tokens) {
+  Built& b = cache_for(config, context, block_tokens);
   std::vector<float> q(kHeads * kDim), out(q.size());
   std::mt19937 rng(2);
   std::normal_distribution<float> normal;
@@ -169,7 +169,8 @@ int main(int argc, char** argv) {
           benchmark::RegisterBenchmark(("decode/" + std::string(c.name) + "/" + kvq::to_string(tier) + "/" +
                                         std::to_string(context) + "/threads:" + std::to_string(threads))
                                            .c_str(),
-                                       decode_step, std::string(c.config), tier, context, threads, kvq::isa::Level::avx512, true)
+                                       decode_step, std::string(c.config), tier, context, threads, kvq::isa::Level::avx512, true,
+                                       std::size_t(0))
               ->Unit(benchmark::kMillisecond)
               ->UseRealTime();
       }
@@ -182,7 +183,7 @@ int main(int argc, char** argv) {
       if (unquantized && tier == kvq::Tier::integer) continue;
       benchmark::RegisterBenchmark(std::string("decode_avx2/").append(name).append("/").append(kvq::to_string(tier)).append("/32768/threads:1").c_str(),
                                    decode_step, std::string(c.config), tier, std::size_t(32768), std::size_t(1), kvq::isa::Level::avx2,
-                                   true)
+                                   true, std::size_t(0))
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }
@@ -194,7 +195,7 @@ int main(int argc, char** argv) {
     if (!name.starts_with("K4V2-post") && !name.starts_with("K2V2-post")) continue;
     benchmark::RegisterBenchmark(std::string("decode_unguarded/").append(name).append("/integer/32768/threads:1").c_str(),
                                  decode_step, std::string(c.config), kvq::Tier::integer, std::size_t(32768), std::size_t(1),
-                                 kvq::isa::Level::avx512, false)
+                                 kvq::isa::Level::avx512, false, std::size_t(0))
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }
