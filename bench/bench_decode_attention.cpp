@@ -199,30 +199,22 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }
-  // Speculative verification of T positions in one call, 32K, one thread.
+  // fp16 and the K4V2 caches in both tiers, 32K, one thread: speculative verification of T
+  // positions in one call, and the caches read in more or fewer segments.
   for (const Named& c : caches) {
     const std::string_view name = c.name;
     if (name != "fp16" && !name.starts_with("K4V2")) continue;
     for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
       if (name == "fp16" && tier == kvq::Tier::integer) continue;
+      const std::string row = std::string(name).append("/").append(kvq::to_string(tier)).append("/32768/");
       for (const std::size_t tokens : {4, 8})
-        benchmark::RegisterBenchmark(std::string("verify/").append(name).append("/").append(kvq::to_string(tier))
-                                         .append("/32768/T:").append(std::to_string(tokens)).c_str(),
-                                     verify_step, std::string(c.config), tier, std::size_t(32768), tokens)
+        benchmark::RegisterBenchmark(("verify/" + row + "T:" + std::to_string(tokens)).c_str(), verify_step,
+                                     std::string(c.config), tier, std::size_t(32768), tokens)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
-    }
-  }
-  // Blocks: the same caches read in more or fewer segments, 32K, one thread.
-  for (const Named& c : caches) {
-    const std::string_view name = c.name;
-    if (name != "fp16" && !name.starts_with("K4V2")) continue;
-    for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
-      if (name == "fp16" && tier == kvq::Tier::integer) continue;
       for (const std::size_t block : {256, 32768})
-        benchmark::RegisterBenchmark(std::string("decode_blocks/").append(name).append("/").append(kvq::to_string(tier))
-                                         .append("/32768/block:").append(std::to_string(block)).c_str(),
-                                     decode_step, std::string(c.config), tier, std::size_t(32768), std::size_t(1),
+        benchmark::RegisterBenchmark(("decode_blocks/" + row + "block:" + std::to_string(block)).c_str(), decode_step,
+                                     std::string(c.config), tier, std::size_t(32768), std::size_t(1),
                                      kvq::isa::Level::avx512, true, block)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();

@@ -217,6 +217,16 @@ PoolShape small_pool(std::size_t blocks = 4096) {
   return p;
 }
 
+/// A new sequence of `pool` fed n random tokens (kept in `tokens`) in every layer.
+SequenceId add_tokens(KVPool& pool, Tokens& tokens, std::size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  const std::size_t row = row_of(pool.shape().sequence_shape());
+  tokens.add(n, row, rng);
+  const SequenceId id = pool.add_sequence();
+  for (std::size_t l = 0; l < pool.shape().layers; ++l) pool.append(id, l, 0, tokens.k(0, n, row), tokens.v(0, n, row));
+  return id;
+}
+
 // A fork shares every block of the prefix: memory grows by the fork's own rows only; writes on
 // either side leave the other's bytes alone; removing both returns every block.
 TEST(KVPool, ForkSharesThePrefixAndCopiesOnlyOwnRows) {
@@ -224,10 +234,8 @@ TEST(KVPool, ForkSharesThePrefixAndCopiesOnlyOwnRows) {
   KVPool pool(small_pool(), config);
   const std::size_t row = 128;
   Tokens parent_tokens;
-  std::mt19937 rng(6);
-  parent_tokens.add(2000, row, rng);
-  const SequenceId parent = pool.add_sequence();
-  for (std::size_t l = 0; l < 2; ++l) pool.append(parent, l, 0, parent_tokens.k(0, 2000, row), parent_tokens.v(0, 2000, row));
+  const SequenceId parent = add_tokens(pool, parent_tokens, 2000, 6);
+  std::mt19937 rng(60);
   const kvq::PoolMemory before = pool.memory();
   const std::size_t blocks_before = pool.blocks().counts().in_use;
   const SequenceId child = pool.fork(parent, 2000);
@@ -261,10 +269,8 @@ TEST(KVPool, ForkAtAnOlderLengthIsExactWithinTheRollbackDepth) {
   KVPool pool(small_pool(), config);
   const std::size_t row = 128;
   Tokens tokens;
-  std::mt19937 rng(7);
-  tokens.add(500, row, rng);
-  const SequenceId a = pool.add_sequence();
-  for (std::size_t l = 0; l < 2; ++l) pool.append(a, l, 0, tokens.k(0, 500, row), tokens.v(0, 500, row));
+  const SequenceId a = add_tokens(pool, tokens, 500, 7);
+  std::mt19937 rng(70);
   const auto a_bytes = pool.sequence(a).stored_bytes();
   const SequenceId b = pool.fork(a, 488);
   Tokens other = tokens;
@@ -290,10 +296,8 @@ TEST(KVPool, ExhaustedPoolNamesTheBlocksAndChangesNothing) {
   KVPool pool(small_pool(9), config);
   const std::size_t row = 128;
   Tokens tokens;
-  std::mt19937 rng(8);
-  tokens.add(250, row, rng);
-  const SequenceId s = pool.add_sequence();
-  for (std::size_t l = 0; l < 2; ++l) pool.append(s, l, 0, tokens.k(0, 250, row), tokens.v(0, 250, row));
+  const SequenceId s = add_tokens(pool, tokens, 250, 8);
+  std::mt19937 rng(80);
   EXPECT_EQ(pool.blocks().counts().in_use, 8u);  // 218 packed value rows per layer: 4 blocks of 64
   const auto bytes = pool.sequence(s).stored_bytes();
   tokens.add(200, row, rng);
@@ -314,12 +318,8 @@ TEST(KVPool, ExhaustedPoolNamesTheBlocksAndChangesNothing) {
 TEST(KVPool, SavedSequencesLoadBackAndBadFilesChangeNothing) {
   const CacheConfig config = config_of("k4c32-v2t32-r32-s2");
   KVPool pool(small_pool(), config);
-  const std::size_t row = 128;
   Tokens tokens;
-  std::mt19937 rng(9);
-  tokens.add(700, row, rng);
-  const SequenceId s = pool.add_sequence();
-  for (std::size_t l = 0; l < 2; ++l) pool.append(s, l, 0, tokens.k(0, 700, row), tokens.v(0, 700, row));
+  const SequenceId s = add_tokens(pool, tokens, 700, 9);
   std::stringstream file;
   kvq::save(pool.sequence(s), file);
   const std::string bytes = file.str();
@@ -356,11 +356,8 @@ TEST(KVPool, CommittedMemoryFollowsTheLength) {
   shape.max_tokens = 32768;
   const CacheConfig config = config_of("k4c32-v2t32-r128-s1");
   KVPool pool(shape, config);
-  const SequenceId s = pool.add_sequence();
   Tokens tokens;
-  std::mt19937 rng(10);
-  tokens.add(1000, 8 * 128, rng);
-  for (std::size_t l = 0; l < 4; ++l) pool.append(s, l, 0, tokens.k(0, 1000, 1024), tokens.v(0, 1000, 1024));
+  const SequenceId s = add_tokens(pool, tokens, 1000, 10);
   const double held = double(pool.sequence(s).memory().total_bytes()), committed = double(pool.memory().committed);
   // Blocks round the packed rows up to 64 positions; the ring holds R + G rows and the rollback
   // copies D + G and D + 1: about 1.2x the bytes the tokens need (a cache of the whole 32K
