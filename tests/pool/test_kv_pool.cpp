@@ -154,7 +154,7 @@ TEST(PagedCache, MemoryIsCommittedAsTokensArrive) {
   std::mt19937 rng(5);
   tokens.add(1000, row_of(shape), rng);
   for (std::size_t l = 0; l < 2; ++l) cache.append(l, 0, tokens.k(0, 1000, 128), tokens.v(0, 1000, 128));
-  EXPECT_EQ(cache.block_count(0), 1u);  // 872 packed value rows: one block of 1024
+  EXPECT_EQ(cache.block_count(0), 1u);  // 872 packed value rows: one block of 4096
   EXPECT_LT(cache.allocated_bytes() - empty, 2 * cache.blocks().block_bytes() + 1);
 }
 

@@ -37,12 +37,12 @@ struct AttentionRequest {
   std::size_t layer = 0;
   std::size_t first_position = 0;  // p0: the position of the first query
   std::size_t tokens = 1;          // T: query positions p0 .. p0 + T - 1
-  std::span<const float> queries;  // (T, heads, head_dim), following the cache's key_rope
+  std::span<const float> queries{};  // (T, heads, head_dim), following the cache's key_rope
   /// Empty, or (T, kv_heads, head_dim) each: the keys (pre-RoPE when the cache stores them so)
   /// and values of positions p0 .. p0 + T - 1, attended exactly; the cache's stored positions
   /// from p0 on are then not read.
-  std::span<const float> new_keys, new_values;
-  std::span<float> out;  // (T, heads, head_dim)
+  std::span<const float> new_keys{}, new_values{};
+  std::span<float> out{};  // (T, heads, head_dim)
 };
 
 namespace detail {

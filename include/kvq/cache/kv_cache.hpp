@@ -83,7 +83,8 @@ struct CacheShape {
   RopeStyle rope_style = RopeStyle::adjacent_pairs;
   float rope_theta = 10000.0f;
   /// Positions per block of memory (a multiple of block_unit(config)); 0 chooses: the multiple
-  /// of the unit nearest above 1024, or less when the capacity is smaller.
+  /// of the unit nearest above 4096 (decode attention's chunk: one kernel call per chunk, as
+  /// fast as one block; bench/RESULTS.md), or less when the capacity is smaller.
   std::size_t block_tokens = 0;
 
   RopeConfig rope() const { return RopeConfig{head_dim, rope_style, rope_theta, 0, 0}; }
@@ -119,7 +120,7 @@ inline void validate(const CacheShape& shape, const CacheConfig& config) {
 inline std::size_t block_tokens(const CacheShape& shape, const CacheConfig& config) {
   if (shape.block_tokens != 0) return shape.block_tokens;
   const std::size_t unit = block_unit(config), after_sinks = shape.capacity > config.sinks ? shape.capacity - config.sinks : 1;
-  const std::size_t wanted = std::min<std::size_t>(1024, after_sinks);
+  const std::size_t wanted = std::min<std::size_t>(4096, after_sinks);
   return (wanted + unit - 1) / unit * unit;
 }
 

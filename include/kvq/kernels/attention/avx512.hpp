@@ -606,6 +606,9 @@ struct Kernel {
 }  // namespace detail
 
 KVQ_TARGET_AVX512_ATTENTION inline void decode_task(const DecodeTask& task) noexcept {
+  // The packed-span kernels keep their query tables across the segments of one task
+  // (int_init); a task's first segment starts afresh whatever path ran before it.
+  if (!task.resume) detail::int_state().queries = nullptr;
   if (task.keys.head_dim == 64) {
     detail::Kernel<4> kernel(task);
     kernel.run();

@@ -54,6 +54,8 @@ struct IntState {
   std::size_t dim = 0, nh = 0, h0 = 0;
   int kbits = 0, vbits = 0;
   std::size_t krow = 0, vrow = 0;  // packed bytes per row
+  const float* queries = nullptr;  // the queries the tables below were built for
+  std::size_t group = 0;
 
   // keys
   alignas(64) std::int32_t kperm[16];          // lane l of a permuted 16-channel vector <- channel
@@ -165,6 +167,12 @@ inline std::size_t key_channel(std::size_t k, int bits) noexcept {
 KVQ_TARGET_AVX512_ATTENTION inline void int_init(IntState& S, const DecodeTask& t) noexcept {
   const StreamView &k = t.keys, &v = t.values;
   S.task = &t;
+  // A task resumed on its next segment (block) keeps its queries and widths: the tables stand.
+  if (t.resume && S.queries == t.queries && S.group == t.group && S.dim == k.head_dim && S.kbits == k.spec.bits &&
+      S.vbits == v.spec.bits && S.krow == k.row_bytes && S.vrow == v.row_bytes)
+    return;
+  S.queries = t.queries;
+  S.group = t.group;
   S.dim = k.head_dim;
   S.kbits = k.spec.bits;
   S.vbits = v.spec.bits;
