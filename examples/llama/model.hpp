@@ -163,7 +163,6 @@ class Model {
     Matrix wq, wk, wv, wo, w_gate, w_up, w_down;
   };
 
-  // Bounded so that no buffer sized from metadata can be absurd.
   // <prefix>scaling.{type, factor, original_context_length} as llama.cpp writes them (and the
   // older <prefix>scale_linear). yarn's beta_fast, beta_slow and attention factor take llama.cpp's
   // defaults (32, 1, 0.1 ln(factor) + 1).
@@ -192,6 +191,7 @@ class Model {
     }
   }
 
+  // Bounded so that no buffer sized from metadata can be absurd.
   static std::size_t hyper(const GgufFile& file, const char* key, std::uint64_t min = 1) {
     const std::uint64_t v = file.get_uint(key);
     if (v < min || v > (std::uint64_t{1} << 24))

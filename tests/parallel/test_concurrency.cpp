@@ -162,6 +162,41 @@ TEST(KVCacheConcurrency, AppendsToDifferentLayersEqualSerialAppends) {
   EXPECT_TRUE(std::ranges::equal(shared.raw_storage(), serial.raw_storage()));
 }
 
+// The contract's middle case: attention on one layer while other threads append to the others.
+TEST(KVCacheConcurrency, AttentionOnOneLayerWhileOthersAppend) {
+  const std::size_t layers = 3, tokens = 500, heads = 4;
+  kvq::BasicKVCache cache(shape_for(layers), kvq::parse_cache_config(wrapping_config));
+  cache.append(0, 0, layer_tokens(0, tokens, 1), layer_tokens(0, tokens, 2));
+  const auto q = kvq::test::normal_vector(heads * 64, 3);
+  auto attend = [&] {
+    std::vector<float> out(q.size());
+    kvq::decode_attention(cache, 0, tokens - 1, q, out);
+    return out;
+  };
+  const auto expected = attend();
+  std::atomic<bool> appending{true};
+  std::atomic<int> mismatches{0}, reads{0};
+  std::thread reader([&] {
+    while (appending.load() || reads.load() == 0) {
+      mismatches.fetch_add(attend() != expected);
+      reads.fetch_add(1);
+    }
+  });
+  std::vector<std::thread> writers;
+  for (std::size_t l = 1; l < layers; ++l)
+    writers.emplace_back([&, l] {
+      const auto k = layer_tokens(l, tokens, 1), v = layer_tokens(l, tokens, 2);
+      for (std::size_t p = 0; p < tokens; ++p)
+        cache.append(l, p, std::span(k).subspan(p * 128, 128), std::span(v).subspan(p * 128, 128));
+    });
+  for (auto& t : writers) t.join();
+  appending.store(false);
+  reader.join();
+  EXPECT_EQ(mismatches.load(), 0);
+  EXPECT_GT(reads.load(), 0);
+  for (std::size_t l = 1; l < layers; ++l) EXPECT_EQ(cache.length(l), tokens);
+}
+
 TEST(KVCacheConcurrency, ConstOperationsFromManyThreadsAgreeWithOneThread) {
   const std::size_t layers = 3, tokens = 600, heads = 8;
   kvq::BasicKVCache cache(shape_for(layers), kvq::parse_cache_config(wrapping_config));
