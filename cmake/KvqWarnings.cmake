@@ -1,10 +1,18 @@
 # Warnings and sanitizers for the project's own targets (never forced on consumers).
 option(KVQ_SANITIZE "Build tests and examples with AddressSanitizer and UndefinedBehaviorSanitizer" OFF)
+option(KVQ_SANITIZE_THREAD "Build tests and examples with ThreadSanitizer" OFF)
+if(KVQ_SANITIZE AND KVQ_SANITIZE_THREAD)
+  message(FATAL_ERROR "KVQ_SANITIZE and KVQ_SANITIZE_THREAD exclude each other (ThreadSanitizer cannot run with AddressSanitizer)")
+endif()
 
 function(kvq_target_defaults target)
   target_compile_options(${target} PRIVATE -Wall -Wextra -Wpedantic -Wshadow -Wconversion -Wno-sign-conversion)
   if(KVQ_SANITIZE)
     target_compile_options(${target} PRIVATE -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer)
     target_link_options(${target} PRIVATE -fsanitize=address,undefined)
+  endif()
+  if(KVQ_SANITIZE_THREAD)
+    target_compile_options(${target} PRIVATE -fsanitize=thread -fno-omit-frame-pointer)
+    target_link_options(${target} PRIVATE -fsanitize=thread)
   endif()
 endfunction()

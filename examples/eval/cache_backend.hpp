@@ -46,7 +46,7 @@ inline AttentionFn attention_fn(std::string_view name) {
 inline CacheShape cache_shape(const llama::Model& model, std::size_t capacity) {
   const llama::LlamaConfig& m = model.config();
   const RopeConfig rope = model.rope_config();
-  return CacheShape{m.layers, m.kv_heads, m.head_dim, capacity, rope.style, rope.theta};
+  return CacheShape{m.layers, m.kv_heads, m.head_dim, capacity, rope.style, rope.theta, rope.rotary_dims, rope.scaling};
 }
 
 class CacheBackend {

@@ -40,7 +40,8 @@ struct LlamaConfig {
   std::size_t context_length = 0;  // llama.context_length
   float norm_eps = 1e-5f;          // llama.attention.layer_norm_rms_epsilon
   float rope_theta = 10000.0f;     // llama.rope.freq_base
-  std::size_t rope_dims = 0;       // rotated channels; 0 = head_dim (the only value loaded models have)
+  std::size_t rope_dims = 0;       // llama.rope.dimension_count: rotated channels; 0 = head_dim
+  RopeScaling rope_scaling{};      // llama.rope.scaling.* and the rope_freqs.weight tensor
   int bos = 1, eos = 2;            // tokenizer.ggml.{bos,eos}_token_id
 
   std::size_t q_dim() const noexcept { return heads * head_dim; }
@@ -75,24 +76,19 @@ class Model {
     c.head_dim = c.dim / c.heads;
     if (file.find("tokenizer.ggml.bos_token_id")) c.bos = static_cast<int>(hyper(file, "tokenizer.ggml.bos_token_id", 0));
     if (file.find("tokenizer.ggml.eos_token_id")) c.eos = static_cast<int>(hyper(file, "tokenizer.ggml.eos_token_id", 0));
-    try {
-      validate(rope_config());
-    } catch (const Error& e) {
-      file.fail(std::string("RoPE parameters: ") + e.what());
-    }
+    if (file.find("llama.rope.dimension_count")) c.rope_dims = hyper(file, "llama.rope.dimension_count");
+    c.rope_scaling = read_rope_scaling(file, "llama.rope.");
+    validate_rope(file);
 
     const GgufTensor& embd = file.tensor("token_embd.weight");
     if (embd.dims.size() != 2) file.fail("token_embd.weight must have 2 dimensions");
     c.vocab = static_cast<std::size_t>(embd.dims[1]);
     check_tensors_back_metadata(file);  // before anything is sized by the metadata
-    if (file.find("llama.rope.dimension_count")) {
-      // The quantized cache rotates whole heads (kvq::CacheShape has no rotary_dims), so partial
-      // RoPE would rotate every channel: refuse it rather than mis-rotate silently.
-      const std::size_t rope_dims = hyper(file, "llama.rope.dimension_count");
-      if (rope_dims != c.head_dim)
-        throw Error(ErrorCode::unsupported, file.source() + ": llama.rope.dimension_count = " +
-                                                std::to_string(rope_dims) + " rotates part of each head (head_dim " +
-                                                std::to_string(c.head_dim) + "); partial RoPE is not supported");
+    if (file.find_tensor("rope_freqs.weight")) {
+      // llama.cpp's form of Llama-3 scaling: one divisor of each rotated pair's frequency.
+      const Vector divisors = load_vector(file, "rope_freqs.weight", rope_config().dims() / 2);
+      c.rope_scaling.frequency_divisors.assign(divisors.data(), divisors.data() + divisors.size());
+      validate_rope(file);
     }
 
     embedding_ = load_matrix(file, "token_embd.weight", c.dim, c.vocab);
@@ -117,12 +113,13 @@ class Model {
   const LlamaConfig& config() const noexcept { return config_; }
 
   /// RoPE as this model's weights expect it: llama.cpp "normal" mode rotates adjacent pairs.
-  RopeConfig rope_config() const noexcept {
+  RopeConfig rope_config() const {
     RopeConfig r;
     r.head_dim = config_.head_dim;
     r.style = RopeStyle::adjacent_pairs;
     r.theta = config_.rope_theta;
     r.rotary_dims = config_.rope_dims;
+    r.scaling = config_.rope_scaling;
     return r;
   }
 
@@ -165,6 +162,34 @@ class Model {
     Vector attn_norm, ffn_norm;
     Matrix wq, wk, wv, wo, w_gate, w_up, w_down;
   };
+
+  // <prefix>scaling.{type, factor, original_context_length} as llama.cpp writes them (and the
+  // older <prefix>scale_linear). yarn's beta_fast, beta_slow and attention factor take llama.cpp's
+  // defaults (32, 1, 0.1 ln(factor) + 1).
+  static RopeScaling read_rope_scaling(const GgufFile& file, const std::string& prefix) {
+    RopeScaling s;
+    const std::string type_key = prefix + "scaling.type", factor_key = prefix + "scaling.factor";
+    const std::string context_key = prefix + "scaling.original_context_length", legacy_key = prefix + "scale_linear";
+    const std::string type = file.find(type_key) ? file.get_string(type_key) : file.find(legacy_key) ? "linear" : "none";
+    if (type == "linear") s.type = RopeScalingType::linear;
+    else if (type == "yarn") s.type = RopeScalingType::yarn;
+    else if (type != "none")
+      throw Error(ErrorCode::unsupported, file.source() + ": " + type_key + " = '" + type +
+                                              "'; this engine knows none, linear and yarn");
+    if (s.type == RopeScalingType::none) return s;
+    const std::string& key = file.find(factor_key) ? factor_key : legacy_key;
+    if (file.find(key)) s.factor = static_cast<float>(file.get_float(key));
+    if (file.find(context_key)) s.original_context = hyper(file, context_key.c_str());
+    return s;
+  }
+
+  void validate_rope(const GgufFile& file) const {
+    try {
+      validate(rope_config());
+    } catch (const Error& e) {
+      file.fail(std::string("RoPE parameters: ") + e.what());
+    }
+  }
 
   // Bounded so that no buffer sized from metadata can be absurd.
   static std::size_t hyper(const GgufFile& file, const char* key, std::uint64_t min = 1) {

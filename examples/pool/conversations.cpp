@@ -121,6 +121,8 @@ int run(int argc, char** argv) {
   shape.memory_blocks = 4096;
   shape.rope_style = rope.style;
   shape.rope_theta = rope.theta;
+  shape.rope_dims = rope.rotary_dims;
+  shape.rope_scaling = rope.scaling;
   kvq::KVPool shared(shape, config), separate(shape, config);
 
   const kvq::SequenceId base = shared.add_sequence();

@@ -119,6 +119,28 @@ TEST(CacheFile, SavesToAndLoadsFromAFile) {
   }
 }
 
+// Format version 1 records RoPE style and theta only: a cache with partial rotary or scaled RoPE
+// is refused by name, before a file is opened, rather than saved as another RoPE.
+TEST(CacheFile, RopeTheFormatCannotRecordIsRefused) {
+  CacheShape shape{1, 1, 32, 64};
+  shape.rope_scaling.type = kvq::RopeScalingType::yarn;
+  shape.rope_scaling.factor = 4.0f, shape.rope_scaling.original_context = 32;
+  const BasicKVCache cache = sample_cache(shape, config_of("k4c8-v2t8-r8-s1"), 20, 4);
+  try {
+    (void)saved(cache);
+    ADD_FAILURE() << "saved";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::unsupported);
+    EXPECT_NE(std::string(e.what()).find("yarn scaling"), std::string::npos) << e.what();
+  }
+  const auto path = std::filesystem::temp_directory_path() / ("kvq_test_rope_" + std::to_string(::getpid()) + ".kvq");
+  EXPECT_THROW(kvq::save_file(cache, path), kvq::Error);
+  EXPECT_FALSE(std::filesystem::exists(path));
+  shape.rope_scaling = {};
+  shape.rope_dims = 32;  // rotating every channel is no extension
+  EXPECT_NO_THROW((void)saved(sample_cache(shape, config_of("k4c8-v2t8-r8-s1"), 20, 4)));
+}
+
 // The file holds what the cache uses (codes, parameters, sink and window rows, as memory()
 // counts them, plus the rollback copies), never its capacity.
 TEST(CacheFile, SizeFollowsTheTokensHeldNotTheCapacity) {
@@ -270,6 +292,12 @@ TEST_F(DamagedFile, AnotherShapeOrConfigIsAShapeMismatch) {
   expect_mismatch(CacheShape{2, 1, 16, 64}, config, "capacity 64");
   expect_mismatch(CacheShape{2, 1, 16, 48, kvq::RopeStyle::half_split}, config, "half_split");
   expect_mismatch(CacheShape{2, 1, 16, 48, kvq::RopeStyle::adjacent_pairs, 500000.0f}, config, "500000");
+  CacheShape partial = shape;
+  partial.rope_dims = 8;
+  expect_mismatch(partial, config, "rotary dims 8");
+  CacheShape scaled = shape;
+  scaled.rope_scaling.type = kvq::RopeScalingType::linear, scaled.rope_scaling.factor = 2.0f;
+  expect_mismatch(scaled, config, "linear scaling");
   expect_mismatch(shape, config_of("k4c8-v2t8-r4-s1"), "configured 'k4c8-v2t8-r4-s1-d6'");
   expect_mismatch(shape, config_of("k4c8-v2t8-r4-s1-post-d6"), "configured 'k4c8-v2t8-r4-s1-post-d6'");
 }

@@ -8,10 +8,12 @@
 #include <cstring>
 #include <stdexcept>
 #include <functional>
+#include <numbers>
 #include <variant>
 #include <string>
 #include <vector>
 
+#include "eval/cache_backend.hpp"
 #include "llama/full_precision_backend.hpp"
 #include "kvq/core/half.hpp"
 #include "llama/ggml_blocks.hpp"
@@ -291,19 +293,137 @@ TEST(Model, Q8_0WeightsRunEndToEnd) {
   EXPECT_NE(nll_a, nll_b);  // the weights really were quantized
 }
 
-// The quantized cache rotates whole heads, so a model that rotates part of each head is refused
-// by name instead of being mis-rotated.
-TEST(Model, PartialRopeIsRefusedByName) {
-  KVQ_REQUIRE_LLAMA_DATA();
-  EXPECT_NO_THROW((void)Model(GgufFile::parse(real_model_with("llama.rope.dimension_count", 8))));
+std::string model_error_of(const std::vector<std::uint8_t>& bytes, ErrorCode expected) {
   try {
-    (void)Model(GgufFile::parse(real_model_with("llama.rope.dimension_count", 4)));
-    ADD_FAILURE() << "partial RoPE accepted";
+    (void)Model(GgufFile::parse(bytes, "patched.gguf"));
   } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::unsupported);
-    EXPECT_NE(std::string(e.what()).find("llama.rope.dimension_count = 4"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("head_dim 8"), std::string::npos) << e.what();
+    EXPECT_EQ(e.code(), expected) << e.what();
+    return e.what();
   }
+  return "accepted";
+}
+
+// Partial RoPE (llama.rope.dimension_count < head_dim) reaches the cache: a pre-RoPE kvq cache
+// (fp32 rows, exact attention) predicts what the full-precision backend does, and both differ
+// from the model rotating every channel.
+TEST(Model, PartialRopeRunsThroughTheCache) {
+  KVQ_REQUIRE_LLAMA_DATA();
+  const Model full = Model::load(default_model_path());
+  const Model partial(GgufFile::parse(real_model_with("llama.rope.dimension_count", 4)));
+  EXPECT_EQ(partial.config().rope_dims, 4u);
+  EXPECT_EQ(partial.rope_config().dims(), 4u);
+  auto tokens = Tokenizer(GgufFile::load(default_model_path())).encode(testing::read_stories()[0]);
+  tokens.resize(std::min<std::size_t>(tokens.size(), 80));
+  const auto run_full_precision = [&](const Model& m) {
+    return teacher_forced(m, [&] { return FullPrecisionBackend(m, tokens.size()); }, tokens);
+  };
+  const auto reference = run_full_precision(partial), rotated_fully = run_full_precision(full);
+  const auto cached = teacher_forced(partial, [&] {
+    return eval::CacheBackend(partial, parse_cache_config("k16-v16-r0-s0-f32"), tokens.size(),
+                              eval::decode_attention_fn(Tier::exact));
+  }, tokens);
+  double largest = 0.0, rope_effect = 0.0;
+  for (std::size_t i = 0; i < reference.log_probs.size(); ++i) {
+    largest = std::max(largest, std::abs(double(cached.log_probs[i]) - reference.log_probs[i]));
+    rope_effect = std::max(rope_effect, std::abs(double(rotated_fully.log_probs[i]) - reference.log_probs[i]));
+  }
+  EXPECT_LT(largest, 1e-3);
+  EXPECT_GT(rope_effect, 0.1);
+
+  for (const std::uint32_t bad : {5u, 10u}) {  // odd, wider than the head
+    const std::string e = model_error_of(real_model_with("llama.rope.dimension_count", bad), ErrorCode::io);
+    EXPECT_NE(e.find("rotary_dims"), std::string::npos) << e;
+    EXPECT_NE(e.find("patched.gguf"), std::string::npos) << e;
+  }
+}
+
+// The real model's metadata and tensors copied (arrays left out: only the tokenizer has them),
+// plus what `extra` adds.
+std::vector<std::uint8_t> real_model_plus(const std::function<void(GgufWriter&)>& extra) {
+  const auto original = GgufFile::load(default_model_path());
+  GgufWriter w;
+  for (const auto& [key, value] : original.metadata()) {
+    if (const auto* s = std::get_if<std::string>(&value.data)) w.str(key, *s);
+    else if (value.type == GgufType::float32) w.f32(key, static_cast<float>(std::get<double>(value.data)));
+    else if (value.type == GgufType::uint32) w.u32(key, static_cast<std::uint32_t>(std::get<std::uint64_t>(value.data)));
+  }
+  extra(w);
+  for (const GgufTensor& t : original.tensors()) w.tensor_f32(t.name, t.dims, t.data);
+  return w.bytes();
+}
+
+TEST(Model, RopeScalingFromMetadata) {
+  KVQ_REQUIRE_LLAMA_DATA();
+  const Model linear(GgufFile::parse(real_model_plus([](GgufWriter& w) {
+    w.str("llama.rope.scaling.type", "linear").f32("llama.rope.scaling.factor", 4.0f);
+  })));
+  EXPECT_EQ(linear.rope_config().scaling.type, RopeScalingType::linear);
+  EXPECT_EQ(linear.rope_config().scaling.factor, 4.0f);
+  const Model legacy(GgufFile::parse(real_model_plus([](GgufWriter& w) { w.f32("llama.rope.scale_linear", 2.0f); })));
+  EXPECT_EQ(legacy.rope_config().scaling.type, RopeScalingType::linear);
+  EXPECT_EQ(legacy.rope_config().scaling.factor, 2.0f);
+  const Model yarn(GgufFile::parse(real_model_plus([](GgufWriter& w) {
+    w.str("llama.rope.scaling.type", "yarn")
+        .f32("llama.rope.scaling.factor", 4.0f)
+        .u32("llama.rope.scaling.original_context_length", 512);
+  })));
+  const RopeScaling& s = yarn.rope_config().scaling;
+  EXPECT_EQ(s.type, RopeScalingType::yarn);
+  EXPECT_EQ(s.factor, 4.0f);
+  EXPECT_EQ(s.original_context, 512u);
+  EXPECT_FLOAT_EQ(RopeTable(yarn.rope_config(), 4).attention_factor(), float(1.0 + 0.1 * std::log(4.0)));
+  FullPrecisionBackend kv(yarn, 8);  // the engine's own RoPE takes the scaling too
+  EXPECT_EQ(kv.rope().config().scaling, s);
+
+  const std::string unknown = model_error_of(real_model_plus([](GgufWriter& w) {
+    w.str("llama.rope.scaling.type", "longrope");
+  }), ErrorCode::unsupported);
+  EXPECT_NE(unknown.find("llama.rope.scaling.type = 'longrope'"), std::string::npos) << unknown;
+  const std::string no_context = model_error_of(real_model_plus([](GgufWriter& w) {
+    w.str("llama.rope.scaling.type", "yarn").f32("llama.rope.scaling.factor", 4.0f);
+  }), ErrorCode::io);
+  EXPECT_NE(no_context.find("original_context"), std::string::npos) << no_context;
+  const std::string shrink = model_error_of(real_model_plus([](GgufWriter& w) {
+    w.str("llama.rope.scaling.type", "linear").f32("llama.rope.scaling.factor", 0.5f);
+  }), ErrorCode::io);
+  EXPECT_NE(shrink.find("factor"), std::string::npos) << shrink;
+}
+
+// llama.cpp stores Llama-3 scaling as rope_freqs.weight, the divisor of each pair's frequency
+// (its converter: 1 where the wavelength is short, factor where long, 1 / ((1 - smooth) / factor
+// + smooth) between). The model's RoPE then has Meta's llama3 frequencies.
+TEST(Model, RopeFreqsTensorGivesLlama3Frequencies) {
+  KVQ_REQUIRE_LLAMA_DATA();
+  const double factor = 8.0, low = 1.0, high = 4.0, context = 1024.0;  // every regime at head_dim 8
+  std::vector<float> divisors;
+  for (std::size_t i = 0; i < 4; ++i) {
+    const double wavelen = 2 * std::numbers::pi * std::pow(10000.0, double(2 * i) / 8.0);
+    if (wavelen < context / high) divisors.push_back(1.0f);
+    else if (wavelen > context / low) divisors.push_back(float(factor));
+    else {
+      const double smooth = (context / wavelen - low) / (high - low);
+      divisors.push_back(float(1.0 / ((1 - smooth) / factor + smooth)));
+    }
+  }
+  const Model model(GgufFile::parse(real_model_plus([&](GgufWriter& w) { w.tensor_f32("rope_freqs.weight", {4}, divisors); })));
+  EXPECT_EQ(model.rope_config().scaling.frequency_divisors, divisors);
+  RopeConfig llama3 = model.rope_config();
+  llama3.scaling = {};
+  llama3.scaling.type = RopeScalingType::llama3;
+  llama3.scaling.factor = float(factor), llama3.scaling.original_context = std::size_t(context);
+  const auto got = rope_frequencies(model.rope_config()), want = rope_frequencies(llama3);
+  for (std::size_t i = 0; i < 4; ++i) EXPECT_NEAR(got[i] / want[i], 1.0, 1e-6) << "pair " << i;
+  EXPECT_NE(divisors[2], 1.0f);  // the smooth region is exercised
+  EXPECT_NE(divisors[2], float(factor));
+
+  const std::string wrong = model_error_of(real_model_plus([&](GgufWriter& w) {
+    w.tensor_f32("rope_freqs.weight", {3}, {1.0f, 1.0f, 1.0f});
+  }), ErrorCode::io);
+  EXPECT_NE(wrong.find("rope_freqs.weight"), std::string::npos) << wrong;
+  const std::string zero = model_error_of(real_model_plus([&](GgufWriter& w) {
+    w.tensor_f32("rope_freqs.weight", {4}, {1.0f, 0.0f, 1.0f, 1.0f});
+  }), ErrorCode::io);
+  EXPECT_NE(zero.find("frequency_divisors[1]"), std::string::npos) << zero;
 }
 
 }  // namespace

@@ -1,8 +1,13 @@
 // RoPE: both pairings, inverse, and the property attention relies on: a rotated dot product
-// depends only on the distance between positions.
+// depends only on the distance between positions. Scalings (linear, llama3, yarn, per-frequency
+// divisors) and partial rotary against the published formulas written out here in double.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <numbers>
+#include <string>
 #include <vector>
 
 #include "kvq/rope/rope.hpp"
@@ -108,6 +113,198 @@ TEST(Rope, BadConfigurationsAreRejected) {
   EXPECT_THROW(t.rotate(x.data(), 4), kvq::Error);
   std::vector<float> odd(9);
   EXPECT_THROW(t.rotate_heads(odd, 0), kvq::Error);
+}
+
+// The frequency of pair i as the models' reference code computes it, written out independently:
+// linear and yarn from Hugging Face transformers (_compute_*_parameters, yarn with truncate),
+// llama3 from Meta's apply_scaling.
+double published_frequency(const kvq::RopeConfig& c, std::size_t i) {
+  const double dims = double(c.dims()), base = c.theta, pi = std::numbers::pi;
+  const kvq::RopeScaling& s = c.scaling;
+  const double inv_freq = 1.0 / std::pow(base, double(2 * i) / dims);
+  double f = inv_freq;
+  if (s.type == kvq::RopeScalingType::linear) f = inv_freq / s.factor;
+  if (s.type == kvq::RopeScalingType::llama3) {
+    const double old_context = double(s.original_context);
+    const double low_freq_wavelen = old_context / s.low_freq_factor, high_freq_wavelen = old_context / s.high_freq_factor;
+    const double wavelen = 2 * pi / inv_freq;
+    if (wavelen < high_freq_wavelen) f = inv_freq;
+    else if (wavelen > low_freq_wavelen) f = inv_freq / s.factor;
+    else {
+      const double smooth = (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+      f = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq;
+    }
+  }
+  if (s.type == kvq::RopeScalingType::yarn) {
+    auto find_correction_dim = [&](double num_rotations) {
+      return dims * std::log(double(s.original_context) / (num_rotations * 2 * pi)) / (2 * std::log(base));
+    };
+    const double low = std::max(std::floor(find_correction_dim(s.beta_fast)), 0.0);
+    double high = std::min(std::ceil(find_correction_dim(s.beta_slow)), dims - 1);
+    if (low == high) high += 0.001;
+    const double linear = (double(i) - low) / (high - low);
+    const double extrapolation_factor = 1 - std::min(std::max(linear, 0.0), 1.0);
+    f = inv_freq / s.factor * (1 - extrapolation_factor) + inv_freq * extrapolation_factor;
+  }
+  if (!s.frequency_divisors.empty()) f /= s.frequency_divisors[i];
+  return f;
+}
+
+// cos and sin times yarn's attention factor (get_mscale: 0.1 ln(factor) + 1 unless given).
+double published_magnitude(const kvq::RopeConfig& c) {
+  const kvq::RopeScaling& s = c.scaling;
+  if (s.type != kvq::RopeScalingType::yarn) return 1.0;
+  return s.attention_factor != 0.0f ? s.attention_factor : 0.1 * std::log(double(s.factor)) + 1.0;
+}
+
+kvq::RopeScaling scaling(kvq::RopeScalingType type, float factor, std::size_t context = 0) {
+  kvq::RopeScaling s;
+  s.type = type, s.factor = factor, s.original_context = context;
+  return s;
+}
+kvq::RopeScaling linear_scaling(float factor) { return scaling(kvq::RopeScalingType::linear, factor); }
+kvq::RopeScaling llama3_scaling(float factor, std::size_t context, float low = 1.0f, float high = 4.0f) {
+  kvq::RopeScaling s = scaling(kvq::RopeScalingType::llama3, factor, context);
+  s.low_freq_factor = low, s.high_freq_factor = high;
+  return s;
+}
+kvq::RopeScaling yarn_scaling(float factor, std::size_t context, float fast = 32.0f, float slow = 1.0f,
+                              float attention = 0.0f) {
+  kvq::RopeScaling s = scaling(kvq::RopeScalingType::yarn, factor, context);
+  s.beta_fast = fast, s.beta_slow = slow, s.attention_factor = attention;
+  return s;
+}
+
+std::vector<kvq::RopeConfig> scaled_configs() {
+  std::vector<kvq::RopeConfig> all;
+  for (const auto style : {kvq::RopeStyle::adjacent_pairs, kvq::RopeStyle::half_split}) {
+    for (const std::size_t rotary : {std::size_t(0), std::size_t(48)}) {  // 48 of 64: partial
+      kvq::RopeConfig c{64, style, 500000.0f, rotary};
+      c.scaling = linear_scaling(4.0f);
+      all.push_back(c);
+      // Llama 3.1's parameters on a shorter head: every regime (kept, interpolated, divided) occurs.
+      c.scaling = llama3_scaling(8.0f, 8192);
+      all.push_back(c);
+      c.scaling = yarn_scaling(4.0f, 4096);
+      all.push_back(c);
+      c.scaling = yarn_scaling(4.0f, 4096, 16.0f, 2.0f, 1.25f);
+      all.push_back(c);
+      c.scaling = {};  // per-frequency divisors alone, as llama.cpp stores Llama-3 scaling
+      for (std::size_t i = 0; i < c.dims() / 2; ++i) c.scaling.frequency_divisors.push_back(1.0f + 0.25f * float(i % 5));
+      all.push_back(c);
+      c.scaling.type = kvq::RopeScalingType::linear, c.scaling.factor = 2.0f;  // both
+      all.push_back(c);
+    }
+  }
+  return all;
+}
+
+std::string describe(const kvq::RopeConfig& c) {
+  return std::string(kvq::to_string(c.style)) + " dims " + std::to_string(c.dims()) + " " +
+         kvq::to_string(c.scaling.type) + (c.scaling.frequency_divisors.empty() ? "" : " with divisors");
+}
+
+TEST(RopeScaling, EveryScalingMatchesThePublishedFormulas) {
+  const std::size_t n = 20000;
+  for (const kvq::RopeConfig& c : scaled_configs()) {
+    SCOPED_TRACE(describe(c));
+    const kvq::RopeTable table(c, n);
+    const double m = published_magnitude(c);
+    EXPECT_NEAR(table.attention_factor(), m, 1e-7);
+    const auto x = kvq::test::normal_vector(c.head_dim, 11);
+    for (const std::size_t p : {std::size_t(1), std::size_t(300), std::size_t(5000), std::size_t(19999)}) {
+      auto y = x;
+      table.rotate(y.data(), p);
+      for (std::size_t i = 0; i < c.dims() / 2; ++i) {
+        const std::size_t a = c.style == kvq::RopeStyle::adjacent_pairs ? 2 * i : i;
+        const std::size_t b = c.style == kvq::RopeStyle::adjacent_pairs ? 2 * i + 1 : i + c.dims() / 2;
+        const double angle = double(p) * published_frequency(c, i);
+        EXPECT_NEAR(y[a], m * (x[a] * std::cos(angle) - x[b] * std::sin(angle)), 2e-5) << "position " << p << " pair " << i;
+        EXPECT_NEAR(y[b], m * (x[a] * std::sin(angle) + x[b] * std::cos(angle)), 2e-5) << "position " << p << " pair " << i;
+      }
+      for (std::size_t ch = c.dims(); ch < c.head_dim; ++ch) EXPECT_EQ(y[ch], x[ch]) << "tail channel " << ch;
+      table.unrotate(y.data(), p);
+      for (std::size_t ch = 0; ch < c.head_dim; ++ch) EXPECT_NEAR(y[ch], x[ch], 2e-5);
+    }
+  }
+}
+
+TEST(RopeScaling, EachScalingChangesWhatItShould) {
+  const auto x = kvq::test::normal_vector(64, 12);
+  auto rotated = [&](const kvq::RopeConfig& c, std::size_t p) {
+    auto y = x;
+    kvq::RopeTable(c, 4096).rotate(y.data(), p);
+    return y;
+  };
+  const kvq::RopeConfig plain{64, kvq::RopeStyle::half_split, 10000.0f};
+  // linear: position 4p scaled is position p unscaled.
+  kvq::RopeConfig linear = plain;
+  linear.scaling = linear_scaling(4.0f);
+  const auto a = rotated(linear, 4 * 777), b = rotated(plain, 777);
+  for (std::size_t i = 0; i < 64; ++i) EXPECT_NEAR(a[i], b[i], 1e-5);
+  // llama3: the fastest pair keeps its frequency, the slowest is divided by the factor.
+  kvq::RopeConfig llama3 = plain;
+  llama3.scaling = llama3_scaling(8.0f, 1024);
+  const auto f = kvq::rope_frequencies(llama3), f0 = kvq::rope_frequencies(plain);
+  EXPECT_EQ(f.front(), f0.front());
+  EXPECT_DOUBLE_EQ(f.back(), f0.back() / 8.0);
+  EXPECT_TRUE(std::is_sorted(f.rbegin(), f.rend()));  // still decreasing through the smooth region
+  // yarn: the same ends, and rotated channels grow by the attention factor.
+  kvq::RopeConfig yarn = plain;
+  yarn.scaling = yarn_scaling(16.0f, 512);
+  const auto g = kvq::rope_frequencies(yarn);
+  EXPECT_EQ(g.front(), f0.front());
+  EXPECT_DOUBLE_EQ(g.back(), f0.back() / 16.0);
+  const kvq::RopeTable t(yarn, 16);
+  EXPECT_FLOAT_EQ(t.attention_factor(), float(0.1 * std::log(16.0) + 1.0));
+  auto y = x, u = x, q = x;
+  t.rotate(y.data(), 5);
+  t.rotate_unscaled(u.data(), 5);
+  t.rotate_query(q.data(), 5);
+  EXPECT_NEAR(dot(y, y), dot(x, x) * std::pow(t.attention_factor(), 2), 1e-3);
+  EXPECT_NEAR(dot(u, u), dot(x, x), 1e-3);
+  for (std::size_t i = 0; i < 64; ++i) {
+    EXPECT_FLOAT_EQ(y[i], u[i] * t.attention_factor());
+    EXPECT_FLOAT_EQ(q[i], u[i] * t.attention_factor() * t.attention_factor());
+  }
+  // Without yarn the three rotations are the same bits.
+  const kvq::RopeTable p(plain, 16);
+  auto r1 = x, r2 = x, r3 = x;
+  p.rotate(r1.data(), 9), p.rotate_unscaled(r2.data(), 9), p.rotate_query(r3.data(), 9);
+  EXPECT_EQ(r1, r2);
+  EXPECT_EQ(r1, r3);
+}
+
+TEST(RopeScaling, BadParametersAreRejectedByName) {
+  auto error_of = [](const kvq::RopeScaling& s, std::size_t rotary = 0) {
+    kvq::RopeConfig c{64, kvq::RopeStyle::adjacent_pairs, 10000.0f, rotary};
+    c.scaling = s;
+    try {
+      kvq::validate(c);
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::invalid_argument);
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(error_of(linear_scaling(0.5f)).find("factor"), std::string::npos);
+  EXPECT_NE(error_of(linear_scaling(std::numeric_limits<float>::quiet_NaN())).find("factor"), std::string::npos);
+  EXPECT_NE(error_of(llama3_scaling(8.0f, 0)).find("original_context"), std::string::npos);
+  EXPECT_NE(error_of(llama3_scaling(8.0f, 8192, 4.0f, 1.0f)).find("low_freq_factor < high_freq_factor"), std::string::npos);
+  EXPECT_NE(error_of(llama3_scaling(8.0f, 8192, 0.0f, 4.0f)).find("low_freq_factor"), std::string::npos);
+  EXPECT_NE(error_of(yarn_scaling(4.0f, 0)).find("original_context"), std::string::npos);
+  EXPECT_NE(error_of(yarn_scaling(4.0f, 4096, 1.0f, 32.0f)).find("beta_slow < beta_fast"), std::string::npos);
+  EXPECT_NE(error_of(yarn_scaling(4.0f, 4096, 32.0f, 1.0f, -1.0f)).find("attention_factor"), std::string::npos);
+  EXPECT_NE(error_of(scaling(kvq::RopeScalingType(9), 1.0f)).find("not a RopeScalingType"), std::string::npos);
+  kvq::RopeScaling divisors;
+  divisors.frequency_divisors.assign(31, 1.0f);
+  EXPECT_NE(error_of(divisors).find("31 values for 32 rotated pairs"), std::string::npos);
+  EXPECT_EQ(error_of(divisors, 62), "accepted");
+  divisors.frequency_divisors.assign(32, 1.0f);
+  divisors.frequency_divisors[7] = 0.0f;
+  EXPECT_NE(error_of(divisors).find("frequency_divisors[7]"), std::string::npos);
+  EXPECT_EQ(error_of(yarn_scaling(4.0f, 4096)), "accepted");
+  EXPECT_EQ(error_of(scaling(kvq::RopeScalingType::none, 0.0f)), "accepted");  // fields a type does not use are ignored
 }
 
 }  // namespace

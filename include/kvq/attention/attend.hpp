@@ -159,7 +159,7 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
         const std::size_t kvh = h / p.group, row = t * p.group + h % p.group;
         float* x = own_queries.data() + p.query_offset + (kvh * p.rows + row) * dim;
         std::copy_n(r.queries.data() + (t * p.heads + h) * dim, dim, x);
-        if (pre) cache.rope().rotate(x, r.first_position + t);
+        if (pre) cache.rope().rotate_query(x, r.first_position + t);
         for (std::size_t c = 0; c < dim; ++c) x[c] *= scale;
       }
   }
@@ -207,7 +207,7 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
         cache.read_row(Tensor::keys, r.layer, it.kvh, position, k);
         cache.read_row(Tensor::values, r.layer, it.kvh, position, v);
       }
-      if (pre) cache.rope().rotate(k, position);
+      if (pre) cache.rope().rotate_unscaled(k, position);  // kernels' convention: queries carry the scaling
     }
     for (std::size_t row = 0; row < rows; ++row) {
       const std::size_t t = (row0 + row) / p.group, seen = fresh ? t + 1 : t;

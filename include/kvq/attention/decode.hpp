@@ -215,7 +215,7 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
   std::copy(q.begin(), q.end(), ws.queries.begin());
   for (std::size_t h = 0; h < plan.heads; ++h) {
     float* x = ws.queries.data() + h * dim;
-    if (pre) cache.rope().rotate(x, position);
+    if (pre) cache.rope().rotate_query(x, position);  // kernels rotate keys without the factor
     for (std::size_t c = 0; c < dim; ++c) x[c] *= scale;
   }
 

@@ -20,6 +20,11 @@
 // have packed yet, so a cache cut by up to D tokens holds exactly the bytes of one that never
 // saw the dropped tokens. Cost: those rows per layer, KV head and tensor in the residual type,
 // counted in allocated_bytes(), and one row copy per packed row; rollback_depth = 0 turns it off.
+//
+// Threads: const member functions (views, memory, attention) may run concurrently with each
+// other. append() to different layers may run concurrently with each other and with const calls
+// that read only other layers. Anything else on one cache (two appends to one layer, truncate,
+// erase, clear, load) needs the caller's synchronization.
 
 #include <algorithm>
 #include <concepts>
@@ -82,12 +87,14 @@ struct CacheShape {
   std::size_t capacity = 4096;  // tokens
   RopeStyle rope_style = RopeStyle::adjacent_pairs;
   float rope_theta = 10000.0f;
+  std::size_t rope_dims = 0;  // channels RoPE rotates from the start of each head; 0 = head_dim
+  RopeScaling rope_scaling{};
   /// Positions per block of memory (a multiple of block_unit(config)); 0 chooses: the multiple
   /// of the unit nearest above 4096 (decode attention's chunk: one kernel call per chunk, as
   /// fast as one block; bench/RESULTS.md), or less when the capacity is smaller.
   std::size_t block_tokens = 0;
 
-  RopeConfig rope() const { return RopeConfig{head_dim, rope_style, rope_theta, 0, 0}; }
+  RopeConfig rope() const { return RopeConfig{head_dim, rope_style, rope_theta, rope_dims, 0, rope_scaling}; }
 };
 
 /// Throws kvq::Error naming the field unless a cache of this shape and configuration can exist.
@@ -101,6 +108,7 @@ inline void validate(const CacheShape& shape, const CacheConfig& config) {
   if (shape.rope_style != RopeStyle::adjacent_pairs && shape.rope_style != RopeStyle::half_split)
     throw Error(ErrorCode::invalid_argument,
                 "cache shape: rope_style " + std::to_string(int(shape.rope_style)) + " is not a RopeStyle");
+  validate(shape.rope());
   validate(config);
   if (config.quantize_keys) validate(config.key, shape.head_dim, "key quantizer");
   if (config.quantize_values) validate(config.value, shape.head_dim, "value quantizer");
@@ -173,11 +181,12 @@ class BasicKVCache {
     kept_from_.resize(shape.layers * 2);
     for (std::size_t i = 0; i < quantized_ends_.size(); ++i)
       quantized_ends_[i] = history_begins_[i] = kept_from_[i] = layouts_[i % 2].sinks;
-    // Scratch holds one due per-channel group; a group longer than the stream never comes due.
+    // Scratch holds one due per-channel group per layer (appends to different layers may run
+    // concurrently); a group longer than the stream never comes due.
     auto due_rows = [&](const StreamLayout& lay) {
       return lay.quantized && lay.spec.axis == Axis::per_channel ? std::min(lay.spec.group, lay.ring_rows) : 1;
     };
-    scratch_.resize(std::max(due_rows(layouts_[0]), due_rows(layouts_[1])) * shape.head_dim);
+    scratch_.resize(std::max(due_rows(layouts_[0]), due_rows(layouts_[1])) * shape.head_dim * shape.layers);
   }
 
   /// Bytes of one block: every KV head's keys and values for block_tokens(shape, config) positions.
@@ -898,6 +907,7 @@ class BasicKVCache {
     // The due rows are read in place from the ring unless they wrap around its end (a window
     // that is not a multiple of the group), then through the scratch rows as floats.
     const std::size_t first_slot = row0 % lay.ring_rows;
+    float* const scratch = scratch_.data() + layer * (scratch_.size() / shape_.layers);
     const bool contiguous = first_slot + (end - begin) <= lay.ring_rows;
     for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
       std::uint8_t* ring = own_base(t, layer, h) + lay.ring_offset;
@@ -906,10 +916,10 @@ class BasicKVCache {
       if (contiguous) {
         kernels::quantize_block_per_channel(lay.spec, lay.residual, ring + first_slot * row_bytes,
                                             end - begin, dim, row_bytes, scales, zeros, codes, lay.row_bytes,
-                                            scratch_.data());
+                                            scratch);
         continue;
       }
-      float* rows = scratch_.data();
+      float* rows = scratch;
       for (std::size_t q = begin; q < end; ++q) {
         const std::uint8_t* src = ring + (q - lay.sinks) % lay.ring_rows * row_bytes;
         load_row(lay.residual, src, dim, rows + (q - begin) * dim);
@@ -968,7 +978,7 @@ class BasicKVCache {
   std::vector<std::size_t> quantized_ends_;  // (layers, 2): first unquantized key / value position
   std::vector<std::size_t> history_begins_;  // (layers, 2): rollback floor: rows from here on are held
   std::vector<std::size_t> kept_from_;       // (layers, 2): the history holds packed rows [kept_from, quantized end)
-  std::vector<float> scratch_;  // one group of due rows, as floats
+  std::vector<float> scratch_;  // (layers): one group of due rows, as floats
 };
 
 /// Marks a cache whose configuration is chosen at run time.

@@ -9,6 +9,8 @@
 // can roll back, and what further appends do. Loading is all-or-nothing: every byte is read and
 // checked before the target changes. A damaged or foreign file throws kvq::Error(io) naming the
 // section and offset; a sound file for another shape or configuration throws shape_mismatch.
+// Version 1 records RoPE style and theta only: a cache with partial rotary dims or RoPE scaling
+// is refused by save (unsupported) rather than written as another RoPE.
 //
 // Format (version 1), fields in the writer's byte order, which the marker records:
 //   "KVQCACHE"  u32 format version  u32 byte-order marker 0x01020304
@@ -386,15 +388,30 @@ inline FileHeader read_header(FileReader& file) {
   return h;
 }
 
+/// Partial rotary or scaled RoPE, which format version 1 cannot record.
+inline bool has_rope_extension(const CacheShape& s) {
+  return s.rope().dims() != s.head_dim || s.rope_scaling != RopeScaling{};
+}
+
 inline std::string describe(const CacheShape& s) {
   return std::to_string(s.layers) + " layers x " + std::to_string(s.kv_heads) + " KV heads x head_dim " +
          std::to_string(s.head_dim) + ", capacity " + std::to_string(s.capacity) + ", RoPE " + to_string(s.rope_style) +
-         " theta " + std::to_string(s.rope_theta);
+         " theta " + std::to_string(s.rope_theta) +
+         (has_rope_extension(s) ? ", rotary dims " + std::to_string(s.rope().dims()) + ", " +
+                                      to_string(s.rope_scaling.type) + " scaling"
+                                : std::string());
+}
+
+inline void check_savable(const CacheShape& s) {
+  if (has_rope_extension(s))
+    throw Error(ErrorCode::unsupported, "saving a cache of " + describe(s) + ": format version " +
+                                            std::to_string(cache_file_version) + " records RoPE style and theta only");
 }
 
 inline bool same_shape(const CacheShape& a, const CacheShape& b) {
   return a.layers == b.layers && a.kv_heads == b.kv_heads && a.head_dim == b.head_dim && a.capacity == b.capacity &&
-         a.rope_style == b.rope_style && std::bit_cast<std::uint32_t>(a.rope_theta) == std::bit_cast<std::uint32_t>(b.rope_theta);
+         a.rope_style == b.rope_style && std::bit_cast<std::uint32_t>(a.rope_theta) == std::bit_cast<std::uint32_t>(b.rope_theta) &&
+         a.rope().dims() == b.rope().dims() && a.rope_scaling == b.rope_scaling;
 }
 
 /// Reads the table and layer sections after the header into `target` (its shape and config
@@ -426,9 +443,11 @@ inline void read_body(FileReader& file, BasicKVCache& target) {
 
 }  // namespace detail
 
-/// Writes `cache` to `out` (binary); throws kvq::Error(io) when the stream fails.
+/// Writes `cache` to `out` (binary); throws kvq::Error(io) when the stream fails, (unsupported)
+/// for RoPE the format cannot record (see above).
 inline void save(const BasicKVCache& cache, std::ostream& out) {
   using detail::CacheAccess;
+  detail::check_savable(cache.shape());
   out.write(detail::cache_file_magic, sizeof detail::cache_file_magic);
   out.write(reinterpret_cast<const char*>(&detail::cache_file_version), 4);
   out.write(reinterpret_cast<const char*>(&detail::byte_order_marker), 4);
@@ -501,6 +520,7 @@ inline BasicKVCache load(std::istream& in) {
 }
 
 inline void save_file(const BasicKVCache& cache, const std::filesystem::path& path) {
+  detail::check_savable(cache.shape());  // before the file is truncated
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   if (!out) throw Error(ErrorCode::io, "cannot open '" + path.string() + "' for writing");
   save(cache, out);

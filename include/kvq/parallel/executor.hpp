@@ -53,6 +53,13 @@ class SerialExecutor final : public Executor {
 };
 
 /// A fixed set of worker threads; the calling thread works too, so ThreadPool(2) uses two cores.
+///
+/// Threads: parallel_for may be called from any number of threads at once. Each call is a job
+/// that its caller works on; idle workers join the oldest job that still has unclaimed items, so
+/// independent callers neither wait for each other's jobs nor lose their own progress. A
+/// parallel_for called from inside one of this pool's tasks (nested) runs its items inline on
+/// that thread: the outer job already occupies the workers, and waiting for them there could
+/// deadlock.
 class ThreadPool final : public Executor {
  public:
   explicit ThreadPool(std::size_t threads = std::max(1u, std::thread::hardware_concurrency())) {
@@ -75,64 +82,82 @@ class ThreadPool final : public Executor {
 
   void parallel_for(std::size_t n, TaskRef task) override {
     if (n == 0) return;
-    if (threads_.empty() || n == 1) {
+    if (threads_.empty() || n == 1 || inside() == this) {
       for (std::size_t i = 0; i < n; ++i) task(i);
       return;
     }
-    std::lock_guard serial(submit_);  // one job at a time; concurrent callers queue here
+    Job job(task, n);
     {
       std::lock_guard lock(mutex_);
-      task_ = &task;
-      count_ = n;
-      next_.store(0, std::memory_order_relaxed);
-      active_ = threads_.size();
-      error_ = nullptr;
-      ++generation_;
+      jobs_.push_back(&job);
     }
     wake_.notify_all();
-    run_items();
+    run_items(job);
     std::unique_lock lock(mutex_);
-    done_.wait(lock, [&] { return active_ == 0; });
-    task_ = nullptr;
-    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+    // Every item is claimed; the job is done once no worker is still running one of them.
+    done_.wait(lock, [&] { return job.workers == 0; });
+    jobs_.erase(std::find(jobs_.begin(), jobs_.end(), &job));
+    if (job.error) std::rethrow_exception(job.error);
   }
 
  private:
-  void run_items() {
+  struct Job {
+    Job(TaskRef t, std::size_t n) : task(t), count(n) {}
+    TaskRef task;
+    const std::size_t count;
+    std::atomic<std::size_t> next{0};
+    std::size_t workers = 0;  // workers inside run_items (guarded by mutex_)
+    std::exception_ptr error;  // the first exception (guarded by mutex_)
+
+    bool claimable() const noexcept { return next.load(std::memory_order_relaxed) < count; }
+  };
+
+  /// The pool whose task this thread is running, if any.
+  static const ThreadPool*& inside() noexcept {
+    thread_local const ThreadPool* pool = nullptr;
+    return pool;
+  }
+
+  void run_items(Job& job) {
+    const ThreadPool* outer = std::exchange(inside(), this);
     for (;;) {
-      const std::size_t i = next_.fetch_add(1, std::memory_order_relaxed);
-      if (i >= count_) return;
+      const std::size_t i = job.next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= job.count) break;
       try {
-        (*task_)(i);
+        job.task(i);
       } catch (...) {
         std::lock_guard lock(mutex_);
-        if (!error_) error_ = std::current_exception();
+        if (!job.error) job.error = std::current_exception();
       }
     }
+    inside() = outer;
+  }
+
+  Job* claimable_job() const noexcept {
+    for (Job* job : jobs_)
+      if (job->claimable()) return job;
+    return nullptr;
   }
 
   void work() {
-    std::size_t seen = 0;
     for (;;) {
+      Job* job = nullptr;
       {
         std::unique_lock lock(mutex_);
-        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        wake_.wait(lock, [&] { return stop_ || (job = claimable_job()) != nullptr; });
         if (stop_) return;
-        seen = generation_;
+        ++job->workers;
       }
-      run_items();
+      run_items(*job);
       std::lock_guard lock(mutex_);
-      if (--active_ == 0) done_.notify_one();
+      if (--job->workers == 0) done_.notify_all();
     }
   }
 
   std::vector<std::thread> threads_;
-  std::mutex submit_, mutex_;
+  std::mutex mutex_;
   std::condition_variable wake_, done_;
-  const TaskRef* task_ = nullptr;
-  std::size_t count_ = 0, active_ = 0, generation_ = 0;
-  std::atomic<std::size_t> next_{0};
-  std::exception_ptr error_;
+  std::vector<Job*> jobs_;  // in submission order (guarded by mutex_)
   bool stop_ = false;
 };
 

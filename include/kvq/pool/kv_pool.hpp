@@ -46,10 +46,14 @@ struct PoolShape {
   std::size_t memory_blocks = 1024; // the most blocks the pool commits (block_bytes() each)
   RopeStyle rope_style = RopeStyle::adjacent_pairs;
   float rope_theta = 10000.0f;
+  std::size_t rope_dims = 0;  // channels RoPE rotates from the start of each head; 0 = head_dim
+  RopeScaling rope_scaling{};
 
   /// The shape of each sequence's cache.
   CacheShape sequence_shape() const {
-    return CacheShape{layers, kv_heads, head_dim, max_tokens, rope_style, rope_theta, block_tokens};
+    return CacheShape{.layers = layers, .kv_heads = kv_heads, .head_dim = head_dim, .capacity = max_tokens,
+                      .rope_style = rope_style, .rope_theta = rope_theta, .rope_dims = rope_dims,
+                      .rope_scaling = rope_scaling, .block_tokens = block_tokens};
   }
 };
 

@@ -1,13 +1,22 @@
 #pragma once
 // Rotary position embedding (RoPE). Channel pair i of a head rotates by angle
-// position * theta^(-2i/rotary_dims). Two conventions pair the channels differently:
+// position * frequency(i), frequency(i) = theta^(-2i/rotary_dims) before scaling. Two
+// conventions pair the channels differently:
 //   adjacent_pairs: (2i, 2i+1)       llama.cpp "normal" mode, llama2.c, Meta's Llama
 //   half_split:     (i, i + dims/2)  GPT-NeoX, Hugging Face transformers
 // Using the wrong one for a model's weights silently ruins attention, so it is always explicit.
+//
+// Partial rotary (rotary_dims < head_dim) rotates the first rotary_dims channels and leaves the
+// rest as they are. Models trained at one context and run at a longer one scale the frequencies
+// (RopeScaling): keys stored pre-RoPE are rotated by kvq, so it must reproduce the model's RoPE
+// exactly, scaling included.
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <numbers>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -23,25 +32,150 @@ constexpr const char* to_string(RopeStyle style) noexcept {
   return style == RopeStyle::adjacent_pairs ? "adjacent_pairs" : "half_split";
 }
 
+enum class RopeScalingType : unsigned char { none, linear, llama3, yarn };
+
+constexpr const char* to_string(RopeScalingType type) noexcept {
+  switch (type) {
+    case RopeScalingType::none: return "none";
+    case RopeScalingType::linear: return "linear";
+    case RopeScalingType::llama3: return "llama3";
+    case RopeScalingType::yarn: return "yarn";
+  }
+  return "unknown";
+}
+
+/// How a model stretches RoPE past the context it was trained for, as its reference code does
+/// (names follow Hugging Face's rope_scaling). Fields a type does not use are ignored.
+///   linear: every frequency / factor (positions / factor).
+///   llama3: Meta's per-frequency rule: wavelengths shorter than original_context /
+///           high_freq_factor keep their frequency, longer than original_context /
+///           low_freq_factor divide it by factor, and those between interpolate smoothly.
+///   yarn:   frequencies blend from unscaled to / factor along a ramp over the pairs set by
+///           beta_fast and beta_slow (rotations within original_context), and cos/sin are
+///           multiplied by attention_factor, which therefore scales rotated q.k by its square.
+/// frequency_divisors, when given (one per rotated pair, llama.cpp's rope_freqs tensor), divide
+/// the frequencies after the scaling.
+struct RopeScaling {
+  RopeScalingType type = RopeScalingType::none;
+  float factor = 1.0f;               // linear, llama3, yarn
+  std::size_t original_context = 0;  // llama3, yarn: original_max_position_embeddings
+  float low_freq_factor = 1.0f;      // llama3
+  float high_freq_factor = 4.0f;     // llama3
+  float beta_fast = 32.0f;           // yarn
+  float beta_slow = 1.0f;            // yarn
+  float attention_factor = 0.0f;     // yarn; 0 = the default 0.1 ln(factor) + 1
+  std::vector<float> frequency_divisors{};
+
+  bool operator==(const RopeScaling&) const = default;
+};
+
 struct RopeConfig {
   std::size_t head_dim = 0;
   RopeStyle style = RopeStyle::adjacent_pairs;
   float theta = 10000.0f;
   std::size_t rotary_dims = 0;  // channels rotated from the start of the head; 0 = head_dim
   std::ptrdiff_t position_offset = 0;  // added to every position (context shift)
+  RopeScaling scaling{};
 
   std::size_t dims() const noexcept { return rotary_dims == 0 ? head_dim : rotary_dims; }
 };
 
 inline void validate(const RopeConfig& config) {
-  if (config.head_dim == 0) throw Error(ErrorCode::invalid_argument, "RoPE head_dim must be positive");
+  auto fail = [](const std::string& what) { throw Error(ErrorCode::invalid_argument, "RoPE " + what); };
+  auto number = [](float x) { return std::to_string(x); };
+  if (config.head_dim == 0) fail("head_dim must be positive");
+  if (config.style != RopeStyle::adjacent_pairs && config.style != RopeStyle::half_split)
+    fail("style " + std::to_string(int(config.style)) + " is not a RopeStyle");
   const std::size_t dims = config.dims();
   if (dims % 2 != 0 || dims > config.head_dim)
-    throw Error(ErrorCode::invalid_argument,
-                "RoPE rotary_dims must be even and at most head_dim (got " + std::to_string(dims) +
-                    " for head_dim " + std::to_string(config.head_dim) + ")");
-  if (!(config.theta > 1.0f) || !std::isfinite(config.theta))
-    throw Error(ErrorCode::invalid_argument, "RoPE theta must be finite and greater than 1");
+    fail("rotary_dims must be even and at most head_dim (got " + std::to_string(dims) + " for head_dim " +
+         std::to_string(config.head_dim) + ")");
+  if (!(config.theta > 1.0f) || !std::isfinite(config.theta)) fail("theta must be finite and greater than 1");
+  const RopeScaling& s = config.scaling;
+  const std::string type = std::string(to_string(s.type)) + " scaling";
+  switch (s.type) {
+    case RopeScalingType::none: break;
+    case RopeScalingType::linear:
+    case RopeScalingType::llama3:
+    case RopeScalingType::yarn:
+      if (!(s.factor >= 1.0f) || !std::isfinite(s.factor)) fail(type + ": factor must be finite and at least 1, got " + number(s.factor));
+      break;
+    default: fail("scaling type " + std::to_string(int(s.type)) + " is not a RopeScalingType");
+  }
+  if ((s.type == RopeScalingType::llama3 || s.type == RopeScalingType::yarn) && s.original_context == 0)
+    fail(type + ": original_context (the trained context length) must be positive");
+  if (s.type == RopeScalingType::llama3 &&
+      !(s.low_freq_factor > 0.0f && s.low_freq_factor < s.high_freq_factor && std::isfinite(s.high_freq_factor)))
+    fail(type + ": needs 0 < low_freq_factor < high_freq_factor, finite (got " + number(s.low_freq_factor) + " and " +
+         number(s.high_freq_factor) + ")");
+  if (s.type == RopeScalingType::yarn) {
+    if (!(s.beta_slow > 0.0f && s.beta_slow < s.beta_fast && std::isfinite(s.beta_fast)))
+      fail(type + ": needs 0 < beta_slow < beta_fast, finite (got beta_slow " + number(s.beta_slow) + ", beta_fast " +
+           number(s.beta_fast) + ")");
+    if (!(s.attention_factor >= 0.0f) || !std::isfinite(s.attention_factor))
+      fail(type + ": attention_factor must be finite and positive, or 0 for the default (got " +
+           number(s.attention_factor) + ")");
+  }
+  if (!s.frequency_divisors.empty()) {
+    if (s.frequency_divisors.size() != dims / 2)
+      fail("frequency_divisors: " + std::to_string(s.frequency_divisors.size()) + " values for " +
+           std::to_string(dims / 2) + " rotated pairs");
+    for (std::size_t i = 0; i < s.frequency_divisors.size(); ++i)
+      if (!(s.frequency_divisors[i] > 0.0f) || !std::isfinite(s.frequency_divisors[i]))
+        fail("frequency_divisors[" + std::to_string(i) + "] = " + number(s.frequency_divisors[i]) +
+             " must be finite and positive");
+  }
+}
+
+/// Radians per position of every rotation pair, scaling applied, in double. `config` is valid.
+inline std::vector<double> rope_frequencies(const RopeConfig& config) {
+  const std::size_t dims = config.dims(), pairs = dims / 2;
+  const RopeScaling& s = config.scaling;
+  const double factor = s.factor, base = config.theta, context = double(s.original_context);
+  // yarn's ramp, in pairs: from the pair that turns beta_fast times over the original context
+  // (below it: unscaled) to the one that turns beta_slow times (beyond it: / factor).
+  double ramp_low = 0.0, ramp_high = 0.0;
+  if (s.type == RopeScalingType::yarn) {
+    auto pair_turning = [&](double turns) {
+      return double(dims) * std::log(context / (turns * 2.0 * std::numbers::pi)) / (2.0 * std::log(base));
+    };
+    ramp_low = std::max(std::floor(pair_turning(s.beta_fast)), 0.0);
+    ramp_high = std::min(std::ceil(pair_turning(s.beta_slow)), double(dims - 1));
+    if (ramp_low == ramp_high) ramp_high += 0.001;
+  }
+  std::vector<double> freq(pairs);
+  for (std::size_t i = 0; i < pairs; ++i) {
+    const double f = std::pow(base, -double(2 * i) / double(dims));
+    double scaled = f;
+    switch (s.type) {
+      case RopeScalingType::none: break;
+      case RopeScalingType::linear: scaled = f / factor; break;
+      case RopeScalingType::llama3: {
+        const double wavelength = 2.0 * std::numbers::pi / f;
+        if (wavelength > context / s.low_freq_factor) scaled = f / factor;
+        else if (wavelength >= context / s.high_freq_factor) {
+          const double smooth = (context / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+          scaled = (1.0 - smooth) * f / factor + smooth * f;
+        }
+        break;
+      }
+      case RopeScalingType::yarn: {
+        const double ramp = std::clamp((double(i) - ramp_low) / (ramp_high - ramp_low), 0.0, 1.0);
+        scaled = f / factor * ramp + f * (1.0 - ramp);
+        break;
+      }
+    }
+    freq[i] = s.frequency_divisors.empty() ? scaled : scaled / double(s.frequency_divisors[i]);
+  }
+  return freq;
+}
+
+/// The factor RoPE multiplies rotated channels by: yarn's attention factor, 1 otherwise.
+inline double rope_attention_factor(const RopeConfig& config) {
+  const RopeScaling& s = config.scaling;
+  if (s.type != RopeScalingType::yarn) return 1.0;
+  if (s.attention_factor > 0.0f) return s.attention_factor;
+  return s.factor <= 1.0f ? 1.0 : 0.1 * std::log(double(s.factor)) + 1.0;
 }
 
 /// Channel indices (first, second) of rotation pair i.
@@ -66,9 +200,10 @@ class RopeTable {
     // rotations (position = tile start + step) and still agree with the table to ~1e-7.
     // Positions advance by a rotation in double (error ~1e-16 per step), re-anchored on the exact
     // cos/sin every 256 positions: a long table costs a multiply-add per entry, not a sincos.
-    std::vector<double> freq(pairs), c(pairs), s(pairs), step_c(pairs), step_s(pairs);
+    attention_factor_ = float(rope_attention_factor(config));
+    const std::vector<double> freq = rope_frequencies(config);
+    std::vector<double> c(pairs), s(pairs), step_c(pairs), step_s(pairs);
     for (std::size_t i = 0; i < pairs; ++i) {
-      freq[i] = std::pow(double(config.theta), -double(2 * i) / double(config.dims()));
       step_c[i] = std::cos(freq[i]);
       step_s[i] = std::sin(freq[i]);
     }
@@ -114,11 +249,26 @@ class RopeTable {
   const float* step_cos(std::size_t pair) const noexcept { return step_cos_.data() + pair * steps; }
   const float* step_sin(std::size_t pair) const noexcept { return step_sin_.data() + pair * steps; }
 
-  /// Rotate one head vector in place: x (head_dim) at `position`.
-  void rotate(float* x, std::size_t position) const { rotate_by(x, position, +1.0f); }
+  /// The factor rotate() multiplies the rotated channels by (yarn's attention factor, else 1).
+  /// The tables hold the rotation alone.
+  float attention_factor() const noexcept { return attention_factor_; }
 
-  /// Undo the rotation: x (head_dim) at `position` back to pre-RoPE.
-  void unrotate(float* x, std::size_t position) const { rotate_by(x, position, -1.0f); }
+  /// The model's RoPE of one head vector in place: x (head_dim) at `position`.
+  void rotate(float* x, std::size_t position) const { rotate_by(x, position, +1.0f, attention_factor_); }
+
+  /// Undo rotate(): x (head_dim) at `position` back to pre-RoPE.
+  void unrotate(float* x, std::size_t position) const { rotate_by(x, position, -1.0f, 1.0f / attention_factor_); }
+
+  /// The rotation the tables hold, without the attention factor: what attention kernels apply to
+  /// stored pre-RoPE keys.
+  void rotate_unscaled(float* x, std::size_t position) const { rotate_by(x, position, +1.0f, 1.0f); }
+
+  /// A query for scoring against keys rotated by rotate_unscaled(): the rotated channels carry
+  /// the attention factor twice, once for the query and once for the key, so the scores are the
+  /// model's (both rotated by rotate()).
+  void rotate_query(float* x, std::size_t position) const {
+    rotate_by(x, position, +1.0f, attention_factor_ * attention_factor_);
+  }
 
   /// Rotate `heads` consecutive head vectors (heads, head_dim) at one position.
   void rotate_heads(std::span<float> x, std::size_t position) const {
@@ -134,7 +284,7 @@ class RopeTable {
                                                  std::to_string(config_.head_dim));
   }
 
-  void rotate_by(float* x, std::size_t position, float direction) const {
+  void rotate_by(float* x, std::size_t position, float direction, float magnitude) const {
     if (position >= max_positions_)
       throw Error(ErrorCode::invalid_argument, "RoPE position " + std::to_string(position) +
                                                    " is beyond the table of " + std::to_string(max_positions_));
@@ -145,11 +295,13 @@ class RopeTable {
       const float x0 = x[a], x1 = x[b], sn = direction * s[i];
       x[a] = x0 * c[i] - x1 * sn;
       x[b] = x0 * sn + x1 * c[i];
+      if (magnitude != 1.0f) x[a] *= magnitude, x[b] *= magnitude;
     }
   }
 
   RopeConfig config_{};
   std::size_t max_positions_ = 0;
+  float attention_factor_ = 1.0f;
   // Cache-line aligned (kernels load 16 floats at a time; a split load costs two), huge pages
   // for long tables (pre-RoPE kernels read a row every 16 or 32 positions, a page apart).
   class Table {

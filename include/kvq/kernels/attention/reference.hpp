@@ -249,7 +249,7 @@ inline void decode_task(const DecodeTask& task) noexcept {
       } else {
         for (std::size_t p = s0; p < s1; ++p) {
           k.read_row(p, row);
-          if (task.rope != nullptr) task.rope->rotate(row, p);
+          if (task.rope != nullptr) task.rope->rotate_unscaled(row, p);
           for (std::size_t h = 0; h < task.group; ++h) {
             const float* q = task.queries + h * dim;
             double s = 0.0;
