@@ -9,7 +9,6 @@
 #include <random>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "kvq/kvq.hpp"
@@ -430,30 +429,6 @@ TEST(KVPool, RandomOperationsMatchFreshCaches) {
     for (const auto& [id, tokens] : model) pool.remove_sequence(id);
     EXPECT_EQ(pool.blocks().counts().in_use, 0u) << text;
   }
-}
-
-// Appends to different sequences run concurrently (run under ThreadSanitizer in CI).
-TEST(KVPoolThreads, AppendsToDifferentSequencesRunConcurrently) {
-  const CacheConfig config = config_of("k4c32-v2t32-r16-s1");
-  KVPool pool(small_pool(), config);
-  const std::size_t row = 128, threads = 4, n = 400;
-  std::vector<SequenceId> ids;
-  std::vector<Tokens> tokens(threads);
-  for (std::size_t i = 0; i < threads; ++i) {
-    ids.push_back(pool.add_sequence());
-    std::mt19937 rng(unsigned(20 + i));
-    tokens[i].add(n, row, rng);
-  }
-  std::vector<std::thread> workers;
-  for (std::size_t i = 0; i < threads; ++i)
-    workers.emplace_back([&, i] {
-      for (std::size_t p = 0; p < n; p += 25)
-        for (std::size_t l = 0; l < 2; ++l) pool.append(ids[i], l, p, tokens[i].k(p, p + 25, row), tokens[i].v(p, p + 25, row));
-      (void)pool.memory();
-    });
-  for (auto& w : workers) w.join();
-  for (std::size_t i = 0; i < threads; ++i)
-    EXPECT_TRUE(pool.sequence(ids[i]).stored_bytes() == fresh_cache(pool.shape().sequence_shape(), config, tokens[i]).stored_bytes());
 }
 
 TEST(KVPool, BadArgumentsAreNamed) {
