@@ -1,5 +1,7 @@
 #pragma once
-// Llama forward pass for one token at one position, with the KV cache behind a backend. The model
+// Llama forward pass for one token at one position, with the KV cache behind a backend. Runs the
+// GGUF architectures `llama` (Llama 2/3, Mistral, SmolLM, TinyLlama) and `qwen2` (the same block
+// with biases on q, k and v, and RoPE over the two halves of each head). The model
 // never applies RoPE itself: it hands the backend pre-RoPE keys and queries, so a cache may store
 // keys before rotation (where their outlier channels are stable) and rotate when it attends.
 
@@ -30,17 +32,21 @@ concept KVBackend = requires(B& kv, std::size_t index, std::span<const float> in
 };
 
 struct LlamaConfig {
-  std::size_t dim = 0;             // llama.embedding_length
-  std::size_t layers = 0;          // llama.block_count
-  std::size_t heads = 0;           // llama.attention.head_count
-  std::size_t kv_heads = 0;        // llama.attention.head_count_kv
+  std::string arch = "llama";      // general.architecture: the prefix of the keys below
+  std::size_t dim = 0;             // <arch>.embedding_length
+  std::size_t layers = 0;          // <arch>.block_count
+  std::size_t heads = 0;           // <arch>.attention.head_count
+  std::size_t kv_heads = 0;        // <arch>.attention.head_count_kv
   std::size_t head_dim = 0;        // dim / heads
-  std::size_t ffn_dim = 0;         // llama.feed_forward_length
+  std::size_t ffn_dim = 0;         // <arch>.feed_forward_length
   std::size_t vocab = 0;           // rows of token_embd.weight
-  std::size_t context_length = 0;  // llama.context_length
-  float norm_eps = 1e-5f;          // llama.attention.layer_norm_rms_epsilon
-  float rope_theta = 10000.0f;     // llama.rope.freq_base
+  std::size_t context_length = 0;  // <arch>.context_length
+  float norm_eps = 1e-5f;          // <arch>.attention.layer_norm_rms_epsilon
+  float rope_theta = 10000.0f;     // <arch>.rope.freq_base
   std::size_t rope_dims = 0;       // rotated channels; 0 = head_dim (the only value loaded models have)
+  // llama.cpp's rope type by architecture: "normal" (adjacent pairs) for llama, NeoX for qwen2.
+  RopeStyle rope_style = RopeStyle::adjacent_pairs;
+  bool qkv_bias = false;           // blk.N.attn_{q,k,v}.bias present (required for qwen2)
   int bos = 1, eos = 2;            // tokenizer.ggml.{bos,eos}_token_id
 
   std::size_t q_dim() const noexcept { return heads * head_dim; }
@@ -56,18 +62,23 @@ class Model {
 
   explicit Model(const GgufFile& file) {
     const std::string arch = file.find("general.architecture") ? file.get_string("general.architecture") : "";
-    if (arch != "llama")
+    if (arch != "llama" && arch != "qwen2")
       throw Error(ErrorCode::unsupported, file.source() + ": general.architecture is '" + arch +
-                                              "', this engine runs only 'llama' models");
+                                              "', this engine runs only 'llama' and 'qwen2' models");
     LlamaConfig& c = config_;
-    c.dim = hyper(file, "llama.embedding_length");
-    c.layers = hyper(file, "llama.block_count");
-    c.heads = hyper(file, "llama.attention.head_count");
-    c.kv_heads = file.find("llama.attention.head_count_kv") ? hyper(file, "llama.attention.head_count_kv") : c.heads;
-    c.ffn_dim = hyper(file, "llama.feed_forward_length");
-    c.context_length = hyper(file, "llama.context_length");
-    c.norm_eps = static_cast<float>(file.get_float("llama.attention.layer_norm_rms_epsilon"));
-    if (file.find("llama.rope.freq_base")) c.rope_theta = static_cast<float>(file.get_float("llama.rope.freq_base"));
+    c.arch = arch;
+    const auto key = [&](const char* name) { return arch + "." + name; };
+    c.dim = hyper(file, key("embedding_length"));
+    c.layers = hyper(file, key("block_count"));
+    c.heads = hyper(file, key("attention.head_count"));
+    c.kv_heads = file.find(key("attention.head_count_kv")) ? hyper(file, key("attention.head_count_kv")) : c.heads;
+    c.ffn_dim = hyper(file, key("feed_forward_length"));
+    c.context_length = hyper(file, key("context_length"));
+    c.norm_eps = static_cast<float>(file.get_float(key("attention.layer_norm_rms_epsilon")));
+    if (file.find(key("rope.freq_base"))) c.rope_theta = static_cast<float>(file.get_float(key("rope.freq_base")));
+    c.rope_style = arch == "qwen2" ? RopeStyle::half_split : RopeStyle::adjacent_pairs;
+    c.qkv_bias = arch == "qwen2" || file.find_tensor("blk.0.attn_q.bias") != nullptr;
+    refuse_rope_scaling(file);
     if (c.dim % c.heads != 0 || c.heads % c.kv_heads != 0)
       file.fail("head counts (" + std::to_string(c.heads) + " query, " + std::to_string(c.kv_heads) +
                 " kv) do not divide embedding length " + std::to_string(c.dim) + " and each other");
@@ -85,12 +96,12 @@ class Model {
     if (embd.dims.size() != 2) file.fail("token_embd.weight must have 2 dimensions");
     c.vocab = static_cast<std::size_t>(embd.dims[1]);
     check_tensors_back_metadata(file);  // before anything is sized by the metadata
-    if (file.find("llama.rope.dimension_count")) {
+    if (file.find(key("rope.dimension_count"))) {
       // The quantized cache rotates whole heads (kvq::CacheShape has no rotary_dims), so partial
       // RoPE would rotate every channel: refuse it rather than mis-rotate silently.
-      const std::size_t rope_dims = hyper(file, "llama.rope.dimension_count");
+      const std::size_t rope_dims = hyper(file, key("rope.dimension_count"));
       if (rope_dims != c.head_dim)
-        throw Error(ErrorCode::unsupported, file.source() + ": llama.rope.dimension_count = " +
+        throw Error(ErrorCode::unsupported, file.source() + ": " + key("rope.dimension_count") + " = " +
                                                 std::to_string(rope_dims) + " rotates part of each head (head_dim " +
                                                 std::to_string(c.head_dim) + "); partial RoPE is not supported");
     }
@@ -107,6 +118,11 @@ class Model {
       L.wk = load_matrix(file, p + "attn_k.weight", c.dim, c.kv_dim());
       L.wv = load_matrix(file, p + "attn_v.weight", c.dim, c.kv_dim());
       L.wo = load_matrix(file, p + "attn_output.weight", c.q_dim(), c.dim);
+      if (c.qkv_bias) {
+        L.bq = load_vector(file, p + "attn_q.bias", c.q_dim());
+        L.bk = load_vector(file, p + "attn_k.bias", c.kv_dim());
+        L.bv = load_vector(file, p + "attn_v.bias", c.kv_dim());
+      }
       L.ffn_norm = load_vector(file, p + "ffn_norm.weight", c.dim);
       L.w_gate = load_matrix(file, p + "ffn_gate.weight", c.dim, c.ffn_dim);
       L.w_up = load_matrix(file, p + "ffn_up.weight", c.dim, c.ffn_dim);
@@ -116,11 +132,12 @@ class Model {
 
   const LlamaConfig& config() const noexcept { return config_; }
 
-  /// RoPE as this model's weights expect it: llama.cpp "normal" mode rotates adjacent pairs.
+  /// RoPE as this model's weights expect it: llama.cpp's "normal" mode (adjacent pairs) for llama,
+  /// whose converter permutes q and k to suit it; NeoX mode (halves) for qwen2.
   RopeConfig rope_config() const noexcept {
     RopeConfig r;
     r.head_dim = config_.head_dim;
-    r.style = RopeStyle::adjacent_pairs;
+    r.style = config_.rope_style;
     r.theta = config_.rope_theta;
     r.rotary_dims = config_.rope_dims;
     return r;
@@ -146,6 +163,11 @@ class Model {
       q.noalias() = L.wq * xb;
       k.noalias() = L.wk * xb;
       v.noalias() = L.wv * xb;
+      if (c.qkv_bias) {
+        q += L.bq;
+        k += L.bk;
+        v += L.bv;
+      }
       kv.append(l, position, std::span<const float>(k.data(), c.kv_dim()), std::span<const float>(v.data(), c.kv_dim()));
       kv.attend(l, position, std::span<const float>(q.data(), c.q_dim()), std::span<float>(att.data(), c.q_dim()));
       x.noalias() += L.wo * att;
@@ -162,16 +184,28 @@ class Model {
 
  private:
   struct Layer {
-    Vector attn_norm, ffn_norm;
+    Vector attn_norm, ffn_norm, bq, bk, bv;  // biases: empty unless config().qkv_bias
     Matrix wq, wk, wv, wo, w_gate, w_up, w_down;
   };
 
   // Bounded so that no buffer sized from metadata can be absurd.
-  static std::size_t hyper(const GgufFile& file, const char* key, std::uint64_t min = 1) {
+  static std::size_t hyper(const GgufFile& file, const std::string& key, std::uint64_t min = 1) {
     const std::uint64_t v = file.get_uint(key);
     if (v < min || v > (std::uint64_t{1} << 24))
-      file.fail(std::string(key) + " = " + std::to_string(v) + " is outside " + std::to_string(min) + "..2^24");
+      file.fail(key + " = " + std::to_string(v) + " is outside " + std::to_string(min) + "..2^24");
     return static_cast<std::size_t>(v);
+  }
+
+  // Frequency scaling (Llama 3.1's rope_freqs, YaRN, linear) changes every rotation angle; this
+  // engine does not apply it yet, so a model that needs it is refused rather than mis-rotated.
+  void refuse_rope_scaling(const GgufFile& file) const {
+    const std::string type_key = config_.arch + ".rope.scaling.type";
+    if (file.find(type_key) && file.get_string(type_key) != "none")
+      throw Error(ErrorCode::unsupported, file.source() + ": " + type_key + " = '" + file.get_string(type_key) +
+                                              "': RoPE frequency scaling is not supported");
+    if (file.find_tensor("rope_freqs.weight"))
+      throw Error(ErrorCode::unsupported, file.source() +
+                                              ": tensor 'rope_freqs.weight' scales RoPE frequencies, which is not supported");
   }
 
   static constexpr std::size_t kTensorsPerBlock = 9;
@@ -183,29 +217,35 @@ class Model {
   // allocation (a corrupt llama.block_count of 2^24 would otherwise size 16M empty layers).
   void check_tensors_back_metadata(const GgufFile& file) const {
     const LlamaConfig& c = config_;
+    const auto key = [&](const char* name) { return c.arch + "." + name; };
     const std::size_t held = file.tensors().size();
     if (c.layers > held / kTensorsPerBlock)
-      file.fail("llama.block_count = " + std::to_string(c.layers) + " needs " + std::to_string(kTensorsPerBlock) +
+      file.fail(key("block_count") + " = " + std::to_string(c.layers) + " needs " + std::to_string(kTensorsPerBlock) +
                 " tensors per block, but the file holds only " + std::to_string(held) + " tensors");
-    shaped(file, "token_embd.weight", {c.dim, c.vocab}, "llama.embedding_length");
-    if (file.find_tensor("output.weight")) shaped(file, "output.weight", {c.dim, c.vocab}, "llama.embedding_length");
-    shaped(file, "output_norm.weight", {c.dim}, "llama.embedding_length");
+    shaped(file, "token_embd.weight", {c.dim, c.vocab}, key("embedding_length"));
+    if (file.find_tensor("output.weight")) shaped(file, "output.weight", {c.dim, c.vocab}, key("embedding_length"));
+    shaped(file, "output_norm.weight", {c.dim}, key("embedding_length"));
     for (std::size_t l = 0; l < c.layers; ++l) {
       const std::string p = block_prefix(l);
-      const auto need = [&](const char* name, std::vector<std::uint64_t> dims, const char* key) {
+      const auto need = [&](const char* name, std::vector<std::uint64_t> dims, const std::string& meta) {
         if (file.find_tensor(p + name) == nullptr)
-          file.fail("llama.block_count = " + std::to_string(c.layers) + " but tensor '" + p + name + "' is missing");
-        shaped(file, p + name, std::move(dims), key);
+          file.fail(key("block_count") + " = " + std::to_string(c.layers) + " but tensor '" + p + name + "' is missing");
+        shaped(file, p + name, std::move(dims), meta);
       };
-      need("attn_norm.weight", {c.dim}, "llama.embedding_length");
-      need("attn_q.weight", {c.dim, c.q_dim()}, "llama.attention.head_count");
-      need("attn_k.weight", {c.dim, c.kv_dim()}, "llama.attention.head_count_kv");
-      need("attn_v.weight", {c.dim, c.kv_dim()}, "llama.attention.head_count_kv");
-      need("attn_output.weight", {c.q_dim(), c.dim}, "llama.attention.head_count");
-      need("ffn_norm.weight", {c.dim}, "llama.embedding_length");
-      need("ffn_gate.weight", {c.dim, c.ffn_dim}, "llama.feed_forward_length");
-      need("ffn_up.weight", {c.dim, c.ffn_dim}, "llama.feed_forward_length");
-      need("ffn_down.weight", {c.ffn_dim, c.dim}, "llama.feed_forward_length");
+      need("attn_norm.weight", {c.dim}, key("embedding_length"));
+      need("attn_q.weight", {c.dim, c.q_dim()}, key("attention.head_count"));
+      need("attn_k.weight", {c.dim, c.kv_dim()}, key("attention.head_count_kv"));
+      need("attn_v.weight", {c.dim, c.kv_dim()}, key("attention.head_count_kv"));
+      need("attn_output.weight", {c.q_dim(), c.dim}, key("attention.head_count"));
+      need("ffn_norm.weight", {c.dim}, key("embedding_length"));
+      need("ffn_gate.weight", {c.dim, c.ffn_dim}, key("feed_forward_length"));
+      need("ffn_up.weight", {c.dim, c.ffn_dim}, key("feed_forward_length"));
+      need("ffn_down.weight", {c.ffn_dim, c.dim}, key("feed_forward_length"));
+      if (c.qkv_bias) {
+        need("attn_q.bias", {c.q_dim()}, key("attention.head_count"));
+        need("attn_k.bias", {c.kv_dim()}, key("attention.head_count_kv"));
+        need("attn_v.bias", {c.kv_dim()}, key("attention.head_count_kv"));
+      }
     }
     if (file.find("tokenizer.ggml.tokens")) {
       const std::size_t n = file.get_array("tokenizer.ggml.tokens", GgufType::string).size();
@@ -217,7 +257,7 @@ class Model {
 
   // `key`, where given, names the metadata that set the expected shape.
   static const GgufTensor& shaped(const GgufFile& file, const std::string& name, std::vector<std::uint64_t> dims,
-                                  const char* key = nullptr) {
+                                  const std::string& key = {}) {
     const GgufTensor& t = file.tensor(name);
     if (t.dims != dims) {
       const auto show = [](const std::vector<std::uint64_t>& d) {
@@ -226,7 +266,7 @@ class Model {
         return s + "]";
       };
       file.fail("tensor '" + name + "' has dims " + show(t.dims) + ", the hyper-parameters require " + show(dims) +
-                (key ? std::string(" (see ") + key + ")" : std::string()));
+                (key.empty() ? std::string() : " (see " + key + ")"));
     }
     return t;
   }
