@@ -11,6 +11,8 @@
 #include <concepts>
 #include <cstddef>
 #include <filesystem>
+#include <functional>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -225,9 +227,11 @@ class Model {
     shaped(file, "token_embd.weight", {c.dim, c.vocab}, key("embedding_length"));
     if (file.find_tensor("output.weight")) shaped(file, "output.weight", {c.dim, c.vocab}, key("embedding_length"));
     shaped(file, "output_norm.weight", {c.dim}, key("embedding_length"));
+    std::set<std::string, std::less<>> used = {"token_embd.weight", "output.weight", "output_norm.weight"};
     for (std::size_t l = 0; l < c.layers; ++l) {
       const std::string p = block_prefix(l);
       const auto need = [&](const char* name, std::vector<std::uint64_t> dims, const std::string& meta) {
+        used.insert(p + name);
         if (file.find_tensor(p + name) == nullptr)
           file.fail(key("block_count") + " = " + std::to_string(c.layers) + " but tensor '" + p + name + "' is missing");
         shaped(file, p + name, std::move(dims), meta);
@@ -247,6 +251,12 @@ class Model {
         need("attn_v.bias", {c.kv_dim()}, key("attention.head_count_kv"));
       }
     }
+    // A tensor this block does not use (an output bias, a q/k norm, experts) changes the model:
+    // refused by name rather than ignored.
+    for (const GgufTensor& t : file.tensors())
+      if (!used.contains(t.name))
+        throw Error(ErrorCode::unsupported, file.source() + ": tensor '" + t.name + "' is not part of the " + c.arch +
+                                                " block this engine runs");
     if (file.find("tokenizer.ggml.tokens")) {
       const std::size_t n = file.get_array("tokenizer.ggml.tokens", GgufType::string).size();
       if (n != c.vocab)

@@ -222,7 +222,7 @@ TEST(Model, Qwen2AddsQkvBiasesAndRotatesHalves) {
   EXPECT_EQ(run_tokens(zero, tokens).logits, plain.logits);
 }
 
-TEST(Model, Qwen2NeedsItsBiasesAndScaledRopeIsRefused) {
+TEST(Model, Qwen2NeedsItsBiasesScaledRopeAndUnusedTensorsAreRefused) {
   const std::string missing = model_error(tiny_llama("qwen2"));
   EXPECT_NE(missing.find("blk.0.attn_q.bias"), std::string::npos) << missing;
   EXPECT_NE(missing.find("qwen2.block_count"), std::string::npos) << missing;
@@ -232,6 +232,10 @@ TEST(Model, Qwen2NeedsItsBiasesAndScaledRopeIsRefused) {
   const std::string freqs =
       model_error(tiny_llama("llama", {}, [](GgufWriter& w) { w.tensor_f32("rope_freqs.weight", {1}, {1.0f}); }));
   EXPECT_NE(freqs.find("rope_freqs.weight"), std::string::npos) << freqs;
+  // A tensor the block does not use is refused, not ignored.
+  const std::string extra =
+      model_error(tiny_llama("llama", {}, [](GgufWriter& w) { w.tensor_f32("blk.0.attn_output.bias", {4}, {1, 2, 3, 4}); }));
+  EXPECT_NE(extra.find("tensor 'blk.0.attn_output.bias' is not part of the llama block"), std::string::npos) << extra;
 }
 
 // The real model with one uint32 metadata value replaced.
