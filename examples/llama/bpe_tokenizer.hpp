@@ -104,9 +104,10 @@ class BpeTokenizer {
   std::vector<int> encode(std::string_view text, bool add_bos, bool add_eos = false, bool parse_special = false) const {
     std::vector<int> ids;
     if (add_bos) ids.push_back(check_present(options_.bos, "BOS"));
+    std::vector<std::size_t> found(specials_.size(), 0);  // each special's next offset (npos: none left)
     std::size_t start = 0;
     while (start < text.size()) {
-      const auto [at, special] = next_special(text, start, parse_special);
+      const auto [at, special] = next_special(text, start, parse_special, found);
       for (const std::string_view word : pre_tokenize(options_.pre, text.substr(start, at - start))) encode_word(word, ids);
       if (special < 0) break;
       ids.push_back(special);
@@ -142,13 +143,16 @@ class BpeTokenizer {
 
  private:
   // The earliest special token at or after `from` (longest first where several start there),
-  // as (offset, id); (text.size(), -1) when none.
-  std::pair<std::size_t, int> next_special(std::string_view text, std::size_t from, bool parse_special) const {
+  // as (offset, id); (text.size(), -1) when none. `found` keeps each one's next occurrence, so a
+  // text with many special tokens is searched once per special, not once per occurrence.
+  std::pair<std::size_t, int> next_special(std::string_view text, std::size_t from, bool parse_special,
+                                           std::vector<std::size_t>& found) const {
     std::pair<std::size_t, int> best{text.size(), -1};
-    for (const int id : specials_) {
+    for (std::size_t i = 0; i < specials_.size(); ++i) {
+      const int id = specials_[i];
       if (types_[static_cast<std::size_t>(id)] == TokenType::control && !parse_special) continue;
-      const std::size_t at = text.find(tokens_[static_cast<std::size_t>(id)], from);
-      if (at < best.first) best = {at, id};  // strict: among equal offsets the longer came first
+      if (from == 0 || found[i] < from) found[i] = text.find(tokens_[static_cast<std::size_t>(id)], from);
+      if (found[i] < best.first) best = {found[i], id};  // strict: among equal offsets the longer came first
     }
     return best;
   }

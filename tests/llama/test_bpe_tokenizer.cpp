@@ -236,6 +236,16 @@ TEST(BpeTokenizer, AddedAndControlTokens) {
   EXPECT_EQ(tok.decode(plain), "x<|end|>");
   EXPECT_EQ(tok.encode("ab", true, true), (std::vector<int>{256, 259, 257}));
   EXPECT_EQ(tok.decode(std::vector<int>{256, 259, 258, 257}), "ab<tool>");  // control tokens print nothing
+  // Many special tokens in one text, interleaved and adjacent.
+  std::string text;
+  std::vector<int> expected;
+  for (int i = 0; i < 200; ++i) {
+    text += i % 3 == 0 ? "<tool>ab" : i % 3 == 1 ? "<|begin|><tool>" : "ab<|end|>";
+    for (const int id : i % 3 == 0 ? std::vector<int>{258, 259} : i % 3 == 1 ? std::vector<int>{256, 258} : std::vector<int>{259, 257})
+      expected.push_back(id);
+  }
+  EXPECT_EQ(tok.encode(text, false, false, true), expected);
+  EXPECT_EQ(tok.decode(tok.encode(text, false)), text);
 }
 
 TEST(BpeTokenizer, ConstructionErrors) {
