@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "eval/cache_backend.hpp"
+#include "eval/generation_eval.hpp"
 #include "kvq/kvq.hpp"
 #include "llama/full_precision_backend.hpp"
 #include "llama/inference.hpp"
@@ -28,6 +30,7 @@ struct ConfigResult {
   std::size_t predictions = 0;
   std::vector<AttentionErrors> layers;  // per layer, all heads and metric stories pooled
   AttentionErrors all;                  // all layers pooled
+  std::optional<GenerationResult> generation;  // free-running generation, when asked for
 };
 
 class ModelEvaluation {

@@ -53,19 +53,41 @@ inline void print_table(std::ostream& out, const std::vector<ConfigResult>& resu
                        longest_story);
 }
 
+/// The free-running generation columns, for the configurations that ran them.
+inline void print_generation_table(std::ostream& out, const std::vector<ConfigResult>& results) {
+  const auto first = std::find_if(results.begin(), results.end(), [](const ConfigResult& r) { return r.generation.has_value(); });
+  if (first == results.end()) return;
+  out << fmt::format("\nfree-running generation: {} prompts, {} greedy tokens each, compared with the fp32 cache's\n",
+                     first->generation->runs, first->generation->steps);
+  out << fmt::format("{:<28} {:>10} {:>10} {:>10} {:>10}\n", "config", "identical", "identical", "same token", "KL own");
+  out << fmt::format("{:<28} {:>10} {:>10} {:>10} {:>10}\n", "", "tokens", "runs", "share", "path nats");
+  for (const ConfigResult& r : results) {
+    if (!r.generation) continue;
+    const GenerationResult& g = *r.generation;
+    out << fmt::format("{:<28} {:>10.1f} {:>10.3f} {:>10.4f} {:>10.3g}\n", to_string(r.config), g.mean_identical,
+                       g.identical_share, g.token_agreement, g.mean_kl);
+  }
+  out << "identical tokens: leading generated tokens equal to fp32's (mean); identical runs: share of whole\n"
+         "continuations equal to fp32's; KL own path: KL(fp32 || cache) along the cache's own continuation.\n";
+}
+
 inline void write_csv(std::FILE* f, const std::vector<ConfigResult>& results, double baseline_nll) {
   fmt::print(f,
              "config,axes,layer,bits_per_value,cache_bytes,perplexity,baseline_perplexity,mean_kl,top1,key_error,"
              "value_error,score_error,output_error,output_error_keys_only,output_error_values_only,attention_kl,"
-             "sparsity\n");
+             "sparsity,gen_identical_tokens,gen_identical_share,gen_token_agreement,gen_kl\n");
   for (const ConfigResult& r : results) {
     for (std::size_t l = 0; l <= r.layers.size(); ++l) {
       const AttentionErrors& e = l < r.layers.size() ? r.layers[l] : r.all;
-      fmt::print(f, "{},{},{},{:.4f},{},{:.6f},{:.6f},{:.6g},{:.6f},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.4f}\n",
+      const std::string generation =
+          r.generation ? fmt::format("{:.4f},{:.4f},{:.6f},{:.6g}", r.generation->mean_identical,
+                                     r.generation->identical_share, r.generation->token_agreement, r.generation->mean_kl)
+                       : std::string(",,,");
+      fmt::print(f, "{},{},{},{:.4f},{},{:.6f},{:.6f},{:.6g},{:.6f},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.4f},{}\n",
                  to_string(r.config), axes_label(r.config), l < r.layers.size() ? std::to_string(l) : "all",
                  r.bits_per_value, r.cache_bytes, r.perplexity, std::exp(baseline_nll), r.mean_kl, r.top1, e.key_error,
                  e.value_error, e.score_error, e.output_error, e.output_error_keys, e.output_error_values,
-                 e.attention_kl, e.sparsity);
+                 e.attention_kl, e.sparsity, generation);
     }
   }
 }

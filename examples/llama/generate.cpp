@@ -61,7 +61,7 @@ int run(int argc, char** argv) {
   if (steps > context) steps = context;
   // Sized by the positions that run, not by llama.context_length, which no tensor backs.
   kvq::llama::FullPrecisionBackend kv(model, std::max<std::size_t>(steps, 1));
-  const auto prompt_tokens = tokenizer.encode(prompt, true);
+  const auto prompt_tokens = tokenizer.encode(prompt);  // with BOS where the model expects it
   const auto tokens = kvq::llama::greedy_generate(model, kv, steps, prompt_tokens, tokenizer.bos());
   fmt::print("{}\n", tokenizer.decode(tokens));
   return 0;

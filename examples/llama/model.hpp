@@ -1,5 +1,7 @@
 #pragma once
-// Llama forward pass for one token at one position, with the KV cache behind a backend. The model
+// Llama forward pass for one token at one position, with the KV cache behind a backend. Runs the
+// GGUF architectures `llama` (Llama 2/3, Mistral, SmolLM, TinyLlama) and `qwen2` (the same block
+// with biases on q, k and v, and RoPE over the two halves of each head). The model
 // never applies RoPE itself: it hands the backend pre-RoPE keys and queries, so a cache may store
 // keys before rotation (where their outlier channels are stable) and rotate when it attends.
 
@@ -9,6 +11,8 @@
 #include <concepts>
 #include <cstddef>
 #include <filesystem>
+#include <functional>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -30,18 +34,22 @@ concept KVBackend = requires(B& kv, std::size_t index, std::span<const float> in
 };
 
 struct LlamaConfig {
-  std::size_t dim = 0;             // llama.embedding_length
-  std::size_t layers = 0;          // llama.block_count
-  std::size_t heads = 0;           // llama.attention.head_count
-  std::size_t kv_heads = 0;        // llama.attention.head_count_kv
+  std::string arch = "llama";      // general.architecture: the prefix of the keys below
+  std::size_t dim = 0;             // <arch>.embedding_length
+  std::size_t layers = 0;          // <arch>.block_count
+  std::size_t heads = 0;           // <arch>.attention.head_count
+  std::size_t kv_heads = 0;        // <arch>.attention.head_count_kv
   std::size_t head_dim = 0;        // dim / heads
-  std::size_t ffn_dim = 0;         // llama.feed_forward_length
+  std::size_t ffn_dim = 0;         // <arch>.feed_forward_length
   std::size_t vocab = 0;           // rows of token_embd.weight
-  std::size_t context_length = 0;  // llama.context_length
-  float norm_eps = 1e-5f;          // llama.attention.layer_norm_rms_epsilon
-  float rope_theta = 10000.0f;     // llama.rope.freq_base
-  std::size_t rope_dims = 0;       // llama.rope.dimension_count: rotated channels; 0 = head_dim
-  RopeScaling rope_scaling{};      // llama.rope.scaling.* and the rope_freqs.weight tensor
+  std::size_t context_length = 0;  // <arch>.context_length
+  float norm_eps = 1e-5f;          // <arch>.attention.layer_norm_rms_epsilon
+  float rope_theta = 10000.0f;     // <arch>.rope.freq_base
+  std::size_t rope_dims = 0;       // <arch>.rope.dimension_count: rotated channels; 0 = head_dim
+  RopeScaling rope_scaling{};      // <arch>.rope.scaling.* and the rope_freqs.weight tensor
+  // llama.cpp's rope type by architecture: "normal" (adjacent pairs) for llama, NeoX for qwen2.
+  RopeStyle rope_style = RopeStyle::adjacent_pairs;
+  bool qkv_bias = false;           // blk.N.attn_{q,k,v}.bias present (required for qwen2)
   int bos = 1, eos = 2;            // tokenizer.ggml.{bos,eos}_token_id
 
   std::size_t q_dim() const noexcept { return heads * head_dim; }
@@ -57,18 +65,22 @@ class Model {
 
   explicit Model(const GgufFile& file) {
     const std::string arch = file.find("general.architecture") ? file.get_string("general.architecture") : "";
-    if (arch != "llama")
+    if (arch != "llama" && arch != "qwen2")
       throw Error(ErrorCode::unsupported, file.source() + ": general.architecture is '" + arch +
-                                              "', this engine runs only 'llama' models");
+                                              "', this engine runs only 'llama' and 'qwen2' models");
     LlamaConfig& c = config_;
-    c.dim = hyper(file, "llama.embedding_length");
-    c.layers = hyper(file, "llama.block_count");
-    c.heads = hyper(file, "llama.attention.head_count");
-    c.kv_heads = file.find("llama.attention.head_count_kv") ? hyper(file, "llama.attention.head_count_kv") : c.heads;
-    c.ffn_dim = hyper(file, "llama.feed_forward_length");
-    c.context_length = hyper(file, "llama.context_length");
-    c.norm_eps = static_cast<float>(file.get_float("llama.attention.layer_norm_rms_epsilon"));
-    if (file.find("llama.rope.freq_base")) c.rope_theta = static_cast<float>(file.get_float("llama.rope.freq_base"));
+    c.arch = arch;
+    const auto key = [&](const char* name) { return arch + "." + name; };
+    c.dim = hyper(file, key("embedding_length"));
+    c.layers = hyper(file, key("block_count"));
+    c.heads = hyper(file, key("attention.head_count"));
+    c.kv_heads = file.find(key("attention.head_count_kv")) ? hyper(file, key("attention.head_count_kv")) : c.heads;
+    c.ffn_dim = hyper(file, key("feed_forward_length"));
+    c.context_length = hyper(file, key("context_length"));
+    c.norm_eps = static_cast<float>(file.get_float(key("attention.layer_norm_rms_epsilon")));
+    if (file.find(key("rope.freq_base"))) c.rope_theta = static_cast<float>(file.get_float(key("rope.freq_base")));
+    c.rope_style = arch == "qwen2" ? RopeStyle::half_split : RopeStyle::adjacent_pairs;
+    c.qkv_bias = arch == "qwen2" || file.find_tensor("blk.0.attn_q.bias") != nullptr;
     if (c.dim % c.heads != 0 || c.heads % c.kv_heads != 0)
       file.fail("head counts (" + std::to_string(c.heads) + " query, " + std::to_string(c.kv_heads) +
                 " kv) do not divide embedding length " + std::to_string(c.dim) + " and each other");
@@ -76,8 +88,8 @@ class Model {
     c.head_dim = c.dim / c.heads;
     if (file.find("tokenizer.ggml.bos_token_id")) c.bos = static_cast<int>(hyper(file, "tokenizer.ggml.bos_token_id", 0));
     if (file.find("tokenizer.ggml.eos_token_id")) c.eos = static_cast<int>(hyper(file, "tokenizer.ggml.eos_token_id", 0));
-    if (file.find("llama.rope.dimension_count")) c.rope_dims = hyper(file, "llama.rope.dimension_count");
-    c.rope_scaling = read_rope_scaling(file, "llama.rope.");
+    if (file.find(key("rope.dimension_count"))) c.rope_dims = hyper(file, key("rope.dimension_count"));
+    c.rope_scaling = read_rope_scaling(file, arch + ".rope.");
     validate_rope(file);
 
     const GgufTensor& embd = file.tensor("token_embd.weight");
@@ -103,6 +115,11 @@ class Model {
       L.wk = load_matrix(file, p + "attn_k.weight", c.dim, c.kv_dim());
       L.wv = load_matrix(file, p + "attn_v.weight", c.dim, c.kv_dim());
       L.wo = load_matrix(file, p + "attn_output.weight", c.q_dim(), c.dim);
+      if (c.qkv_bias) {
+        L.bq = load_vector(file, p + "attn_q.bias", c.q_dim());
+        L.bk = load_vector(file, p + "attn_k.bias", c.kv_dim());
+        L.bv = load_vector(file, p + "attn_v.bias", c.kv_dim());
+      }
       L.ffn_norm = load_vector(file, p + "ffn_norm.weight", c.dim);
       L.w_gate = load_matrix(file, p + "ffn_gate.weight", c.dim, c.ffn_dim);
       L.w_up = load_matrix(file, p + "ffn_up.weight", c.dim, c.ffn_dim);
@@ -112,11 +129,12 @@ class Model {
 
   const LlamaConfig& config() const noexcept { return config_; }
 
-  /// RoPE as this model's weights expect it: llama.cpp "normal" mode rotates adjacent pairs.
+  /// RoPE as this model's weights expect it: llama.cpp's "normal" mode (adjacent pairs) for llama,
+  /// whose converter permutes q and k to suit it; NeoX mode (halves) for qwen2.
   RopeConfig rope_config() const {
     RopeConfig r;
     r.head_dim = config_.head_dim;
-    r.style = RopeStyle::adjacent_pairs;
+    r.style = config_.rope_style;
     r.theta = config_.rope_theta;
     r.rotary_dims = config_.rope_dims;
     r.scaling = config_.rope_scaling;
@@ -143,6 +161,11 @@ class Model {
       q.noalias() = L.wq * xb;
       k.noalias() = L.wk * xb;
       v.noalias() = L.wv * xb;
+      if (c.qkv_bias) {
+        q += L.bq;
+        k += L.bk;
+        v += L.bv;
+      }
       kv.append(l, position, std::span<const float>(k.data(), c.kv_dim()), std::span<const float>(v.data(), c.kv_dim()));
       kv.attend(l, position, std::span<const float>(q.data(), c.q_dim()), std::span<float>(att.data(), c.q_dim()));
       x.noalias() += L.wo * att;
@@ -159,7 +182,7 @@ class Model {
 
  private:
   struct Layer {
-    Vector attn_norm, ffn_norm;
+    Vector attn_norm, ffn_norm, bq, bk, bv;  // biases: empty unless config().qkv_bias
     Matrix wq, wk, wv, wo, w_gate, w_up, w_down;
   };
 
@@ -192,10 +215,10 @@ class Model {
   }
 
   // Bounded so that no buffer sized from metadata can be absurd.
-  static std::size_t hyper(const GgufFile& file, const char* key, std::uint64_t min = 1) {
+  static std::size_t hyper(const GgufFile& file, const std::string& key, std::uint64_t min = 1) {
     const std::uint64_t v = file.get_uint(key);
     if (v < min || v > (std::uint64_t{1} << 24))
-      file.fail(std::string(key) + " = " + std::to_string(v) + " is outside " + std::to_string(min) + "..2^24");
+      file.fail(key + " = " + std::to_string(v) + " is outside " + std::to_string(min) + "..2^24");
     return static_cast<std::size_t>(v);
   }
 
@@ -208,30 +231,44 @@ class Model {
   // allocation (a corrupt llama.block_count of 2^24 would otherwise size 16M empty layers).
   void check_tensors_back_metadata(const GgufFile& file) const {
     const LlamaConfig& c = config_;
+    const auto key = [&](const char* name) { return c.arch + "." + name; };
     const std::size_t held = file.tensors().size();
     if (c.layers > held / kTensorsPerBlock)
-      file.fail("llama.block_count = " + std::to_string(c.layers) + " needs " + std::to_string(kTensorsPerBlock) +
+      file.fail(key("block_count") + " = " + std::to_string(c.layers) + " needs " + std::to_string(kTensorsPerBlock) +
                 " tensors per block, but the file holds only " + std::to_string(held) + " tensors");
-    shaped(file, "token_embd.weight", {c.dim, c.vocab}, "llama.embedding_length");
-    if (file.find_tensor("output.weight")) shaped(file, "output.weight", {c.dim, c.vocab}, "llama.embedding_length");
-    shaped(file, "output_norm.weight", {c.dim}, "llama.embedding_length");
+    shaped(file, "token_embd.weight", {c.dim, c.vocab}, key("embedding_length"));
+    if (file.find_tensor("output.weight")) shaped(file, "output.weight", {c.dim, c.vocab}, key("embedding_length"));
+    shaped(file, "output_norm.weight", {c.dim}, key("embedding_length"));
+    std::set<std::string, std::less<>> used = {"token_embd.weight", "output.weight", "output_norm.weight"};
     for (std::size_t l = 0; l < c.layers; ++l) {
       const std::string p = block_prefix(l);
-      const auto need = [&](const char* name, std::vector<std::uint64_t> dims, const char* key) {
+      const auto need = [&](const char* name, std::vector<std::uint64_t> dims, const std::string& meta) {
+        used.insert(p + name);
         if (file.find_tensor(p + name) == nullptr)
-          file.fail("llama.block_count = " + std::to_string(c.layers) + " but tensor '" + p + name + "' is missing");
-        shaped(file, p + name, std::move(dims), key);
+          file.fail(key("block_count") + " = " + std::to_string(c.layers) + " but tensor '" + p + name + "' is missing");
+        shaped(file, p + name, std::move(dims), meta);
       };
-      need("attn_norm.weight", {c.dim}, "llama.embedding_length");
-      need("attn_q.weight", {c.dim, c.q_dim()}, "llama.attention.head_count");
-      need("attn_k.weight", {c.dim, c.kv_dim()}, "llama.attention.head_count_kv");
-      need("attn_v.weight", {c.dim, c.kv_dim()}, "llama.attention.head_count_kv");
-      need("attn_output.weight", {c.q_dim(), c.dim}, "llama.attention.head_count");
-      need("ffn_norm.weight", {c.dim}, "llama.embedding_length");
-      need("ffn_gate.weight", {c.dim, c.ffn_dim}, "llama.feed_forward_length");
-      need("ffn_up.weight", {c.dim, c.ffn_dim}, "llama.feed_forward_length");
-      need("ffn_down.weight", {c.ffn_dim, c.dim}, "llama.feed_forward_length");
+      need("attn_norm.weight", {c.dim}, key("embedding_length"));
+      need("attn_q.weight", {c.dim, c.q_dim()}, key("attention.head_count"));
+      need("attn_k.weight", {c.dim, c.kv_dim()}, key("attention.head_count_kv"));
+      need("attn_v.weight", {c.dim, c.kv_dim()}, key("attention.head_count_kv"));
+      need("attn_output.weight", {c.q_dim(), c.dim}, key("attention.head_count"));
+      need("ffn_norm.weight", {c.dim}, key("embedding_length"));
+      need("ffn_gate.weight", {c.dim, c.ffn_dim}, key("feed_forward_length"));
+      need("ffn_up.weight", {c.dim, c.ffn_dim}, key("feed_forward_length"));
+      need("ffn_down.weight", {c.ffn_dim, c.dim}, key("feed_forward_length"));
+      if (c.qkv_bias) {
+        need("attn_q.bias", {c.q_dim()}, key("attention.head_count"));
+        need("attn_k.bias", {c.kv_dim()}, key("attention.head_count_kv"));
+        need("attn_v.bias", {c.kv_dim()}, key("attention.head_count_kv"));
+      }
     }
+    // A tensor this block does not use (an output bias, a q/k norm, experts) changes the model:
+    // refused by name rather than ignored.
+    for (const GgufTensor& t : file.tensors())
+      if (!used.contains(t.name))
+        throw Error(ErrorCode::unsupported, file.source() + ": tensor '" + t.name + "' is not part of the " + c.arch +
+                                                " block this engine runs");
     if (file.find("tokenizer.ggml.tokens")) {
       const std::size_t n = file.get_array("tokenizer.ggml.tokens", GgufType::string).size();
       if (n != c.vocab)
@@ -242,7 +279,7 @@ class Model {
 
   // `key`, where given, names the metadata that set the expected shape.
   static const GgufTensor& shaped(const GgufFile& file, const std::string& name, std::vector<std::uint64_t> dims,
-                                  const char* key = nullptr) {
+                                  const std::string& key = {}) {
     const GgufTensor& t = file.tensor(name);
     if (t.dims != dims) {
       const auto show = [](const std::vector<std::uint64_t>& d) {
@@ -251,7 +288,7 @@ class Model {
         return s + "]";
       };
       file.fail("tensor '" + name + "' has dims " + show(t.dims) + ", the hyper-parameters require " + show(dims) +
-                (key ? std::string(" (see ") + key + ")" : std::string()));
+                (key.empty() ? std::string() : " (see " + key + ")"));
     }
     return t;
   }

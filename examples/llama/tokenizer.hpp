@@ -1,222 +1,65 @@
 #pragma once
-// SentencePiece-style BPE tokenizer with byte fallback, encoding exactly as llama2.c's `encode`
-// does (dummy-prefix space, one token per UTF-8 code point or its bytes, then repeatedly merge
-// the adjacent pair whose merged piece scores highest), so token ids match the reference.
+// The tokenizer a GGUF file embeds, whichever kind `tokenizer.ggml.model` names: SentencePiece
+// BPE ("llama", also assumed when the key is absent) or byte-level BPE ("gpt2"). Any other kind
+// is refused by name.
 
-#include <algorithm>
-#include <cstdint>
 #include <span>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "kvq/error.hpp"
+#include "llama/bpe_tokenizer.hpp"
 #include "llama/gguf.hpp"
+#include "llama/sentencepiece_tokenizer.hpp"
 
 namespace kvq::llama {
 
 class Tokenizer {
  public:
-  Tokenizer(std::vector<std::string> pieces, std::vector<float> scores, int bos, int eos)
-      : pieces_(std::move(pieces)), scores_(std::move(scores)), bos_(bos), eos_(eos) {
-    if (pieces_.empty() || pieces_.size() != scores_.size())
-      throw Error(ErrorCode::invalid_argument, "tokenizer needs one score per piece (got " +
-                                                   std::to_string(pieces_.size()) + " pieces, " +
-                                                   std::to_string(scores_.size()) + " scores)");
-    check_id(bos_, "BOS id");
-    check_id(eos_, "EOS id");
-    for (std::size_t i = 0; i < pieces_.size(); ++i) ids_.emplace(pieces_[i], static_cast<int>(i));  // first wins
-    // GGUF keeps SentencePiece's "▁" for a space; llama2.c's own vocab files store " ".
-    if (ids_.contains(std::string(kSentencePieceSpace))) space_ = kSentencePieceSpace;
-    for (int b = 0; b < 256; ++b) {
-      const auto it = ids_.find(byte_piece(static_cast<unsigned char>(b)));
-      byte_ids_[b] = it == ids_.end() ? -1 : it->second;
-    }
+  explicit Tokenizer(SentencePieceTokenizer t) : impl_(std::move(t)) {}
+  explicit Tokenizer(BpeTokenizer t) : impl_(std::move(t)) {}
+  explicit Tokenizer(const GgufFile& file) : impl_(load(file)) {}
+
+  std::size_t size() const {
+    return std::visit([](const auto& t) { return t.size(); }, impl_);
   }
-
-  /// The tokenizer embedded in a GGUF file (tokenizer.ggml.tokens / scores / bos / eos).
-  explicit Tokenizer(const GgufFile& file) : Tokenizer(pieces_of(file), scores_of(file), id_of(file, "bos", 1), id_of(file, "eos", 2)) {}
-
-  std::size_t size() const noexcept { return pieces_.size(); }
-  int bos() const noexcept { return bos_; }
-  int eos() const noexcept { return eos_; }
-  const std::string& piece(int id) const { return pieces_[check_id(id, "token id")]; }
-  float score(int id) const { return scores_[check_id(id, "token id")]; }
-
-  std::vector<int> encode(std::string_view text, bool add_bos = true, bool add_eos = false) const {
-    std::vector<int> tokens;
-    tokens.reserve(text.size() + 3);
-    if (add_bos) tokens.push_back(bos_);
-    const std::size_t first = tokens.size();
-    if (!text.empty()) tokens.push_back(lookup_or_throw(space_));  // dummy prefix, as SentencePiece adds
-
-    std::string point;
-    for (std::size_t i = 0; i < text.size();) {
-      // One UTF-8 code point: a lead byte and at most three continuation bytes (as llama2.c groups them).
-      std::size_t n = 1;
-      while (i + n < text.size() && n < 4 && (static_cast<unsigned char>(text[i + n]) & 0xC0) == 0x80) ++n;
-      point.assign(text.substr(i, n));
-      if (point == " ") point = space_;
-      if (const auto it = ids_.find(point); it != ids_.end()) {
-        tokens.push_back(it->second);
-      } else {
-        for (std::size_t j = 0; j < n; ++j) tokens.push_back(byte_id(static_cast<unsigned char>(text[i + j])));
-      }
-      i += n;
-    }
-
-    merge(tokens, first);
-    if (add_eos) tokens.push_back(eos_);
-    return tokens;
+  int bos() const {
+    return std::visit([](const auto& t) { return t.bos(); }, impl_);
   }
-
-  /// Text of `token` following `prev_token`: byte tokens become their byte, "▁" a space, and the
-  /// dummy-prefix space after BOS is dropped (llama2.c's `decode`).
-  std::string decode_piece(int prev_token, int token) const {
-    std::string_view piece = this->piece(token);
-    if (prev_token == bos_ && piece.starts_with(space_)) piece.remove_prefix(space_.size());
-    if (piece.size() == 6 && piece.starts_with("<0x") && piece.ends_with('>')) {
-      const int hi = hex_digit(piece[3]), lo = hex_digit(piece[4]);
-      if (hi >= 0 && lo >= 0) return std::string(1, static_cast<char>(hi * 16 + lo));
-    }
-    std::string out;
-    out.reserve(piece.size());
-    for (std::size_t i = 0; i < piece.size();) {
-      if (piece.substr(i).starts_with(space_)) {
-        out += ' ';
-        i += space_.size();
-      } else {
-        out += piece[i++];
-      }
-    }
-    return out;
+  int eos() const {
+    return std::visit([](const auto& t) { return t.eos(); }, impl_);
   }
+  /// Whether the model expects BOS before a text: always for SentencePiece, as the GGUF says for BPE.
+  bool adds_bos() const { return !std::holds_alternative<BpeTokenizer>(impl_) || std::get<BpeTokenizer>(impl_).adds_bos(); }
+  const std::string& piece(int id) const {
+    return std::visit([&](const auto& t) -> const std::string& { return t.piece(id); }, impl_);
+  }
+  std::string_view kind() const { return std::holds_alternative<BpeTokenizer>(impl_) ? "gpt2" : "llama"; }
 
-  /// Text of a token sequence; BOS and EOS produce no text.
+  /// Token ids of `text`, with BOS where the model expects it.
+  std::vector<int> encode(std::string_view text) const { return encode(text, adds_bos()); }
+  std::vector<int> encode(std::string_view text, bool add_bos, bool add_eos = false) const {
+    return std::visit([&](const auto& t) { return t.encode(text, add_bos, add_eos); }, impl_);
+  }
   std::string decode(std::span<const int> tokens) const {
-    std::string out;
-    int prev = -1;
-    for (const int t : tokens) {
-      if (t != bos_ && t != eos_) out += decode_piece(prev, t);
-      prev = t;
-    }
-    return out;
+    return std::visit([&](const auto& t) { return t.decode(tokens); }, impl_);
   }
 
  private:
-  // llama2.c rescans every adjacent pair per merge, which is quadratic (a 320 KB story without
-  // separators took 104 s). The same merges in O(n log n): a heap of candidate pairs ordered by
-  // score, then leftmost (llama2.c's tie-break), over a linked list of symbols; a candidate whose
-  // sides have changed since it was pushed is stale and skipped.
-  void merge(std::vector<int>& tokens, std::size_t first) const {
-    const std::size_t n = tokens.size() - first;
-    if (n < 2) return;
-    std::vector<int> symbol(tokens.begin() + static_cast<std::ptrdiff_t>(first), tokens.end());  // -1: merged away
-    std::vector<std::size_t> prev(n), next(n);  // neighbours; n means none
-    for (std::size_t i = 0; i < n; ++i) prev[i] = i == 0 ? n : i - 1, next[i] = i + 1;
-    struct Candidate {
-      float score;
-      std::size_t left, right;
-      int left_symbol, right_symbol, merged;
-    };
-    const auto later = [](const Candidate& a, const Candidate& b) {  // heap order: best on top
-      return a.score != b.score ? a.score < b.score : a.left > b.left;
-    };
-    std::vector<Candidate> heap;
-    std::string merged;
-    const auto push = [&](std::size_t left, std::size_t right) {
-      merged.assign(pieces_[symbol[left]]);
-      merged += pieces_[symbol[right]];
-      const auto it = ids_.find(merged);
-      // llama2.c merges only pairs scoring above its initial best of -1e10 (never NaN).
-      if (it == ids_.end() || !(scores_[it->second] > kNoMerge)) return;
-      heap.push_back({scores_[it->second], left, right, symbol[left], symbol[right], it->second});
-      std::push_heap(heap.begin(), heap.end(), later);
-    };
-    for (std::size_t i = 0; i + 1 < n; ++i) push(i, i + 1);
-    while (!heap.empty()) {
-      std::pop_heap(heap.begin(), heap.end(), later);
-      const Candidate c = heap.back();
-      heap.pop_back();
-      if (next[c.left] != c.right || symbol[c.left] != c.left_symbol || symbol[c.right] != c.right_symbol) continue;
-      symbol[c.left] = c.merged;
-      symbol[c.right] = -1;
-      next[c.left] = next[c.right];
-      if (next[c.left] < n) prev[next[c.left]] = c.left;
-      if (prev[c.left] < n) push(prev[c.left], c.left);
-      if (next[c.left] < n) push(c.left, next[c.left]);
-    }
-    tokens.resize(first);
-    for (std::size_t i = 0; i < n; i = next[i]) tokens.push_back(symbol[i]);
+  using Impl = std::variant<SentencePieceTokenizer, BpeTokenizer>;
+
+  static Impl load(const GgufFile& file) {
+    const std::string kind = file.find("tokenizer.ggml.model") ? file.get_string("tokenizer.ggml.model") : "llama";
+    if (kind == "llama") return SentencePieceTokenizer(file);
+    if (kind == "gpt2") return BpeTokenizer(file);
+    throw Error(ErrorCode::unsupported, file.source() + ": tokenizer model '" + kind +
+                                            "' is not supported (SentencePiece 'llama' or byte-level BPE 'gpt2')");
   }
 
-  static constexpr std::string_view kSentencePieceSpace = "\xE2\x96\x81";  // U+2581
-  static constexpr float kNoMerge = -1e10f;
-
-  static std::string byte_piece(unsigned char b) {
-    static constexpr char hex[] = "0123456789ABCDEF";
-    return std::string("<0x") + hex[b >> 4] + hex[b & 15] + ">";
-  }
-
-  static int hex_digit(char c) noexcept {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    return -1;
-  }
-
-  static std::vector<std::string> pieces_of(const GgufFile& file) {
-    if (file.find("tokenizer.ggml.model") != nullptr && file.get_string("tokenizer.ggml.model") != "llama")
-      throw Error(ErrorCode::unsupported, file.source() + ": tokenizer model '" + file.get_string("tokenizer.ggml.model") +
-                                              "' is not supported (only SentencePiece 'llama')");
-    std::vector<std::string> pieces;
-    for (const GgufValue& v : file.get_array("tokenizer.ggml.tokens", GgufType::string))
-      pieces.push_back(std::get<std::string>(v.data));
-    return pieces;
-  }
-
-  static std::vector<float> scores_of(const GgufFile& file) {
-    std::vector<float> scores;
-    for (const GgufValue& v : file.get_array("tokenizer.ggml.scores", GgufType::float32))
-      scores.push_back(static_cast<float>(std::get<double>(v.data)));
-    return scores;
-  }
-
-  static int id_of(const GgufFile& file, const char* which, int fallback) {
-    const std::string key = std::string("tokenizer.ggml.") + which + "_token_id";
-    if (file.find(key) == nullptr) return fallback;
-    const std::uint64_t id = file.get_uint(key);
-    if (id > 0x7fffffff) file.fail(key + " " + std::to_string(id) + " is out of range");
-    return static_cast<int>(id);
-  }
-
-  std::size_t check_id(int id, const char* what) const {
-    if (id < 0 || static_cast<std::size_t>(id) >= pieces_.size())
-      throw Error(ErrorCode::invalid_argument, std::string(what) + " " + std::to_string(id) +
-                                                   " is outside the vocabulary of " + std::to_string(pieces_.size()));
-    return static_cast<std::size_t>(id);
-  }
-
-  int lookup_or_throw(const std::string& piece) const {
-    const auto it = ids_.find(piece);
-    if (it == ids_.end()) throw Error(ErrorCode::unsupported, "vocabulary has no piece '" + piece + "'");
-    return it->second;
-  }
-
-  int byte_id(unsigned char b) const {
-    if (byte_ids_[b] < 0)
-      throw Error(ErrorCode::unsupported, "vocabulary has no byte-fallback piece " + byte_piece(b));
-    return byte_ids_[b];
-  }
-
-  std::vector<std::string> pieces_;
-  std::vector<float> scores_;
-  int bos_ = 1, eos_ = 2;
-  std::unordered_map<std::string, int> ids_;
-  std::string space_ = " ";
-  int byte_ids_[256] = {};
+  Impl impl_;
 };
 
 }  // namespace kvq::llama

@@ -4,13 +4,16 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "llama/data_dir.hpp"
@@ -187,5 +190,49 @@ class GgufWriter {
   std::uint64_t metadata_count_ = 0, tensor_count_ = 0;
   std::uint32_t alignment_ = 32;
 };
+
+struct TinyShape {
+  std::uint64_t dim = 4, layers = 1, heads = 2, kv_heads = 1, ffn = 3, vocab = 5, context = 16;
+};
+
+/// A small random model of `arch` (dim 4, 1 layer, 2 heads, 1 kv head, ffn 3, vocab 5 unless
+/// `shape` says otherwise; no tokenizer), with a hook to rename or reshape tensors and one to add
+/// metadata or tensors.
+inline std::vector<std::uint8_t> tiny_model(const std::string& arch, const TinyShape& shape = {},
+                                            const std::function<void(std::string&, std::vector<std::uint64_t>&)>& tweak = {},
+                                            const std::function<void(GgufWriter&)>& extra = {}) {
+  const TinyShape& s = shape;
+  const std::uint64_t head_dim = s.dim / s.heads, kv = s.kv_heads * head_dim;
+  GgufWriter w;
+  w.str("general.architecture", arch)
+      .u32(arch + ".embedding_length", std::uint32_t(s.dim))
+      .u32(arch + ".block_count", std::uint32_t(s.layers))
+      .u32(arch + ".attention.head_count", std::uint32_t(s.heads))
+      .u32(arch + ".attention.head_count_kv", std::uint32_t(s.kv_heads))
+      .u32(arch + ".feed_forward_length", std::uint32_t(s.ffn))
+      .u32(arch + ".context_length", std::uint32_t(s.context))
+      .f32(arch + ".attention.layer_norm_rms_epsilon", 1e-5f);
+  std::vector<std::pair<std::string, std::vector<std::uint64_t>>> tensors = {{"token_embd.weight", {s.dim, s.vocab}},
+                                                                             {"output_norm.weight", {s.dim}}};
+  for (std::uint64_t l = 0; l < s.layers; ++l) {
+    const std::string p = "blk." + std::to_string(l) + ".";
+    for (auto t : std::vector<std::pair<std::string, std::vector<std::uint64_t>>>{
+             {p + "attn_norm.weight", {s.dim}}, {p + "attn_q.weight", {s.dim, s.dim}}, {p + "attn_k.weight", {s.dim, kv}},
+             {p + "attn_v.weight", {s.dim, kv}}, {p + "attn_output.weight", {s.dim, s.dim}}, {p + "ffn_norm.weight", {s.dim}},
+             {p + "ffn_gate.weight", {s.dim, s.ffn}}, {p + "ffn_up.weight", {s.dim, s.ffn}}, {p + "ffn_down.weight", {s.ffn, s.dim}}})
+      tensors.push_back(std::move(t));
+  }
+  float seed = 0.1f;
+  for (auto [name, dims] : tensors) {
+    if (tweak) tweak(name, dims);
+    std::size_t n = 1;
+    for (const auto d : dims) n *= d;
+    std::vector<float> values(n);
+    for (auto& v : values) v = seed = std::fmod(seed * 7.31f + 0.37f, 2.0f) - 1.0f;
+    w.tensor_f32(name, dims, values);
+  }
+  if (extra) extra(w);
+  return w.bytes();
+}
 
 }  // namespace kvq::llama::testing

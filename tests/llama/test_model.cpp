@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <functional>
 #include <numbers>
+#include <span>
 #include <variant>
 #include <string>
 #include <vector>
@@ -112,33 +113,10 @@ TEST(Model, BackendRejectsMisuse) {
   EXPECT_EQ(argmax(logits), 403);
 }
 
-// A tiny random llama (dim 4, 1 layer, 2 heads, 1 kv head, ffn 3, vocab 5), with a hook to break it.
 std::vector<std::uint8_t> tiny_llama(std::string arch,
-                                     std::function<void(std::string&, std::vector<std::uint64_t>&)> tweak = {}) {
-  GgufWriter w;
-  w.str("general.architecture", arch)
-      .u32(arch + ".embedding_length", 4)
-      .u32(arch + ".block_count", 1)
-      .u32(arch + ".attention.head_count", 2)
-      .u32(arch + ".attention.head_count_kv", 1)
-      .u32(arch + ".feed_forward_length", 3)
-      .u32(arch + ".context_length", 16)
-      .f32(arch + ".attention.layer_norm_rms_epsilon", 1e-5f);
-  const std::vector<std::pair<std::string, std::vector<std::uint64_t>>> tensors = {
-      {"token_embd.weight", {4, 5}},       {"output_norm.weight", {4}},        {"blk.0.attn_norm.weight", {4}},
-      {"blk.0.attn_q.weight", {4, 4}},     {"blk.0.attn_k.weight", {4, 2}},    {"blk.0.attn_v.weight", {4, 2}},
-      {"blk.0.attn_output.weight", {4, 4}}, {"blk.0.ffn_norm.weight", {4}},    {"blk.0.ffn_gate.weight", {4, 3}},
-      {"blk.0.ffn_up.weight", {4, 3}},     {"blk.0.ffn_down.weight", {3, 4}}};
-  float seed = 0.1f;
-  for (auto [name, dims] : tensors) {
-    if (tweak) tweak(name, dims);
-    std::size_t n = 1;
-    for (const auto d : dims) n *= d;
-    std::vector<float> values(n);
-    for (auto& v : values) v = seed = std::fmod(seed * 7.31f + 0.37f, 2.0f) - 1.0f;
-    w.tensor_f32(name, dims, values);
-  }
-  return w.bytes();
+                                     std::function<void(std::string&, std::vector<std::uint64_t>&)> tweak = {},
+                                     const std::function<void(GgufWriter&)>& extra = {}) {
+  return testing::tiny_model(std::move(arch), {}, std::move(tweak), extra);
 }
 
 std::string model_error(const std::vector<std::uint8_t>& bytes) {
@@ -178,6 +156,86 @@ TEST(Model, RejectsOtherArchitecturesAndWrongShapes) {
   }));
   EXPECT_NE(missing.find("blk.0.ffn_up.weight"), std::string::npos) << missing;
   EXPECT_NE(missing.find("tiny.gguf"), std::string::npos) << missing;
+}
+
+// Records layer 0's q, k and v on their way into a full-precision backend.
+class Layer0Recorder {
+ public:
+  Layer0Recorder(const Model& model, std::size_t positions) : inner_(model, positions) {}
+  void append(std::size_t layer, std::size_t position, std::span<const float> k, std::span<const float> v) {
+    if (layer == 0) k_.insert(k_.end(), k.begin(), k.end()), v_.insert(v_.end(), v.begin(), v.end());
+    inner_.append(layer, position, k, v);
+  }
+  void attend(std::size_t layer, std::size_t position, std::span<const float> q, std::span<float> out) {
+    if (layer == 0) q_.insert(q_.end(), q.begin(), q.end());
+    inner_.attend(layer, position, q, out);
+  }
+  std::vector<float> q_, k_, v_;
+
+ private:
+  FullPrecisionBackend inner_;
+};
+
+struct Qwen2Run {
+  Layer0Recorder recorded;
+  std::vector<float> logits;  // every position's, concatenated
+};
+
+Qwen2Run run_tokens(const Model& model, const std::vector<int>& tokens) {
+  Qwen2Run r{Layer0Recorder(model, tokens.size()), {}};
+  std::vector<float> logits(model.config().vocab);
+  for (std::size_t p = 0; p < tokens.size(); ++p) {
+    model.forward(tokens[p], p, r.recorded, logits);
+    r.logits.insert(r.logits.end(), logits.begin(), logits.end());
+  }
+  return r;
+}
+
+std::vector<std::uint8_t> tiny_qwen2(const std::vector<float>& bq, const std::vector<float>& bk, const std::vector<float>& bv) {
+  return tiny_llama("qwen2", {}, [&](GgufWriter& w) {
+    w.tensor_f32("blk.0.attn_q.bias", {4}, bq).tensor_f32("blk.0.attn_k.bias", {2}, bk).tensor_f32("blk.0.attn_v.bias", {2}, bv);
+  });
+}
+
+// qwen2 is the llama block plus biases on q, k and v, with NeoX RoPE. Layer 0's inputs do not
+// depend on attention, so its q, k, v must be the bias-free model's plus the biases, exactly;
+// with zero biases the logits must be the llama model's (head_dim 2 has one rotation pair, which
+// both RoPE conventions rotate alike).
+TEST(Model, Qwen2AddsQkvBiasesAndRotatesHalves) {
+  const std::vector<float> bq{0.5f, -0.25f, 0.125f, 1.0f}, bk{-1.0f, 0.75f}, bv{0.3f, -0.6f};
+  const Model llama(GgufFile::parse(tiny_llama("llama")));
+  const Model qwen(GgufFile::parse(tiny_qwen2(bq, bk, bv)));
+  EXPECT_EQ(qwen.rope_config().style, RopeStyle::half_split);
+  EXPECT_EQ(llama.rope_config().style, RopeStyle::adjacent_pairs);
+  EXPECT_TRUE(qwen.config().qkv_bias);
+  EXPECT_FALSE(llama.config().qkv_bias);
+  const std::vector<int> tokens{1, 4, 2, 0, 3};
+  const Qwen2Run plain = run_tokens(llama, tokens), biased = run_tokens(qwen, tokens);
+  ASSERT_EQ(biased.recorded.q_.size(), tokens.size() * 4);
+  for (std::size_t p = 0; p < tokens.size(); ++p) {
+    for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(biased.recorded.q_[p * 4 + i], plain.recorded.q_[p * 4 + i] + bq[i]);
+    for (std::size_t i = 0; i < 2; ++i) {
+      EXPECT_EQ(biased.recorded.k_[p * 2 + i], plain.recorded.k_[p * 2 + i] + bk[i]);
+      EXPECT_EQ(biased.recorded.v_[p * 2 + i], plain.recorded.v_[p * 2 + i] + bv[i]);
+    }
+  }
+  EXPECT_NE(biased.logits, plain.logits);
+  const Model zero(GgufFile::parse(tiny_qwen2({0, 0, 0, 0}, {0, 0}, {0, 0})));
+  EXPECT_EQ(run_tokens(zero, tokens).logits, plain.logits);
+}
+
+TEST(Model, Qwen2NeedsItsBiasesAndUnusedTensorsAreRefused) {
+  const std::string missing = model_error(tiny_llama("qwen2"));
+  EXPECT_NE(missing.find("blk.0.attn_q.bias"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("qwen2.block_count"), std::string::npos) << missing;
+  EXPECT_EQ(model_error(tiny_llama("llama", {}, [](GgufWriter& w) { w.str("llama.rope.scaling.type", "none"); })), "");
+  const std::string freqs =
+      model_error(tiny_llama("llama", {}, [](GgufWriter& w) { w.tensor_f32("rope_freqs.weight", {1}, {1.0f}); }));
+  EXPECT_NE(freqs.find("rope_freqs.weight"), std::string::npos) << freqs;
+  // A tensor the block does not use is refused, not ignored.
+  const std::string extra =
+      model_error(tiny_llama("llama", {}, [](GgufWriter& w) { w.tensor_f32("blk.0.attn_output.bias", {4}, {1, 2, 3, 4}); }));
+  EXPECT_NE(extra.find("tensor 'blk.0.attn_output.bias' is not part of the llama block"), std::string::npos) << extra;
 }
 
 // The real model with one uint32 metadata value replaced.

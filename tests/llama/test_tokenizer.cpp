@@ -9,18 +9,18 @@
 
 #include "llama/gguf.hpp"
 #include "llama/llama_test_support.hpp"
-#include "llama/tokenizer.hpp"
+#include "llama/sentencepiece_tokenizer.hpp"
 
 namespace kvq::llama {
 namespace {
 
 using testing::GgufWriter;
 
-Tokenizer real_tokenizer() { return Tokenizer(GgufFile::load(default_model_path())); }
+SentencePieceTokenizer real_tokenizer() { return SentencePieceTokenizer(GgufFile::load(default_model_path())); }
 
 TEST(Tokenizer, KnownIdsFromGoldenOutput) {
   KVQ_REQUIRE_LLAMA_DATA();
-  const Tokenizer tok = real_tokenizer();
+  const SentencePieceTokenizer tok = real_tokenizer();
   EXPECT_EQ(tok.size(), 512u);
   EXPECT_EQ(tok.bos(), 1);
   EXPECT_EQ(tok.eos(), 2);
@@ -36,7 +36,7 @@ TEST(Tokenizer, KnownIdsFromGoldenOutput) {
 
 TEST(Tokenizer, DecodesGoldenTokensToGoldenText) {
   KVQ_REQUIRE_LLAMA_DATA();
-  const Tokenizer tok = real_tokenizer();
+  const SentencePieceTokenizer tok = real_tokenizer();
   const auto golden = testing::read_golden();
   ASSERT_EQ(golden.tokens.size(), 257u);
   EXPECT_TRUE(golden.text.starts_with("Once upon a time, there was a little girl named Lily."));
@@ -46,7 +46,7 @@ TEST(Tokenizer, DecodesGoldenTokensToGoldenText) {
 
 TEST(Tokenizer, RoundTripsHeldOutText) {
   KVQ_REQUIRE_LLAMA_DATA();
-  const Tokenizer tok = real_tokenizer();
+  const SentencePieceTokenizer tok = real_tokenizer();
   const auto text = testing::read_text(data_dir() / "text" / "tinystories_valid_excerpt.txt");
   EXPECT_EQ(tok.decode(tok.encode(text)), text);
   const auto stories = testing::read_stories();
@@ -62,7 +62,7 @@ TEST(Tokenizer, RoundTripsHeldOutText) {
 }
 
 // llama2.c's merge loop verbatim (rescan all pairs per merge) over the real vocabulary.
-std::vector<int> naive_encode(const Tokenizer& tok, const std::vector<int>& initial) {
+std::vector<int> naive_encode(const SentencePieceTokenizer& tok, const std::vector<int>& initial) {
   std::vector<int> t = initial;
   while (true) {
     float best_score = -1e10f;
@@ -82,7 +82,7 @@ std::vector<int> naive_encode(const Tokenizer& tok, const std::vector<int>& init
   }
 }
 
-int piece_id(const Tokenizer& tok, const std::string& p) {
+int piece_id(const SentencePieceTokenizer& tok, const std::string& p) {
   for (int id = 0; id < static_cast<int>(tok.size()); ++id)
     if (tok.piece(id) == p) return id;
   ADD_FAILURE() << "no piece '" << p << "'";
@@ -90,7 +90,7 @@ int piece_id(const Tokenizer& tok, const std::string& p) {
 }
 
 // Unmerged start: BOS, dummy prefix "▁", one piece per character (all ASCII pieces exist here).
-std::vector<int> unmerged(const Tokenizer& tok, const std::string& text) {
+std::vector<int> unmerged(const SentencePieceTokenizer& tok, const std::string& text) {
   std::vector<int> initial = {tok.bos(), piece_id(tok, "\xE2\x96\x81")};
   for (const char c : text) initial.push_back(c == ' ' ? initial[1] : c == '\n' ? 13 : piece_id(tok, std::string(1, c)));
   return initial;
@@ -98,7 +98,7 @@ std::vector<int> unmerged(const Tokenizer& tok, const std::string& text) {
 
 TEST(Tokenizer, MergesLikeLlama2c) {
   KVQ_REQUIRE_LLAMA_DATA();
-  const Tokenizer tok = real_tokenizer();
+  const SentencePieceTokenizer tok = real_tokenizer();
   for (const auto& story : testing::read_stories()) {
     const std::string text = story.substr(0, 160);
     EXPECT_EQ(tok.encode(text), naive_encode(tok, unmerged(tok, text))) << text;
@@ -108,7 +108,7 @@ TEST(Tokenizer, MergesLikeLlama2c) {
 // Random texts over the letters the stories use most, merged by the heap and by llama2.c's scan.
 TEST(Tokenizer, HeapMergeMatchesLlama2cOnRandomText) {
   KVQ_REQUIRE_LLAMA_DATA();
-  const Tokenizer tok = real_tokenizer();
+  const SentencePieceTokenizer tok = real_tokenizer();
   const std::string alphabet = "aehilnorstdy ";
   std::mt19937 rng(5);
   for (int trial = 0; trial < 40; ++trial) {
@@ -121,7 +121,7 @@ TEST(Tokenizer, HeapMergeMatchesLlama2cOnRandomText) {
 TEST(Tokenizer, EqualScoresMergeLeftmostFirst) {
   std::vector<std::string> pieces = {"<unk>", "<s>", "</s>", "\xE2\x96\x81", "a", "aa", "b", "ab"};
   std::vector<float> scores = {0, 0, 0, 0, 0, -1.0f, 0, -1e10f};  // "ab" at llama2.c's floor: never merged
-  const Tokenizer tok(pieces, scores, 1, 2);
+  const SentencePieceTokenizer tok(pieces, scores, 1, 2);
   EXPECT_EQ(tok.encode("aaa", false), (std::vector<int>{3, 5, 4}));        // ▁ aa a, not ▁ a aa
   EXPECT_EQ(tok.encode("aaaaa", false), (std::vector<int>{3, 5, 5, 4}));   // ▁ aa aa a
   EXPECT_EQ(tok.encode("ab", false), (std::vector<int>{3, 4, 6}));
@@ -131,7 +131,7 @@ TEST(Tokenizer, EqualScoresMergeLeftmostFirst) {
 // merge is O(n log n). No timing assertion: a regression shows as a test that takes minutes.
 TEST(Tokenizer, LongTextWithoutSeparatorsEncodes) {
   KVQ_REQUIRE_LLAMA_DATA();
-  const Tokenizer tok = real_tokenizer();
+  const SentencePieceTokenizer tok = real_tokenizer();
   std::string text;
   for (const auto& story : testing::read_stories()) text += story + " ";
   while (text.size() < 320 * 1024) text += text;
@@ -157,7 +157,7 @@ TEST(Tokenizer, SyntheticVocabularies) {
     scores[first + 3] = -1.0f;  // "ab"
     scores[first + 4] = -0.5f;  // "▁ab" beats "ab"
     scores[first + 5] = -2.0f;  // "ba"
-    const Tokenizer tok(pieces, scores, 1, 2);
+    const SentencePieceTokenizer tok(pieces, scores, 1, 2);
     // "ab ba": ▁ a b ▁ b a -> ▁ab ▁ ba (▁ab merges first; "ba" outscores nothing else)
     const auto ids = tok.encode("ab ba");
     EXPECT_EQ(ids, (std::vector<int>{1, first + 4, first, first + 5}));
@@ -168,16 +168,16 @@ TEST(Tokenizer, SyntheticVocabularies) {
 }
 
 TEST(Tokenizer, Errors) {
-  EXPECT_THROW(Tokenizer({"a"}, {}, 0, 0), Error);
-  EXPECT_THROW(Tokenizer({"a", "b"}, {0.0f, 0.0f}, 5, 1), Error);
-  const Tokenizer tok({"<unk>", "<s>", "</s>", " ", "a"}, {0, 0, 0, 0, 0}, 1, 2);
+  EXPECT_THROW(SentencePieceTokenizer({"a"}, {}, 0, 0), Error);
+  EXPECT_THROW(SentencePieceTokenizer({"a", "b"}, {0.0f, 0.0f}, 5, 1), Error);
+  const SentencePieceTokenizer tok({"<unk>", "<s>", "</s>", " ", "a"}, {0, 0, 0, 0, 0}, 1, 2);
   EXPECT_EQ(tok.encode("a a"), (std::vector<int>{1, 3, 4, 3, 4}));
   EXPECT_THROW((void)tok.encode("b"), Error);  // no byte-fallback piece for 'b'
   EXPECT_THROW((void)tok.decode(std::vector<int>{7}), Error);
   EXPECT_THROW((void)tok.piece(-1), Error);
   GgufWriter w;
   w.str("tokenizer.ggml.model", "gpt2").strings("tokenizer.ggml.tokens", {"a"}).floats("tokenizer.ggml.scores", {0.0f});
-  EXPECT_THROW(Tokenizer{GgufFile::parse(w.bytes())}, Error);
+  EXPECT_THROW(SentencePieceTokenizer{GgufFile::parse(w.bytes())}, Error);
 }
 
 }  // namespace
