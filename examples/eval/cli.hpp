@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "eval/distortion.hpp"
 #include "eval/model_eval.hpp"
 #include "eval/report.hpp"
 #include "eval/synthetic.hpp"
@@ -50,6 +51,8 @@ usage: kvq-eval [options]
                        (dequantize, then Eigen in double) (default: exact)
   --out DIR            where kvq-eval.csv and kvq-eval.svg go (default: kvq-eval-results)
   --synthetic          run the synthetic mode (no model needed)
+  --distortion         print the scalar-quantizer distortion table on synthetic head vectors
+                       (affine, NormalFloat, Lloyd-Max, Hadamard; no model needed)
   --help               this text
 
 Configuration strings: k<bits><c|t><group>[s][.bf16|.f32]-v...-r<window>-s<sinks>[-post][-f32]
@@ -59,7 +62,7 @@ Configuration strings: k<bits><c|t><group>[s][.bf16|.f32]-v...-r<window>-s<sinks
 
 struct EvalOptions {
   std::filesystem::path model, text, out = "kvq-eval-results";
-  bool model_given = false, synthetic = false, help = false;
+  bool model_given = false, synthetic = false, distortion = false, help = false;
   std::string set = "default", attention = "exact";
   std::vector<std::string> configs;
   std::size_t stories = 0, metric_stories = 3;
@@ -120,6 +123,7 @@ inline EvalOptions parse_options(const std::vector<std::string>& args) {
     }
     else if (a == "--metric-stories") o.metric_stories = parse_count(a, value());
     else if (a == "--synthetic") o.synthetic = true;
+    else if (a == "--distortion") o.distortion = true;
     else if (a == "--help" || a == "-h") o.help = true;
     else if (a == "--configs") {
       std::stringstream list(value());
@@ -270,6 +274,10 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
       return 0;
     }
     for (const std::string& c : o.configs) (void)parse_cache_config(c);  // reject typos before any work
+    if (o.distortion) {
+      print_distortion_table(out);
+      return 0;
+    }
     if (o.synthetic) return run_synthetic(out);
     if (!o.model_given && !std::filesystem::exists(o.model)) {
       err << "kvq-eval: " << llama::data_help() << "\nrunning the synthetic mode instead.\n\n";
