@@ -22,6 +22,12 @@ inline std::string axes_label(const CacheConfig& c) {
   return fmt::format("K {} / V {}", axis(c.quantize_keys, c.key.axis), axis(c.quantize_values, c.value.axis));
 }
 
+/// The axes column of a result: kvq's axes, or an engine format's storage granularity.
+inline std::string axes_label(const ConfigResult& r) {
+  if (!r.engine) return axes_label(r.config);
+  return r.engine->block ? (r.engine->hadamard ? "rows/32 + H" : "rows/32") : "per tensor";
+}
+
 /// True when sinks and the full-precision window hold every position of a story of `length`
 /// tokens: such a cache quantizes nothing, and its row measures fp16 storage, not the quantizer.
 inline bool window_covers(const CacheConfig& c, std::size_t length) noexcept {
@@ -40,10 +46,10 @@ inline void print_table(std::ostream& out, const std::vector<ConfigResult>& resu
   for (const ConfigResult& r : results) {
     const bool measured = !r.layers.empty();  // --metric-stories 0 skips the attention metrics
     auto metric = [&](double v) { return measured ? fmt::format("{:>8.4f}", v) : fmt::format("{:>8}", "-"); };
-    const bool covers = longest_story != 0 && window_covers(r.config, longest_story);
+    const bool covers = longest_story != 0 && !r.engine && window_covers(r.config, longest_story);
     flagged = flagged || covers;
     out << fmt::format("{:<28} {:<16} {:>6.2f} {:>+8.4f} {:>9.5f} {:>7.4f} {} {} {} {}\n",
-                       to_string(r.config) + (covers ? "*" : ""), axes_label(r.config), r.bits_per_value,
+                       name_of(r) + (covers ? "*" : ""), axes_label(r), r.bits_per_value,
                        r.perplexity - base_ppl, r.mean_kl, r.top1, metric(r.all.key_error), metric(r.all.value_error),
                        metric(r.all.score_error), metric(r.all.output_error));
   }
@@ -62,7 +68,7 @@ inline void write_csv(std::FILE* f, const std::vector<ConfigResult>& results, do
     for (std::size_t l = 0; l <= r.layers.size(); ++l) {
       const AttentionErrors& e = l < r.layers.size() ? r.layers[l] : r.all;
       fmt::print(f, "{},{},{},{:.4f},{},{:.6f},{:.6f},{:.6g},{:.6f},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.4f}\n",
-                 to_string(r.config), axes_label(r.config), l < r.layers.size() ? std::to_string(l) : "all",
+                 name_of(r), axes_label(r), l < r.layers.size() ? std::to_string(l) : "all",
                  r.bits_per_value, r.cache_bytes, r.perplexity, std::exp(baseline_nll), r.mean_kl, r.top1, e.key_error,
                  e.value_error, e.score_error, e.output_error, e.output_error_keys, e.output_error_values,
                  e.attention_kl, e.sparsity);
@@ -80,6 +86,7 @@ inline std::string svg_chart(const std::vector<ConfigResult>& results, const std
   std::map<std::string, std::vector<ChartPoint>> series;
   for (const ConfigResult& r : results) {
     const CacheConfig& c = r.config;
+    if (r.engine) continue;
     if (!c.quantize_keys || !c.quantize_values || c.window != 0 || c.sinks != 0 || c.key_rope != KeyRope::pre ||
         c.key.bits != c.value.bits)
       continue;
