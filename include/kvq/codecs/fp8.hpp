@@ -31,13 +31,13 @@ struct Fp8Layout {
   bool has_infinity;  // e5m2: exponent all ones is Inf/NaN; e4m3fn: only S.1111.111 is NaN
 };
 
-constexpr Fp8Layout layout(Fp8Format f) noexcept { return f == Fp8Format::e4m3fn ? Fp8Layout{3, 7, false} : Fp8Layout{2, 15, true}; }
+constexpr Fp8Layout fp8_layout(Fp8Format f) noexcept { return f == Fp8Format::e4m3fn ? Fp8Layout{3, 7, false} : Fp8Layout{2, 15, true}; }
 
 }  // namespace detail
 
 /// The value of an fp8 code (NaN codes give a quiet NaN).
 inline float fp8_to_float(Fp8Format f, std::uint8_t code) noexcept {
-  const detail::Fp8Layout l = detail::layout(f);
+  const detail::Fp8Layout l = detail::fp8_layout(f);
   const int exponent_bits = 7 - l.mantissa_bits;
   const int exponent = code >> l.mantissa_bits & ((1 << exponent_bits) - 1);
   const int mantissa = code & ((1 << l.mantissa_bits) - 1);
@@ -54,7 +54,7 @@ inline float fp8_max(Fp8Format f) noexcept { return fp8_to_float(f, f == Fp8Form
 
 /// The fp8 code nearest to x (ties to even); overflow as the header says.
 inline std::uint8_t float_to_fp8(Fp8Format f, float x, bool saturate = true) noexcept {
-  const detail::Fp8Layout l = detail::layout(f);
+  const detail::Fp8Layout l = detail::fp8_layout(f);
   const std::uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
   const std::uint8_t nan = f == Fp8Format::e4m3fn ? 0x7F : 0x7E;
   if (std::isnan(x)) return std::uint8_t(sign | nan);
