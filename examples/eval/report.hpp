@@ -81,12 +81,17 @@ struct ChartPoint {
 };
 
 /// Two log-scale panels (model KL, attention-output error) against bits per value, one line per
-/// axis combination: configurations with no window, no sinks and pre-RoPE keys.
+/// axis combination: configurations with no window, no sinks and pre-RoPE keys. Engine formats are
+/// labelled squares on the KL panel (their attention errors are not measured).
 inline std::string svg_chart(const std::vector<ConfigResult>& results, const std::string& title) {
   std::map<std::string, std::vector<ChartPoint>> series;
+  std::vector<std::pair<std::string, ChartPoint>> engines;
   for (const ConfigResult& r : results) {
     const CacheConfig& c = r.config;
-    if (r.engine) continue;
+    if (r.engine) {
+      engines.push_back({r.engine->name, {r.bits_per_value, std::max(r.mean_kl, 1e-6), 0.0}});
+      continue;
+    }
     if (!c.quantize_keys || !c.quantize_values || c.window != 0 || c.sinks != 0 || c.key_rope != KeyRope::pre ||
         c.key.bits != c.value.bits)
       continue;
@@ -104,10 +109,13 @@ inline std::string svg_chart(const std::vector<ConfigResult>& results, const std
     std::sort(pts.begin(), pts.end(), [](auto& a, auto& b) { return a.bits < b.bits; });
     for (auto& p : pts) max_bits = std::max(max_bits, p.bits);
   }
+  for (auto& e : engines) max_bits = std::max(max_bits, e.second.bits);
   max_bits = std::ceil(max_bits);
   for (int panel = 0; panel < 2; ++panel) {
     const double x0 = left + panel * W;
     double lo = 1e9, hi = 1e-9;
+    if (panel == 0)
+      for (auto& e : engines) lo = std::min(lo, e.second.kl), hi = std::max(hi, e.second.kl);
     for (auto& [name, pts] : series)
       for (auto& p : pts) {
         const double y = panel == 0 ? p.kl : p.output_error;
@@ -143,6 +151,11 @@ inline std::string svg_chart(const std::vector<ConfigResult>& results, const std
       if (panel == 1)
         svg += fmt::format("<text x=\"{}\" y=\"{}\" fill=\"{}\">{}</text>\n", x0 + pw - 110, top + 16 * color, col, name);
     }
+    if (panel == 0)
+      for (auto& [name, p] : engines)
+        svg += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"6\" height=\"6\" fill=\"#333\"/><text x=\"{}\" y=\"{}\" "
+                           "font-size=\"9\" fill=\"#333\">{}</text>\n",
+                           X(p.bits) - 3, Y(p.kl) - 3, X(p.bits) + 5, Y(p.kl) + 3, name);
   }
   return svg + "</svg>\n";
 }

@@ -2,10 +2,12 @@
 // and the fp32 backend's stored-row filter.
 #include <gtest/gtest.h>
 
+#include <sstream>
 #include <stdexcept>
 #include <vector>
 
 #include "eval/engine_formats.hpp"
+#include "eval/report.hpp"
 #include "kvq/rope/rope.hpp"
 #include "llama/full_precision_backend.hpp"
 #include "support/random.hpp"
@@ -85,6 +87,22 @@ TEST(EngineFormats, BackendAttendsOverFilteredRowsAndAThrowingFilterStoresNothin
   zeroed.append(0, 1, k, v);  // the sequence continues where it was
   EXPECT_EQ(zeroed.length(0), 2u);
   EXPECT_EQ(calls, 3);
+}
+
+TEST(EngineFormats, ReportNamesThemAndChartsThemAsPoints) {
+  kvq::eval::ConfigResult kvq_row, engine_row;
+  kvq_row.config = kvq::parse_cache_config("k4c32-v4t8-r0-s0");
+  kvq_row.bits_per_value = 6.79;
+  kvq_row.mean_kl = 0.002;
+  engine_row.engine = parse_engine_format("ggml-q4_0-hadamard");
+  engine_row.bits_per_value = 4.5;
+  engine_row.mean_kl = 0.6;
+  std::ostringstream table;
+  kvq::eval::print_table(table, {kvq_row, engine_row}, 1.0, 100);
+  EXPECT_NE(table.str().find("ggml-q4_0-hadamard           rows/32 + H        4.50"), std::string::npos) << table.str();
+  const std::string svg = kvq::eval::svg_chart({kvq_row, engine_row}, "t");
+  EXPECT_NE(svg.find(">ggml-q4_0-hadamard</text>"), std::string::npos);
+  EXPECT_EQ(svg.find(">k4c32-v4t8-r0-s0</text>"), std::string::npos);  // kvq rows are lines, not labels
 }
 
 }  // namespace
