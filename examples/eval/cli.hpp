@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "eval/distortion.hpp"
 #include "eval/model_eval.hpp"
 #include "eval/report.hpp"
 #include "eval/synthetic.hpp"
@@ -44,8 +45,9 @@ usage: kvq-eval [options]
                        (default: $KVQ_DATA_DIR/text/tinystories_valid_excerpt.txt)
   --tokens PATH        token ids instead of text, separated by white space, cut into
                        sequences of --context ids (no BOS is added; no tokenizer is needed)
-  --set NAME           configuration set: default, axes, full (default: default)
-  --configs A,B,...    explicit configurations, e.g. k4c32-v2t8-r0-s0 (overrides --set)
+  --set NAME           configuration set: default, axes, full, engines (default: default);
+                       engines = the default set plus every engine format below
+  --configs A,B,...    explicit configurations, e.g. k4c32-v2t8-r0-s0,ggml-q4_0 (overrides --set)
   --stories N          evaluate the first N stories (default: all)
   --context N          truncate each story to N tokens (default: 512, or the model's
                        context length if shorter; more than that length is an error)
@@ -57,16 +59,25 @@ usage: kvq-eval [options]
   --prompt P           tokens of each story that prompt the generation (default: 64)
   --out DIR            where kvq-eval.csv and kvq-eval.svg go (default: kvq-eval-results)
   --synthetic          run the synthetic mode (no model needed)
+  --distortion         print the scalar-quantizer distortion table on synthetic head vectors
+                       (affine, NormalFloat, Lloyd-Max, Hadamard; no model needed)
   --help               this text
 
 Configuration strings: k<bits><c|t><group>[s][.bf16|.f32]-v...-r<window>-s<sinks>[-post][-f32]
   c = per channel (one scale per channel per run of <group> tokens), t = per token,
   s = symmetric, k16/v16 = unquantized, -post = the cache receives post-RoPE keys.
+
+Engine formats, simulated (each stored key and value quantized and dequantized as the engine
+stores it; attention reads them in fp32; bits/value counts the format's scales):
+  ggml-<type>          llama.cpp's cache type <type>: q8_0, q4_0, q4_1, q5_0, q5_1 or iq4_nl;
+                       post-RoPE K and V, each token's row in blocks of 32 values
+  ggml-<type>-hadamard the same with llama.cpp's normalized Hadamard rotation of each K and V head
+  fp8-e4m3, fp8-e5m2   vLLM's fp8 cache, per-tensor scale 1 (e4m3 saturates at 448)
 )";
 
 struct EvalOptions {
   std::filesystem::path model, text, tokens, out = "kvq-eval-results";
-  bool model_given = false, text_given = false, synthetic = false, help = false;
+  bool model_given = false, text_given = false, synthetic = false, distortion = false, help = false;
   std::string set = "default", attention = "exact";
   std::vector<std::string> configs;
   std::size_t stories = 0, metric_stories = 3;
@@ -134,6 +145,7 @@ inline EvalOptions parse_options(const std::vector<std::string>& args) {
     }
     else if (a == "--metric-stories") o.metric_stories = parse_count(a, value());
     else if (a == "--synthetic") o.synthetic = true;
+    else if (a == "--distortion") o.distortion = true;
     else if (a == "--help" || a == "-h") o.help = true;
     else if (a == "--configs") {
       std::stringstream list(value());
@@ -145,15 +157,16 @@ inline EvalOptions parse_options(const std::vector<std::string>& args) {
   }
   if (o.text_given && !o.tokens.empty())
     throw Error(ErrorCode::invalid_argument, "give --text or --tokens, not both");
-  if (o.set != "default" && o.set != "axes" && o.set != "full")
-    throw Error(ErrorCode::invalid_argument, "unknown --set '" + o.set + "': expected default, axes or full");
+  if (o.set != "default" && o.set != "axes" && o.set != "full" && o.set != "engines")
+    throw Error(ErrorCode::invalid_argument, "unknown --set '" + o.set + "': expected default, axes, full or engines");
   (void)attention_fn(o.attention);  // rejects unknown names here
   return o;
 }
 
 /// The configurations of a named set for a model of `head_dim`: per-token groups are capped at
-/// the head dimension; per-channel groups run over 32 tokens.
-inline std::vector<CacheConfig> config_set(const std::string& set, std::size_t head_dim) {
+/// the head dimension; per-channel groups run over 32 tokens. "engines" is "default" plus every
+/// engine format.
+inline std::vector<Candidate> config_set(const std::string& set, std::size_t head_dim) {
   const std::string t = std::to_string(std::min<std::size_t>(32, head_dim));
   std::vector<std::string> names = {"k16-v16-r0-s0"};
   auto axes = [&](int bits) {
@@ -179,8 +192,10 @@ inline std::vector<CacheConfig> config_set(const std::string& set, std::size_t h
       names.push_back(std::string("k") + b + "c64-v" + b + "t" + t + "-r0-s0");
     }
   }
-  std::vector<CacheConfig> configs;
-  for (const std::string& n : names) configs.push_back(parse_cache_config(n));
+  if (set == "engines")
+    for (const std::string& n : engine_format_names()) names.push_back(n);
+  std::vector<Candidate> configs;
+  for (const std::string& n : names) configs.push_back(parse_candidate(n));
   return configs;
 }
 
@@ -305,7 +320,7 @@ inline int run_synthetic(std::ostream& out) {
 }
 
 /// Evaluates configurations on all cores (the model and the baseline are read-only).
-inline std::vector<ConfigResult> evaluate_all(const ModelEvaluation& evaluation, const std::vector<CacheConfig>& configs,
+inline std::vector<ConfigResult> evaluate_all(const ModelEvaluation& evaluation, const std::vector<Candidate>& configs,
                                               std::ostream& progress, const GenerationEvaluation* generation = nullptr) {
   std::vector<ConfigResult> results(configs.size());
   std::vector<std::exception_ptr> errors(configs.size());
@@ -315,12 +330,14 @@ inline std::vector<ConfigResult> evaluate_all(const ModelEvaluation& evaluation,
     for (std::size_t i; (i = next++) < configs.size();) {
       try {
         results[i] = evaluation.evaluate(configs[i]);
-        if (generation != nullptr) results[i].generation = generation->evaluate(configs[i]);
+        // Engine formats are simulated on the fp32 backend, which does not generate: no row for them.
+        if (const auto* config = std::get_if<CacheConfig>(&configs[i]); generation != nullptr && config != nullptr)
+          results[i].generation = generation->evaluate(*config);
       } catch (...) {
         errors[i] = std::current_exception();
       }
       const std::lock_guard lock(print);
-      progress << fmt::format("[{}/{}] {}\n", ++done, configs.size(), to_string(configs[i])) << std::flush;
+      progress << fmt::format("[{}/{}] {}\n", ++done, configs.size(), name_of(configs[i])) << std::flush;
     }
   };
   std::vector<std::thread> threads(std::max(1u, std::min(std::thread::hardware_concurrency(), 8u)) - 1);
@@ -339,7 +356,11 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
       out << usage;
       return 0;
     }
-    for (const std::string& c : o.configs) (void)parse_cache_config(c);  // reject typos before any work
+    for (const std::string& c : o.configs) (void)parse_candidate(c);  // reject typos before any work
+    if (o.distortion) {
+      print_distortion_table(out);
+      return 0;
+    }
     if (o.synthetic) return run_synthetic(out);
     if (!o.model_given && !std::filesystem::exists(o.model)) {
       err << "kvq-eval: " << llama::data_help() << "\nrunning the synthetic mode instead.\n\n";
@@ -354,8 +375,8 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
                              ? tokenize_stories(read_file(o.text, "text"), llama::Tokenizer(file), context, o.stories)
                              : read_token_stories(o.tokens, model.config().vocab, context, o.stories);
     if (stories.empty()) throw Error(ErrorCode::invalid_argument, "'" + source.string() + "' holds no story");
-    std::vector<CacheConfig> configs;
-    for (const std::string& c : o.configs) configs.push_back(parse_cache_config(c));
+    std::vector<Candidate> configs;
+    for (const std::string& c : o.configs) configs.push_back(parse_candidate(c));
     if (configs.empty()) configs = config_set(o.set, model.config().head_dim);
 
     ModelEvaluation evaluation(model, stories, o.metric_stories, attention_fn(o.attention));

@@ -8,10 +8,12 @@
 #include <cstddef>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "eval/cache_backend.hpp"
 #include "eval/generation_eval.hpp"
+#include "eval/engine_formats.hpp"
 #include "kvq/kvq.hpp"
 #include "llama/full_precision_backend.hpp"
 #include "llama/inference.hpp"
@@ -19,8 +21,23 @@
 
 namespace kvq::eval {
 
+/// What kvq-eval measures: one of kvq's cache configurations, or another engine's format simulated.
+using Candidate = std::variant<CacheConfig, EngineFormat>;
+
+/// "k4c32-v2t8-r0-s0" or "ggml-q4_0": engine format names are told apart by their prefix.
+inline Candidate parse_candidate(const std::string& text) {
+  if (is_engine_format_name(text)) return parse_engine_format(text);
+  return parse_cache_config(text);
+}
+
+inline std::string name_of(const Candidate& c) {
+  if (const auto* config = std::get_if<CacheConfig>(&c)) return to_string(*config);
+  return std::get<EngineFormat>(c).name;
+}
+
 struct ConfigResult {
-  CacheConfig config;
+  CacheConfig config;                  // kvq configurations
+  std::optional<EngineFormat> engine;  // engine formats (config is then unused)
   double mean_nll = 0;        // nats per predicted token
   double perplexity = 0;
   double mean_kl = 0;         // KL(full precision || this cache) of the next-token distribution, nats
@@ -32,6 +49,9 @@ struct ConfigResult {
   AttentionErrors all;                  // all layers pooled
   std::optional<GenerationResult> generation;  // free-running generation, when asked for
 };
+
+/// The configuration string or engine format name of a result.
+inline std::string name_of(const ConfigResult& r) { return r.engine ? r.engine->name : to_string(r.config); }
 
 class ModelEvaluation {
  public:
@@ -69,15 +89,53 @@ class ModelEvaluation {
     return total / double(predictions());
   }
 
+  ConfigResult evaluate(const Candidate& candidate) const {
+    if (const auto* config = std::get_if<CacheConfig>(&candidate)) return evaluate(*config);
+    return evaluate(std::get<EngineFormat>(candidate));
+  }
+
   ConfigResult evaluate(const CacheConfig& config) const {
     ConfigResult r;
     r.config = config;
+    score(r, [&](const std::vector<int>& tokens, std::size_t& bytes, std::size_t& values) {
+      CacheBackend kv(model_, config, tokens.size(), attention_);
+      std::vector<float> log_probs = forward_all(kv, tokens);
+      const MemoryUsage m = kv.cache().memory();
+      bytes += m.total_bytes();
+      values += m.values;
+      return log_probs;
+    });
+    if (metric_stories_ > 0) attention_metrics(config, r);
+    return r;
+  }
+
+  /// An engine format, simulated: the fp32 backend storing each row as the engine would. Its
+  /// bytes are the format's blocks (fp8: a 4-byte scale per layer for K and for V besides);
+  /// the per-layer attention metrics are not measured for these.
+  ConfigResult evaluate(const EngineFormat& format) const {
+    ConfigResult r;
+    r.engine = format;
+    const llama::LlamaConfig& m = model_.config();
+    score(r, [&](const std::vector<int>& tokens, std::size_t& bytes, std::size_t& values) {
+      llama::FullPrecisionBackend kv(model_, tokens.size(), EngineRowCodec(format, m.kv_heads, m.head_dim));
+      std::vector<float> log_probs = forward_all(kv, tokens);
+      const std::size_t n = 2 * m.layers * tokens.size() * m.kv_dim();
+      values += n;
+      bytes += std::size_t(double(n) * format.bits_per_value() / 8.0) + (format.block ? 0 : 2 * m.layers * 4);
+      return log_probs;
+    });
+    return r;
+  }
+
+ private:
+  // Runs every story through the backend `run` builds, accumulating NLL, KL, top-1 and bytes.
+  template <class RunStory>
+  void score(ConfigResult& r, RunStory run) const {
     double nll = 0, kl = 0, agree = 0;
     std::size_t values = 0;
     for (std::size_t s = 0; s < stories_.size(); ++s) {
       const std::vector<int>& tokens = stories_[s];
-      CacheBackend kv(model_, config, tokens.size(), attention_);
-      const std::vector<float> log_probs = forward_all(kv, tokens);
+      const std::vector<float> log_probs = run(tokens, r.cache_bytes, values);
       nll += sum(nll_of(log_probs, tokens));
       const std::size_t vocab = model_.config().vocab;
       for (std::size_t p = 0; p + 1 < tokens.size(); ++p) {
@@ -88,9 +146,6 @@ class ModelEvaluation {
         kl += std::max(d, 0.0);
         agree += std::max_element(exact, exact + vocab) - exact == std::max_element(ours, ours + vocab) - ours ? 1 : 0;
       }
-      const MemoryUsage m = kv.cache().memory();
-      r.cache_bytes += m.total_bytes();
-      values += m.values;
     }
     r.predictions = predictions();
     r.mean_nll = nll / double(r.predictions);
@@ -98,11 +153,8 @@ class ModelEvaluation {
     r.mean_kl = kl / double(r.predictions);
     r.top1 = agree / double(r.predictions);
     r.bits_per_value = 8.0 * double(r.cache_bytes) / double(values);
-    if (metric_stories_ > 0) attention_metrics(config, r);
-    return r;
   }
 
- private:
   struct Run {
     std::vector<float> log_probs;  // (T, vocab)
     std::vector<double> nll;

@@ -22,6 +22,12 @@ inline std::string axes_label(const CacheConfig& c) {
   return fmt::format("K {} / V {}", axis(c.quantize_keys, c.key.axis), axis(c.quantize_values, c.value.axis));
 }
 
+/// The axes column of a result: kvq's axes, or an engine format's storage granularity.
+inline std::string axes_label(const ConfigResult& r) {
+  if (!r.engine) return axes_label(r.config);
+  return r.engine->block ? (r.engine->hadamard ? "rows/32 + H" : "rows/32") : "per tensor";
+}
+
 /// True when sinks and the full-precision window hold every position of a story of `length`
 /// tokens: such a cache quantizes nothing, and its row measures fp16 storage, not the quantizer.
 inline bool window_covers(const CacheConfig& c, std::size_t length) noexcept {
@@ -40,10 +46,10 @@ inline void print_table(std::ostream& out, const std::vector<ConfigResult>& resu
   for (const ConfigResult& r : results) {
     const bool measured = !r.layers.empty();  // --metric-stories 0 skips the attention metrics
     auto metric = [&](double v) { return measured ? fmt::format("{:>8.4f}", v) : fmt::format("{:>8}", "-"); };
-    const bool covers = longest_story != 0 && window_covers(r.config, longest_story);
+    const bool covers = longest_story != 0 && !r.engine && window_covers(r.config, longest_story);
     flagged = flagged || covers;
     out << fmt::format("{:<28} {:<16} {:>6.2f} {:>+8.4f} {:>9.5f} {:>7.4f} {} {} {} {}\n",
-                       to_string(r.config) + (covers ? "*" : ""), axes_label(r.config), r.bits_per_value,
+                       name_of(r) + (covers ? "*" : ""), axes_label(r), r.bits_per_value,
                        r.perplexity - base_ppl, r.mean_kl, r.top1, metric(r.all.key_error), metric(r.all.value_error),
                        metric(r.all.score_error), metric(r.all.output_error));
   }
@@ -84,7 +90,7 @@ inline void write_csv(std::FILE* f, const std::vector<ConfigResult>& results, do
                                      r.generation->identical_share, r.generation->token_agreement, r.generation->mean_kl)
                        : std::string(",,,");
       fmt::print(f, "{},{},{},{:.4f},{},{:.6f},{:.6f},{:.6g},{:.6f},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.4f},{}\n",
-                 to_string(r.config), axes_label(r.config), l < r.layers.size() ? std::to_string(l) : "all",
+                 name_of(r), axes_label(r), l < r.layers.size() ? std::to_string(l) : "all",
                  r.bits_per_value, r.cache_bytes, r.perplexity, std::exp(baseline_nll), r.mean_kl, r.top1, e.key_error,
                  e.value_error, e.score_error, e.output_error, e.output_error_keys, e.output_error_values,
                  e.attention_kl, e.sparsity, generation);
@@ -97,11 +103,17 @@ struct ChartPoint {
 };
 
 /// Two log-scale panels (model KL, attention-output error) against bits per value, one line per
-/// axis combination: configurations with no window, no sinks and pre-RoPE keys.
+/// axis combination: configurations with no window, no sinks and pre-RoPE keys. Engine formats are
+/// labelled squares on the KL panel (their attention errors are not measured).
 inline std::string svg_chart(const std::vector<ConfigResult>& results, const std::string& title) {
   std::map<std::string, std::vector<ChartPoint>> series;
+  std::vector<std::pair<std::string, ChartPoint>> engines;
   for (const ConfigResult& r : results) {
     const CacheConfig& c = r.config;
+    if (r.engine) {
+      engines.push_back({r.engine->name, {r.bits_per_value, std::max(r.mean_kl, 1e-6), 0.0}});
+      continue;
+    }
     if (!c.quantize_keys || !c.quantize_values || c.window != 0 || c.sinks != 0 || c.key_rope != KeyRope::pre ||
         c.key.bits != c.value.bits)
       continue;
@@ -119,10 +131,13 @@ inline std::string svg_chart(const std::vector<ConfigResult>& results, const std
     std::sort(pts.begin(), pts.end(), [](auto& a, auto& b) { return a.bits < b.bits; });
     for (auto& p : pts) max_bits = std::max(max_bits, p.bits);
   }
+  for (auto& e : engines) max_bits = std::max(max_bits, e.second.bits);
   max_bits = std::ceil(max_bits);
   for (int panel = 0; panel < 2; ++panel) {
     const double x0 = left + panel * W;
     double lo = 1e9, hi = 1e-9;
+    if (panel == 0)
+      for (auto& e : engines) lo = std::min(lo, e.second.kl), hi = std::max(hi, e.second.kl);
     for (auto& [name, pts] : series)
       for (auto& p : pts) {
         const double y = panel == 0 ? p.kl : p.output_error;
@@ -158,6 +173,11 @@ inline std::string svg_chart(const std::vector<ConfigResult>& results, const std
       if (panel == 1)
         svg += fmt::format("<text x=\"{}\" y=\"{}\" fill=\"{}\">{}</text>\n", x0 + pw - 110, top + 16 * color, col, name);
     }
+    if (panel == 0)
+      for (auto& [name, p] : engines)
+        svg += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"6\" height=\"6\" fill=\"#333\"/><text x=\"{}\" y=\"{}\" "
+                           "font-size=\"9\" fill=\"#333\">{}</text>\n",
+                           X(p.bits) - 3, Y(p.kl) - 3, X(p.bits) + 5, Y(p.kl) + 3, name);
   }
   return svg + "</svg>\n";
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <functional>
 #include <span>
 #include <limits>
 #include <string>
@@ -18,18 +19,23 @@
 
 namespace kvq::llama {
 
+/// What a cache does to each row it stores, for simulating another engine's cache format: the
+/// post-RoPE key and the value of one position (kv_heads * head_dim each), edited in place.
+using StoredRowFilter = std::function<void(std::span<float> rotated_key, std::span<float> value)>;
+
 class FullPrecisionBackend {
  public:
   /// `max_positions` bounds the sequence. It is the caller's to choose, never llama.context_length:
   /// no tensor backs that number, and a corrupt 2^24 would size gigabytes of RoPE table.
-  FullPrecisionBackend(const Model& model, std::size_t max_positions)
+  /// `filter`, if any, is applied to every row attention reads (keys() and values() stay as appended).
+  FullPrecisionBackend(const Model& model, std::size_t max_positions, StoredRowFilter filter = {})
       : FullPrecisionBackend(model.config().layers, model.config().heads, model.config().kv_heads,
-                             model.rope_config(), max_positions) {}
+                             model.rope_config(), max_positions, std::move(filter)) {}
 
   FullPrecisionBackend(std::size_t layers, std::size_t heads, std::size_t kv_heads, const RopeConfig& rope,
-                       std::size_t max_positions)
+                       std::size_t max_positions, StoredRowFilter filter = {})
       : heads_(heads), kv_heads_(kv_heads), head_dim_(rope.head_dim), rope_(rope, max_positions),
-        layers_(layers) {
+        layers_(layers), filter_(std::move(filter)) {
     if (layers == 0 || heads == 0 || kv_heads == 0 || heads % kv_heads != 0)
       throw Error(ErrorCode::invalid_argument, "backend needs layers > 0 and heads a positive multiple of kv_heads (got " +
                                                    std::to_string(heads) + " and " + std::to_string(kv_heads) + ")");
@@ -49,10 +55,14 @@ class FullPrecisionBackend {
       throw Error(ErrorCode::capacity_exceeded, "layer " + std::to_string(layer) + ": position " +
                                                     std::to_string(position) + " is beyond the capacity of " +
                                                     std::to_string(rope_.max_positions()));
+    rotated_.assign(k.begin(), k.end());  // rotated and filtered first: a throwing filter stores nothing
+    rope_.rotate_heads(rotated_, position);
+    stored_.assign(v.begin(), v.end());
+    if (filter_) filter_(rotated_, stored_);
     L.keys.insert(L.keys.end(), k.begin(), k.end());
-    L.rotated_keys.insert(L.rotated_keys.end(), k.begin(), k.end());
-    rope_.rotate_heads(std::span<float>(L.rotated_keys.data() + position * kv_dim, kv_dim), position);
+    L.rotated_keys.insert(L.rotated_keys.end(), rotated_.begin(), rotated_.end());
     L.values.insert(L.values.end(), v.begin(), v.end());
+    if (filter_) L.stored_values.insert(L.stored_values.end(), stored_.begin(), stored_.end());
     ++L.length;
   }
 
@@ -89,7 +99,7 @@ class FullPrecisionBackend {
       std::fill(oh, oh + head_dim_, 0.0f);
       for (std::size_t t = 0; t <= position; ++t) {
         const float a = scores_[t] / sum;
-        const float* vt = L.values.data() + t * kv_dim + kv_offset;
+        const float* vt = (filter_ ? L.stored_values : L.values).data() + t * kv_dim + kv_offset;
         for (std::size_t i = 0; i < head_dim_; ++i) oh[i] += a * vt[i];
       }
     }
@@ -111,6 +121,7 @@ class FullPrecisionBackend {
  private:
   struct Layer {
     std::vector<float> keys, rotated_keys, values;  // rotated copy so attention never re-rotates
+    std::vector<float> stored_values;               // values through the filter, when there is one
     std::size_t length = 0;
   };
 
@@ -125,7 +136,8 @@ class FullPrecisionBackend {
   std::size_t heads_, kv_heads_, head_dim_;
   RopeTable rope_;
   std::vector<Layer> layers_;
-  std::vector<float> query_, scores_;
+  StoredRowFilter filter_;
+  std::vector<float> query_, scores_, rotated_, stored_;
 };
 
 static_assert(KVBackend<FullPrecisionBackend>);

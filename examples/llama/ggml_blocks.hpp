@@ -12,6 +12,7 @@
 #include <string>
 #include <string_view>
 
+#include "kvq/codecs/ggml.hpp"
 #include "kvq/core/half.hpp"
 
 namespace kvq::llama {
@@ -74,40 +75,7 @@ inline void dequantize_bf16(const std::uint8_t* src, std::size_t n, float* out) 
   }
 }
 
-// Q4_0, Q4_1, Q5_0, Q5_1 (32 values): byte j of qs holds value j in its low nibble and value
-// j + 16 in its high nibble; Q5's fifth bits are bit j of the little-endian uint32 qh.
-// Q4_0/Q5_0 centre the codes (-8 / -16) and scale by d; Q4_1/Q5_1 scale by d and add the min m.
-template <bool FifthBit, bool WithMin>
-void dequantize_q4_q5(const std::uint8_t* src, std::size_t blocks, float* out) {
-  constexpr std::size_t bytes = 2 + (WithMin ? 2 : 0) + (FifthBit ? 4 : 0) + 16;
-  constexpr int centre = WithMin ? 0 : FifthBit ? 16 : 8;
-  for (std::size_t b = 0; b < blocks; ++b, src += bytes, out += 32) {
-    const float d = half_at(src);
-    const float m = WithMin ? half_at(src + 2) : 0.0f;
-    std::uint32_t qh = 0;
-    if constexpr (FifthBit) std::memcpy(&qh, src + (WithMin ? 4 : 2), 4);
-    const std::uint8_t* qs = src + bytes - 16;
-    for (int j = 0; j < 16; ++j) {
-      const int lo = (qs[j] & 0xF) | (FifthBit ? int((qh >> j) & 1) << 4 : 0);
-      const int hi = (qs[j] >> 4) | (FifthBit ? int((qh >> (j + 16)) & 1) << 4 : 0);
-      if constexpr (WithMin) {
-        out[j] = float(lo) * d + m;
-        out[j + 16] = float(hi) * d + m;
-      } else {
-        out[j] = float(lo - centre) * d;
-        out[j + 16] = float(hi - centre) * d;
-      }
-    }
-  }
-}
-
-// Q8_0 (32 values): fp16 d, then 32 int8 codes.
-inline void dequantize_q8_0(const std::uint8_t* src, std::size_t blocks, float* out) {
-  for (std::size_t b = 0; b < blocks; ++b, src += 34, out += 32) {
-    const float d = half_at(src);
-    for (int j = 0; j < 32; ++j) out[j] = float(static_cast<std::int8_t>(src[2 + j])) * d;
-  }
-}
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are the library's ggml codecs (kvq/codecs/ggml.hpp).
 
 // Q2_K (256 values in 16 groups of 16): scales[16] (low nibble: scale, high nibble: min, both
 // times the block's fp16 d / dmin), qs[64], d, dmin. Codes of each 128-value half sit in 32 bytes,
@@ -224,9 +192,12 @@ inline void dequantize_q6_k(const std::uint8_t* src, std::size_t blocks, float* 
 inline const GgmlBlockFormat* ggml_block_format(std::uint32_t type) noexcept {
   using namespace detail;
   static constexpr GgmlBlockFormat f32{"F32", 1, 4, dequantize_f32}, f16{"F16", 1, 2, dequantize_f16},
-      bf16{"BF16", 1, 2, dequantize_bf16}, q4_0{"Q4_0", 32, 18, dequantize_q4_q5<false, false>},
-      q4_1{"Q4_1", 32, 20, dequantize_q4_q5<false, true>}, q5_0{"Q5_0", 32, 22, dequantize_q4_q5<true, false>},
-      q5_1{"Q5_1", 32, 24, dequantize_q4_q5<true, true>}, q8_0{"Q8_0", 32, 34, dequantize_q8_0},
+      bf16{"BF16", 1, 2, dequantize_bf16},
+      q4_0{"Q4_0", 32, 18, ggml::dequantize_blocks<ggml::BlockType::q4_0>},
+      q4_1{"Q4_1", 32, 20, ggml::dequantize_blocks<ggml::BlockType::q4_1>},
+      q5_0{"Q5_0", 32, 22, ggml::dequantize_blocks<ggml::BlockType::q5_0>},
+      q5_1{"Q5_1", 32, 24, ggml::dequantize_blocks<ggml::BlockType::q5_1>},
+      q8_0{"Q8_0", 32, 34, ggml::dequantize_blocks<ggml::BlockType::q8_0>},
       q2_k{"Q2_K", 256, 84, dequantize_q2_k}, q3_k{"Q3_K", 256, 110, dequantize_q3_k},
       q4_k{"Q4_K", 256, 144, dequantize_q4_q5_k<false>}, q5_k{"Q5_K", 256, 176, dequantize_q4_q5_k<true>},
       q6_k{"Q6_K", 256, 210, dequantize_q6_k};

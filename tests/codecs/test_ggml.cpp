@@ -1,0 +1,243 @@
+// ggml's KV-cache block formats: blocks quantized by hand following ggml's reference quantizers
+// (the expected bytes are worked out in the comments), round trips on random rows, and refusals.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "kvq/codecs/ggml.hpp"
+
+namespace {
+
+using kvq::ggml::BlockType;
+using Bytes = std::vector<std::uint8_t>;
+
+Bytes quantize(BlockType t, const std::vector<float>& x) {
+  Bytes out(x.size() / 32 * kvq::ggml::block_bytes(t));
+  kvq::ggml::quantize_row(t, x, out);
+  return out;
+}
+
+std::vector<float> dequantize(BlockType t, const Bytes& b) {
+  std::vector<float> y(b.size() / kvq::ggml::block_bytes(t) * 32);
+  kvq::ggml::dequantize_row(t, b, y);
+  return y;
+}
+
+// 4-bit codes q (value j low nibble, value j + 16 high nibble of byte j).
+Bytes nibbles(const std::vector<int>& q) {
+  Bytes qs(16);
+  for (int j = 0; j < 16; ++j) qs[j] = std::uint8_t((q[j] & 0xF) | (q[j + 16] & 0xF) << 4);
+  return qs;
+}
+
+// The uint32 qh of 5-bit codes, little-endian: bit j is bit 4 of code j.
+Bytes fifth_bits(const std::vector<int>& q) {
+  std::uint32_t qh = 0;
+  for (int j = 0; j < 32; ++j) qh |= std::uint32_t(q[j] >> 4 & 1) << j;
+  return {std::uint8_t(qh), std::uint8_t(qh >> 8), std::uint8_t(qh >> 16), std::uint8_t(qh >> 24)};
+}
+
+Bytes concat(std::initializer_list<Bytes> parts) {
+  Bytes all;
+  for (const Bytes& p : parts) all.insert(all.end(), p.begin(), p.end());
+  return all;
+}
+
+TEST(GgmlCodecs, Q8_0RoundsHalfAwayFromZero) {
+  // amax 127: d = 127 / 127 = 1 (fp16 0x3C00), id = 1, code = roundf(x): 2.5 -> 3 and -2.5 -> -3,
+  // where ties-to-even would give 2 and -2.
+  std::vector<float> x(32, 0.0f);
+  x[0] = -127.0f;
+  x[1] = 2.5f;
+  x[2] = -2.5f;
+  x[3] = 0.5f;
+  x[4] = 0.49f;
+  x[5] = 100.7f;
+  x[31] = 126.5f;
+  Bytes expected = {0x00, 0x3C};
+  for (int j = 0; j < 32; ++j) expected.push_back(0);
+  expected[2 + 0] = std::uint8_t(-127);
+  expected[2 + 1] = 3;
+  expected[2 + 2] = std::uint8_t(-3);
+  expected[2 + 3] = 1;
+  expected[2 + 4] = 0;
+  expected[2 + 5] = 101;
+  expected[2 + 31] = 127;
+  EXPECT_EQ(quantize(BlockType::q8_0, x), expected);
+  const auto y = dequantize(BlockType::q8_0, expected);
+  EXPECT_EQ(y[1], 3.0f);
+  EXPECT_EQ(y[0], -127.0f);
+
+  // amax 16: d = 16/127 = 0.1259843 -> fp16 0x3008 (1.0078125 * 2^-3 = 0.12597656); the codes use
+  // the fp32 id = 127/16 = 7.9375: 1 -> round(7.9375) = 8, 8 -> round(63.5) = 64, -16 -> -127.
+  std::vector<float> z(32, 0.0f);
+  z[0] = 1.0f;
+  z[1] = 8.0f;
+  z[2] = -16.0f;
+  const Bytes b = quantize(BlockType::q8_0, z);
+  EXPECT_EQ(b[0], 0x08);
+  EXPECT_EQ(b[1], 0x30);
+  EXPECT_EQ(b[2], 8);
+  EXPECT_EQ(b[3], 64);
+  EXPECT_EQ(b[4], std::uint8_t(-127));
+  EXPECT_EQ(dequantize(BlockType::q8_0, b)[1], 64.0f * 0.12597656f);
+}
+
+TEST(GgmlCodecs, Q4_0TruncatesXOverDPlus8Point5) {
+  // The largest magnitude is -8: d = -8 / -8 = 1 (0x3C00), id = 1, code = min(15, int(x + 8.5)).
+  std::vector<float> x(32, 0.0f);
+  std::vector<int> q(32, 8);  // 0 -> int(8.5) = 8
+  x[0] = -8.0f, q[0] = 0;     // int(0.5) = 0
+  x[1] = 7.0f, q[1] = 15;     // int(15.5)
+  x[2] = 7.9f, q[2] = 15;     // int(16.4) = 16, capped at 15
+  x[3] = 0.5f, q[3] = 9;      // int(9.0): halves round up
+  x[4] = -0.5f, q[4] = 8;     // int(8.0)
+  x[5] = -0.6f, q[5] = 7;     // int(7.9)
+  x[17] = 3.2f, q[17] = 11;   // int(11.7), high nibble of byte 1
+  EXPECT_EQ(quantize(BlockType::q4_0, x), concat({{0x00, 0x3C}, nibbles(q)}));
+
+  // The largest magnitude is +4 (before -4, so it wins the tie): d = 4 / -8 = -0.5 (0xB800),
+  // id = -2. 4 -> int(-8 + 8.5) = 0 (value 4); -3.5 -> int(7 + 8.5) = 15 (value -3.5); -4 ->
+  // int(16.5) = 16, capped: 15 (value -3.5, the asymmetry of the format).
+  std::vector<float> y(32, 0.0f);
+  std::vector<int> r(32, 8);
+  y[0] = 4.0f, r[0] = 0;
+  y[1] = -3.5f, r[1] = 15;
+  y[2] = -4.0f, r[2] = 15;
+  y[3] = 1.0f, r[3] = 6;  // int(-2 + 8.5) = 6, value (6 - 8) * -0.5 = 1
+  const Bytes b = quantize(BlockType::q4_0, y);
+  EXPECT_EQ(b, concat({{0x00, 0xB8}, nibbles(r)}));
+  const auto back = dequantize(BlockType::q4_0, b);
+  EXPECT_EQ(back[0], 4.0f);
+  EXPECT_EQ(back[2], -3.5f);
+  EXPECT_EQ(back[3], 1.0f);
+}
+
+TEST(GgmlCodecs, Q4_1StoresScaleAndMin) {
+  // min -1, max 14: d = 15 / 15 = 1 (0x3C00), m = -1 (0xBC00), code = min(15, int(x + 1 + 0.5)).
+  std::vector<float> x(32, 0.0f);
+  std::vector<int> q(32, 1);  // 0 -> int(1.5) = 1
+  x[0] = -1.0f, q[0] = 0;
+  x[1] = 14.0f, q[1] = 15;
+  x[2] = 0.5f, q[2] = 2;     // int(2.0)
+  x[3] = 0.49f, q[3] = 1;    // int(1.99)
+  x[20] = 6.7f, q[20] = 8;   // int(8.2)
+  const Bytes b = quantize(BlockType::q4_1, x);
+  EXPECT_EQ(b, concat({{0x00, 0x3C, 0x00, 0xBC}, nibbles(q)}));
+  EXPECT_EQ(dequantize(BlockType::q4_1, b)[20], 7.0f);
+}
+
+TEST(GgmlCodecs, Q5_0AndQ5_1PutTheFifthBitInQh) {
+  // Largest magnitude -16: d = 1, code = min(31, int(x + 16.5)).
+  std::vector<float> x(32, 0.0f);
+  std::vector<int> q(32, 16);  // fifth bit set on every zero
+  x[0] = -16.0f, q[0] = 0;
+  x[1] = 15.0f, q[1] = 31;
+  x[2] = 15.6f, q[2] = 31;   // int(32.1) capped
+  x[3] = -0.5f, q[3] = 16;   // int(16.0)
+  x[4] = -1.0f, q[4] = 15;   // int(15.5): fifth bit clear
+  x[31] = 2.0f, q[31] = 18;
+  EXPECT_EQ(quantize(BlockType::q5_0, x), concat({{0x00, 0x3C}, fifth_bits(q), nibbles(q)}));
+  // Every zero has code 16, so qh is all ones but for values 0 and 4: 0xFFFFFFEE.
+  EXPECT_EQ(fifth_bits(q), (Bytes{0xEE, 0xFF, 0xFF, 0xFF}));
+
+  // min 0, max 31: d = 1, m = 0, code = int(x + 0.5).
+  std::vector<float> y(32, 0.0f);
+  std::vector<int> r(32, 0);
+  y[0] = 31.0f, r[0] = 31;
+  y[1] = 16.5f, r[1] = 17;
+  y[2] = 15.49f, r[2] = 15;
+  const Bytes b = quantize(BlockType::q5_1, y);
+  EXPECT_EQ(b, concat({{0x00, 0x3C, 0x00, 0x00}, fifth_bits(r), nibbles(r)}));
+  EXPECT_EQ(dequantize(BlockType::q5_1, b)[1], 17.0f);
+}
+
+TEST(GgmlCodecs, Iq4NlTakesNearestLevelsThenTheLeastSquaresScale) {
+  // Values exactly on the levels, -127 first: d0 = -127 / -127 = 1, codes j % 16, and the
+  // least-squares scale sum(x^2 q x) / sum(x^2 q q) is exactly 1 (both sums are the same floats).
+  std::vector<float> x(32);
+  std::vector<int> q(32);
+  for (int j = 0; j < 32; ++j) x[j] = float(kvq::ggml::iq4_nl_levels[j % 16]), q[j] = j % 16;
+  EXPECT_EQ(quantize(BlockType::iq4_nl, x), concat({{0x00, 0x3C}, nibbles(q)}));
+
+  // Ties go to the upper level: 7 is 6 from 1 and 13 (code 9), -16 is 6 from -22 and -10 (code 7);
+  // zeros take level 1 (code 8). d = (127^4 + 7^3 13 + 16^3 10) / (127^4 + 7^2 13^2 + 16^2 10^2)
+  // = 0.99998 -> fp16 1.0 (0x3C00).
+  std::vector<float> y(32, 0.0f);
+  std::vector<int> r(32, 8);
+  y[0] = -127.0f, r[0] = 0;
+  y[1] = 7.0f, r[1] = 9;
+  y[2] = -16.0f, r[2] = 7;
+  EXPECT_EQ(quantize(BlockType::iq4_nl, y), concat({{0x00, 0x3C}, nibbles(r)}));
+
+  // Halved: d0 = 0.5, codes unchanged, d = 0.5 (0x3800); decoding gives d * level.
+  for (float& v : x) v *= 0.5f;
+  const Bytes b = quantize(BlockType::iq4_nl, x);
+  EXPECT_EQ(b, concat({{0x00, 0x38}, nibbles(q)}));
+  EXPECT_EQ(dequantize(BlockType::iq4_nl, b)[15], 56.5f);
+}
+
+// q4_0 and q5_0 store d = 0 / -8 = -0 (0x8000), as ggml does.
+TEST(GgmlCodecs, ZeroBlocksStoreZeroScales) {
+  const std::vector<float> zeros(32, 0.0f);
+  for (BlockType t : kvq::ggml::block_types) {
+    const Bytes b = quantize(t, zeros);
+    const bool negative = t == BlockType::q4_0 || t == BlockType::q5_0;
+    EXPECT_EQ(b[0], 0) << name(t);
+    EXPECT_EQ(b[1], negative ? 0x80 : 0x00) << name(t);
+    for (float v : dequantize(t, b)) EXPECT_EQ(v, 0.0f) << name(t);
+  }
+}
+
+TEST(GgmlCodecs, RandomRowsRoundTripWithinTheirStep) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (BlockType t : kvq::ggml::block_types) {
+    std::vector<float> x(32 * 40);
+    for (float& v : x) v = normal(rng);
+    const Bytes b = quantize(t, x);
+    ASSERT_EQ(b.size(), 40 * kvq::ggml::block_bytes(t));
+    const auto y = dequantize(t, b);
+    const double levels = t == BlockType::q8_0 ? 254 : t == BlockType::q5_0 || t == BlockType::q5_1 ? 31 : 15;
+    for (std::size_t blk = 0; blk < 40; ++blk) {
+      float lo = x[blk * 32], hi = lo;
+      for (std::size_t j = 0; j < 32; ++j) lo = std::min(lo, x[blk * 32 + j]), hi = std::max(hi, x[blk * 32 + j]);
+      // A step of the block's range over its levels; the capped top code of q4_0/q5_0 and
+      // iq4_nl's wider outer cells can cost one whole step.
+      const double step = (t == BlockType::q4_1 || t == BlockType::q5_1 ? hi - lo : 2 * std::max(-lo, hi)) / levels;
+      const double bound = (t == BlockType::iq4_nl ? 2.0 : 1.0) * step * 1.01;
+      for (std::size_t j = 0; j < 32; ++j) EXPECT_LE(std::fabs(y[blk * 32 + j] - x[blk * 32 + j]), bound) << name(t);
+    }
+    // Byte-identical through the weight reader's raw entry point.
+    std::vector<float> raw(x.size());
+    kvq::ggml::dequantize_row(t, b, raw);
+    EXPECT_EQ(raw, y);
+  }
+}
+
+TEST(GgmlCodecs, NamesAndRefusals) {
+  EXPECT_EQ(kvq::ggml::parse_block_type("q5_1"), BlockType::q5_1);
+  EXPECT_EQ(kvq::ggml::parse_block_type("Q5_1"), std::nullopt);
+  EXPECT_EQ(kvq::ggml::block_type_names(), "q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl");
+  std::vector<float> x(33, 1.0f);
+  Bytes out(18, 0xAA);
+  EXPECT_THROW(kvq::ggml::quantize_row(BlockType::q4_0, x, out), kvq::Error);  // not whole blocks
+  x.resize(32);
+  Bytes small(17);
+  EXPECT_THROW(kvq::ggml::quantize_row(BlockType::q4_0, x, small), kvq::Error);
+  x[7] = NAN;
+  EXPECT_THROW(kvq::ggml::quantize_row(BlockType::q4_0, x, out), kvq::Error);
+  EXPECT_EQ(out, Bytes(18, 0xAA)) << "a failed call writes nothing";
+  x[7] = 1e6f;  // q8_0: d = 1e6 / 127 fits fp16; q4_0: d = 1e6 / 8 = 125000 does not
+  Bytes q8(34);
+  EXPECT_NO_THROW(kvq::ggml::quantize_row(BlockType::q8_0, x, q8));
+  EXPECT_THROW(kvq::ggml::quantize_row(BlockType::q4_0, x, out), kvq::Error);
+  EXPECT_EQ(out, Bytes(18, 0xAA));
+  std::vector<float> y(31);
+  EXPECT_THROW(kvq::ggml::dequantize_row(BlockType::q8_0, q8, y), kvq::Error);
+}
+
+}  // namespace

@@ -1,0 +1,108 @@
+// Engine formats simulated for kvq-eval: names, the row codec against the codecs it stands for,
+// and the fp32 backend's stored-row filter.
+#include <gtest/gtest.h>
+
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include "eval/engine_formats.hpp"
+#include "eval/report.hpp"
+#include "kvq/rope/rope.hpp"
+#include "llama/full_precision_backend.hpp"
+#include "support/random.hpp"
+
+namespace {
+
+using kvq::eval::EngineRowCodec;
+using kvq::eval::parse_engine_format;
+
+TEST(EngineFormats, NamesParseAndEveryListedNameIsAccepted) {
+  const auto f = parse_engine_format("ggml-iq4_nl-hadamard");
+  EXPECT_EQ(f.block, kvq::ggml::BlockType::iq4_nl);
+  EXPECT_TRUE(f.hadamard);
+  EXPECT_EQ(parse_engine_format("fp8-e5m2").fp8, kvq::Fp8Format::e5m2);
+  EXPECT_FALSE(parse_engine_format("fp8-e4m3").block.has_value());
+  const auto names = kvq::eval::engine_format_names();
+  EXPECT_EQ(names.size(), 14u);
+  for (const auto& n : names) {
+    EXPECT_TRUE(kvq::eval::is_engine_format_name(n)) << n;
+    EXPECT_EQ(parse_engine_format(n).name, n);
+  }
+  EXPECT_THROW(parse_engine_format("ggml-"), kvq::Error);
+  EXPECT_THROW(parse_engine_format("ggml-q4_0-hadamard-hadamard"), kvq::Error);
+  EXPECT_THROW(parse_engine_format("fp8-e4m3-hadamard"), kvq::Error);
+  EXPECT_FALSE(kvq::eval::is_engine_format_name("k4c32-v4t8-r0-s0"));
+}
+
+TEST(EngineFormats, RowCodecIsTheCodecOnWholeRowsWithTheRotationAroundIt) {
+  // 4 heads of 16: a row of 64 = two q4_0 blocks, each spanning two heads.
+  const std::vector<float> k = kvq::test::outlier_keys(1, 4, 16, 3, 9.0f, 1), v = kvq::test::normal_vector(64, 2);
+  for (const char* name : {"ggml-q4_0", "ggml-q4_0-hadamard", "fp8-e5m2"}) {
+    const auto format = parse_engine_format(name);
+    EngineRowCodec codec(format, 4, 16);
+    std::vector<float> key = k, value = v;
+    codec(key, value);
+    std::vector<float> expected = k;
+    const kvq::HadamardTransform h(16);
+    if (format.hadamard) h.forward(expected);
+    if (format.block) {
+      std::vector<std::uint8_t> blocks(2 * kvq::ggml::block_bytes(*format.block));
+      kvq::ggml::quantize_row(*format.block, expected, blocks);
+      kvq::ggml::dequantize_row(*format.block, blocks, expected);
+    } else {
+      for (float& x : expected) x = kvq::fp8_to_float(format.fp8, kvq::float_to_fp8(format.fp8, x));
+    }
+    if (format.hadamard) h.inverse(expected);
+    EXPECT_EQ(key, expected) << name;
+    EXPECT_NE(key, k) << name << ": something was quantized";
+  }
+  // Rows of 24 values are not whole ggml blocks; fp8 has no blocks.
+  EXPECT_THROW(EngineRowCodec(parse_engine_format("ggml-q8_0"), 3, 8), kvq::Error);
+  EXPECT_NO_THROW(EngineRowCodec(parse_engine_format("fp8-e4m3"), 3, 8));
+}
+
+TEST(EngineFormats, BackendAttendsOverFilteredRowsAndAThrowingFilterStoresNothing) {
+  const kvq::RopeConfig rope{8, kvq::RopeStyle::adjacent_pairs, 10000.0f};
+  int calls = 0;
+  kvq::llama::FullPrecisionBackend plain(1, 2, 1, rope, 4), zeroed(1, 2, 1, rope, 4, [&](std::span<float> k, std::span<float> v) {
+    ++calls;
+    for (float& x : v) x = 0.0f;
+    if (k[0] > 100.0f) throw std::runtime_error("refused");
+  });
+  const std::vector<float> k = kvq::test::normal_vector(8, 3), v = kvq::test::normal_vector(8, 4), q = kvq::test::normal_vector(16, 5);
+  plain.append(0, 0, k, v);
+  zeroed.append(0, 0, k, v);
+  std::vector<float> out(16);
+  zeroed.attend(0, 0, q, out);
+  for (float x : out) EXPECT_EQ(x, 0.0f);  // attention read the filtered values
+  plain.attend(0, 0, q, out);
+  EXPECT_NE(out[0], 0.0f);
+  EXPECT_EQ(std::vector<float>(zeroed.values(0).begin(), zeroed.values(0).end()), v);  // values() as appended
+  std::vector<float> big = k;
+  big[0] = 1000.0f;  // cos(1) * 1000 after RoPE at position 1: still above 100
+  EXPECT_THROW(zeroed.append(0, 1, big, v), std::runtime_error);
+  EXPECT_EQ(zeroed.length(0), 1u);
+  EXPECT_EQ(zeroed.keys(0).size(), 8u);
+  zeroed.append(0, 1, k, v);  // the sequence continues where it was
+  EXPECT_EQ(zeroed.length(0), 2u);
+  EXPECT_EQ(calls, 3);
+}
+
+TEST(EngineFormats, ReportNamesThemAndChartsThemAsPoints) {
+  kvq::eval::ConfigResult kvq_row, engine_row;
+  kvq_row.config = kvq::parse_cache_config("k4c32-v4t8-r0-s0");
+  kvq_row.bits_per_value = 6.79;
+  kvq_row.mean_kl = 0.002;
+  engine_row.engine = parse_engine_format("ggml-q4_0-hadamard");
+  engine_row.bits_per_value = 4.5;
+  engine_row.mean_kl = 0.6;
+  std::ostringstream table;
+  kvq::eval::print_table(table, {kvq_row, engine_row}, 1.0, 100);
+  EXPECT_NE(table.str().find("ggml-q4_0-hadamard           rows/32 + H        4.50"), std::string::npos) << table.str();
+  const std::string svg = kvq::eval::svg_chart({kvq_row, engine_row}, "t");
+  EXPECT_NE(svg.find(">ggml-q4_0-hadamard</text>"), std::string::npos);
+  EXPECT_EQ(svg.find(">k4c32-v4t8-r0-s0</text>"), std::string::npos);  // kvq rows are lines, not labels
+}
+
+}  // namespace
