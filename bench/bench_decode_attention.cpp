@@ -3,12 +3,10 @@
 // machine's streaming read bandwidth measured in the same run. Layers rotate so that the caches
 // touched (>= 160 MB) cannot sit in the 32 MiB L3. Names: decode/<cache>/<tier>/<context>/threads:<n>;
 // decode_avx2/... caps the kernels at AVX2 (DecodeOptions::max_isa), the path of CPUs without AVX-512;
-// decode_blocks/.../block:<B> reads the cache in blocks of B positions (CacheShape::block_tokens:
-// 256 and 1024 as a KVPool may use, 32768 one block for the whole context) where the other rows
-// use the cache's default of 4096, one block per chunk; verify/.../T:<T> checks T stored
-// positions at once with kvq::attend (speculative verification: one pass over the cache for all
-// T x 4 query rows of a KV head),
-// against T decode steps.
+// decode_blocks/.../block:<B> reads the cache in blocks of B positions (CacheShape::block_tokens;
+// 32768 is one block for the whole context) where the other rows use the default; verify/.../T:<T>
+// checks T stored positions in one kvq::attend call (speculative verification: one pass over the
+// cache for all T x 4 query rows of a KV head), against T decode steps.
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
@@ -213,7 +211,7 @@ int main(int argc, char** argv) {
                                      std::string(c.config), tier, std::size_t(32768), tokens)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
-      for (const std::size_t block : {256, 1024, 32768})
+      for (const std::size_t block : {256, 1024, 4096, 16384, 32768})
         benchmark::RegisterBenchmark(("decode_blocks/" + row + "block:" + std::to_string(block)).c_str(), decode_step,
                                      std::string(c.config), tier, std::size_t(32768), std::size_t(1),
                                      kvq::isa::Level::avx512, true, block)
