@@ -1,5 +1,6 @@
 // KVPool against a KVCache of its own: appending one token at a time (8 KV heads x 128, K4V2),
-// forking a 10K-token prefix, and saving and loading one sequence (GB/s of file bytes).
+// forking a 10K-token prefix, saving and loading one sequence (GB/s of file bytes), and the
+// memory a 32-layer sequence commits at 1000 tokens.
 #include <benchmark/benchmark.h>
 
 #include <random>
@@ -112,8 +113,34 @@ void load_sequence(benchmark::State& state) {
   state.counters["GB/s"] = benchmark::Counter(double(file.size()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+/// What a 32-layer, 8 x 128 K4V2 sequence commits at 1000 tokens, against what its tokens hold.
+void memory_at_1000(benchmark::State& state) {
+  kvq::PoolShape shape = pool_shape(32);
+  shape.max_tokens = 32768;
+  shape.block_tokens = std::size_t(state.range(0));
+  shape.memory_blocks = 1 << 16;
+  kvq::KVPool pool(shape, k4v2());
+  const kvq::SequenceId id = pool.add_sequence();
+  const auto k = normal_rows(1000, 5), v = normal_rows(1000, 6);
+  for (auto _ : state)
+    for (std::size_t l = 0; l < 32; ++l) {
+      state.PauseTiming();
+      if (l == 0) pool.truncate(id, 0);
+      state.ResumeTiming();
+      pool.append(id, l, 0, k, v);
+    }
+  const double held = double(pool.sequence(id).memory().total_bytes()), mib = 1.0 / (1 << 20);
+  const kvq::PoolMemory m = pool.memory();
+  state.counters["held_MiB"] = held * mib;
+  state.counters["committed_MiB"] = double(m.committed) * mib;
+  state.counters["committed_over_held"] = double(m.committed) / held;
+  state.counters["own_rows_MiB"] = double(m.own) * mib;
+}
+
 }  // namespace
 
+BENCHMARK(memory_at_1000)->Name("memory/K4V2/32x8x128/1000/block")->Arg(64)->Arg(256)->Arg(1024)->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(append_cache)->Name("append/cache/K4V2/8x128");
 BENCHMARK(append_pool)->Name("append/pool/K4V2/8x128");
 BENCHMARK(fork_prefix)->Name("fork/K4V2/4x8x128/10000")->Unit(benchmark::kMicrosecond);

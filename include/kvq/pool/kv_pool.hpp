@@ -42,7 +42,10 @@ struct PoolShape {
   std::size_t kv_heads = 1;
   std::size_t head_dim = 128;
   std::size_t max_tokens = 4096;    // longest sequence: the shared RoPE table covers these positions
-  std::size_t block_tokens = 256;   // positions per block: a multiple of block_unit(config)
+  // Positions per block, a multiple of block_unit(config): memory is committed and shared in
+  // these steps, and decode attention sets up once per block (256: about 1.45x the time of one
+  // block per step at 32K; 4096: about 1.05x; bench/RESULTS.md).
+  std::size_t block_tokens = 256;
   std::size_t memory_blocks = 1024; // the most blocks the pool commits (block_bytes() each)
   RopeStyle rope_style = RopeStyle::adjacent_pairs;
   float rope_theta = 10000.0f;
