@@ -6,8 +6,8 @@
 //   sequence(id)                        -> a BasicKVCache: decode_attention, reference_attention,
 //                                          metrics and save() take it as they take a KVCache
 //
-// Memory is committed block by block as sequences reach new positions, up to the pool's limit;
-// every sequence shares one RoPE table. fork(id, length) shares the parent's blocks by reference
+// Memory is committed as sequences reach new positions (in slabs of about 2 MiB of blocks), up
+// to the pool's limit of blocks; every sequence shares one RoPE table. fork(id, length) shares the parent's blocks by reference
 // count and copies only its own rows (sinks, ring, rollback copies): a block is copied only when
 // a sequence holding a shared one writes to it, so a shared prompt costs its packed bytes once.
 // A sequence's bytes do not depend on how its tokens arrived, so attention over a pool sequence
