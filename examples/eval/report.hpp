@@ -100,14 +100,19 @@ inline void write_csv(std::FILE* f, const std::vector<ConfigResult>& results, do
 
 struct ChartPoint {
   double bits, kl, output_error;
+  double identical = 0;  // mean leading generated tokens equal to fp32's (with --generate)
 };
 
 /// Two log-scale panels (model KL, attention-output error) against bits per value, one line per
 /// axis combination: configurations with no window, no sinks and pre-RoPE keys. Engine formats are
-/// labelled squares on the KL panel (their attention errors are not measured).
+/// labelled squares on the KL panel (their attention errors are not measured). With generation
+/// results a third, linear panel shows how many generated tokens stay the fp32 ones.
 inline std::string svg_chart(const std::vector<ConfigResult>& results, const std::string& title) {
   std::map<std::string, std::vector<ChartPoint>> series;
   std::vector<std::pair<std::string, ChartPoint>> engines;
+  std::size_t steps = 0;  // generated tokens per run; 0: no generation panel
+  for (const ConfigResult& r : results)
+    if (r.generation) steps = r.generation->steps;
   for (const ConfigResult& r : results) {
     const CacheConfig& c = r.config;
     if (r.engine) {
@@ -117,7 +122,8 @@ inline std::string svg_chart(const std::vector<ConfigResult>& results, const std
     if (!c.quantize_keys || !c.quantize_values || c.window != 0 || c.sinks != 0 || c.key_rope != KeyRope::pre ||
         c.key.bits != c.value.bits)
       continue;
-    series[axes_label(c)].push_back({r.bits_per_value, std::max(r.mean_kl, 1e-6), std::max(r.all.output_error, 1e-6)});
+    series[axes_label(c)].push_back({r.bits_per_value, std::max(r.mean_kl, 1e-6), std::max(r.all.output_error, 1e-6),
+                                     r.generation ? r.generation->mean_identical : 0.0});
   }
   const char* colors[] = {"#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02"};
   const double W = 460, H = 320, left = 60, top = 40, pw = 380, ph = 230;
@@ -125,7 +131,7 @@ inline std::string svg_chart(const std::vector<ConfigResult>& results, const std
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" "
       "font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
       "<text x=\"{}\" y=\"20\" font-size=\"14\">{}</text>\n",
-      2 * W, H + 40, left, title);
+      (steps > 0 ? 3 : 2) * W, H + 40, left, title);
   double max_bits = 1;
   for (auto& [name, pts] : series) {
     std::sort(pts.begin(), pts.end(), [](auto& a, auto& b) { return a.bits < b.bits; });
@@ -133,43 +139,53 @@ inline std::string svg_chart(const std::vector<ConfigResult>& results, const std
   }
   for (auto& e : engines) max_bits = std::max(max_bits, e.second.bits);
   max_bits = std::ceil(max_bits);
-  for (int panel = 0; panel < 2; ++panel) {
+  for (int panel = 0; panel < (steps > 0 ? 3 : 2); ++panel) {
     const double x0 = left + panel * W;
+    const auto value = [&](const ChartPoint& p) { return panel == 0 ? p.kl : panel == 1 ? p.output_error : p.identical; };
     double lo = 1e9, hi = 1e-9;
     if (panel == 0)
       for (auto& e : engines) lo = std::min(lo, e.second.kl), hi = std::max(hi, e.second.kl);
     for (auto& [name, pts] : series)
       for (auto& p : pts) {
-        const double y = panel == 0 ? p.kl : p.output_error;
+        const double y = value(p);
         lo = std::min(lo, y);
         hi = std::max(hi, y);
       }
     if (lo > hi) lo = 1e-3, hi = 1;
     const double llo = std::floor(std::log10(lo)), lhi = std::ceil(std::log10(hi)) + (lo == hi ? 1 : 0);
     auto X = [&](double bits) { return x0 + pw * bits / max_bits; };
-    auto Y = [&](double v) { return top + ph * (lhi - std::log10(v)) / (lhi - llo); };
+    const bool linear = panel == 2;  // identical tokens: 0..steps
+    auto Y = [&](double v) {
+      return linear ? top + ph * (1.0 - v / double(steps)) : top + ph * (lhi - std::log10(v)) / (lhi - llo);
+    };
     svg += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#444\"/>\n", x0, top,
                        pw, ph);
-    for (double e = llo; e <= lhi; e += 1)
+    const auto grid = [&](double v, const std::string& label) {
       svg += fmt::format(
           "<line x1=\"{0}\" x2=\"{1}\" y1=\"{2}\" y2=\"{2}\" stroke=\"#ddd\"/><text x=\"{3}\" y=\"{4}\" "
-          "text-anchor=\"end\">1e{5}</text>\n",
-          x0, x0 + pw, Y(std::pow(10.0, e)), x0 - 4, Y(std::pow(10.0, e)) + 4, int(e));
+          "text-anchor=\"end\">{5}</text>\n",
+          x0, x0 + pw, Y(v), x0 - 4, Y(v) + 4, label);
+    };
+    if (linear)
+      for (int q = 0; q <= 4; ++q) grid(double(steps) * q / 4, fmt::format("{:g}", double(steps) * q / 4));
+    else
+      for (double e = llo; e <= lhi; e += 1) grid(std::pow(10.0, e), fmt::format("1e{}", int(e)));
     for (double b = 0; b <= max_bits; b += 2)
       svg += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", X(b), top + ph + 16, int(b));
     svg += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">bits per value (all metadata counted)</text>\n",
                        x0 + pw / 2, top + ph + 34);
     svg += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", x0, top - 6,
-                       panel == 0 ? "next-token KL divergence (nats, log)" : "attention-output error (relative L2, log)");
+                       panel == 0   ? "next-token KL divergence (nats, log)"
+                       : panel == 1 ? "attention-output error (relative L2, log)"
+                                    : fmt::format("generated tokens identical to fp32's (of {})", steps));
     int color = 0;
     for (auto& [name, pts] : series) {
       std::string path;
-      for (auto& p : pts) path += fmt::format("{},{} ", X(p.bits), Y(panel == 0 ? p.kl : p.output_error));
+      for (auto& p : pts) path += fmt::format("{},{} ", X(p.bits), Y(value(p)));
       const char* col = colors[color++ % 6];
       svg += fmt::format("<polyline points=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"2\"/>\n", path, col);
       for (auto& p : pts)
-        svg += fmt::format("<circle cx=\"{}\" cy=\"{}\" r=\"3\" fill=\"{}\"/>\n", X(p.bits),
-                           Y(panel == 0 ? p.kl : p.output_error), col);
+        svg += fmt::format("<circle cx=\"{}\" cy=\"{}\" r=\"3\" fill=\"{}\"/>\n", X(p.bits), Y(value(p)), col);
       if (panel == 1)
         svg += fmt::format("<text x=\"{}\" y=\"{}\" fill=\"{}\">{}</text>\n", x0 + pw - 110, top + 16 * color, col, name);
     }

@@ -218,6 +218,8 @@ TEST_F(EvalModel, GenerationColumnsEndToEnd) {
   EXPECT_NE(csv.find(",gen_identical_tokens,gen_identical_share,gen_token_agreement,gen_kl\n"), std::string::npos);
   EXPECT_NE(csv.find("k16-v16-r0-s0-f32,K full / V full,all,"), std::string::npos);
   EXPECT_NE(csv.find(",16.0000,1.0000,1.000000,"), std::string::npos) << csv;
+  const std::string svg = kvq::eval::read_file(dir / "kvq-eval.svg", "svg");
+  EXPECT_NE(svg.find("generated tokens identical to fp32's (of 16)"), std::string::npos);
   std::string msg;
   EXPECT_EQ(run_cli({"--generate", "2048", "--prompt", "8", "--configs", "k8c32-v8t8-r0-s0"}, msg), 1);
   EXPECT_NE(msg.find("exceed the model's context length of 2048"), std::string::npos) << msg;
@@ -412,6 +414,24 @@ kvq::eval::ConfigResult result_of(const char* config) {
   kvq::eval::ConfigResult r;
   r.config = kvq::parse_cache_config(config);
   return r;
+}
+
+// The chart gains a linear third panel only when generation ran; points sit at their value.
+TEST(EvalReport, ChartShowsGenerationWhenMeasured) {
+  std::vector<kvq::eval::ConfigResult> results = {result_of("k2c32-v2t8-r0-s0"), result_of("k4c32-v4t8-r0-s0")};
+  results[0].bits_per_value = 4, results[1].bits_per_value = 8;
+  results[0].mean_kl = 0.1, results[1].mean_kl = 0.01;
+  const std::string without = kvq::eval::svg_chart(results, "t");
+  EXPECT_EQ(without.find("generated tokens"), std::string::npos);
+  EXPECT_NE(without.find("width=\"920\""), std::string::npos);
+  for (auto& r : results) r.generation = kvq::eval::GenerationResult{1, 100, 0, 0, 0, 0};
+  results[0].generation->mean_identical = 25, results[1].generation->mean_identical = 100;
+  const std::string with = kvq::eval::svg_chart(results, "t");
+  EXPECT_NE(with.find("generated tokens identical to fp32's (of 100)"), std::string::npos);
+  EXPECT_NE(with.find("width=\"1380\""), std::string::npos);
+  // Panel 3 spans x 980..1360 for 0..8 bits; 25 of 100 sits 3/4 down the 230-pixel height from 40.
+  EXPECT_NE(with.find("<circle cx=\"1170\" cy=\"212.5\""), std::string::npos) << with;
+  EXPECT_NE(with.find("<circle cx=\"1360\" cy=\"40\""), std::string::npos) << with;
 }
 
 // A window (plus sinks) as long as the story quantizes nothing: such rows are flagged.
