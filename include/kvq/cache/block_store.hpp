@@ -19,6 +19,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -46,7 +47,11 @@ class BlockStore {
       throw Error(ErrorCode::invalid_argument, "block store: " + std::to_string(max_blocks) + " blocks of " +
                                                    std::to_string(block_bytes) + " bytes (need at least one block of " +
                                                    "at least one byte, and at most 2^31 blocks)");
-    slots_ = std::make_unique<Slot[]>(max_blocks);
+    try {
+      slots_ = std::make_unique<Slot[]>(max_blocks);
+    } catch (const std::bad_alloc&) {
+      throw Error(ErrorCode::out_of_memory, "block store: a table of " + std::to_string(max_blocks) + " blocks");
+    }
     slab_blocks_ = (AlignedBuffer::huge_page + block_bytes_ - 1) / block_bytes_;
   }
   BlockStore(const BlockStore&) = delete;
