@@ -239,7 +239,8 @@ class Model {
     shaped(file, "token_embd.weight", {c.dim, c.vocab}, key("embedding_length"));
     if (file.find_tensor("output.weight")) shaped(file, "output.weight", {c.dim, c.vocab}, key("embedding_length"));
     shaped(file, "output_norm.weight", {c.dim}, key("embedding_length"));
-    std::set<std::string, std::less<>> used = {"token_embd.weight", "output.weight", "output_norm.weight"};
+    // rope_freqs.weight: llama.cpp's Llama-3 frequency divisors, shape-checked where they are read.
+    std::set<std::string, std::less<>> used = {"token_embd.weight", "output.weight", "output_norm.weight", "rope_freqs.weight"};
     for (std::size_t l = 0; l < c.layers; ++l) {
       const std::string p = block_prefix(l);
       const auto need = [&](const char* name, std::vector<std::uint64_t> dims, const std::string& meta) {
