@@ -195,7 +195,9 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
     // The tail, exact: query t sees new tokens 0 .. t, or stored positions p0 + 1 .. p0 + t.
     const bool fresh = !r.new_keys.empty(), pre = cache.config().key_rope == KeyRope::pre;
     const std::size_t tail = fresh ? p.tokens : p.tokens - 1, kv_heads = cache.shape().kv_heads;
-    std::vector<float> keys(tail * dim), values(tail * dim);
+    thread_local std::vector<float> keys, values;  // this task's thread: no allocation once warm
+    keys.resize(tail * dim);
+    values.resize(tail * dim);
     for (std::size_t j = 0; j < tail; ++j) {
       const std::size_t position = fresh ? r.first_position + j : r.first_position + 1 + j;
       float* k = keys.data() + j * dim;
