@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -33,7 +34,8 @@ BasicKVCache filled(const char* config, std::size_t kv_heads, std::size_t dim, s
 
 /// The oracle with new tokens: the cache's rows before p0 as stored, then the new rows exact.
 std::vector<float> oracle_with_new(const BasicKVCache& cache, std::size_t layer, std::size_t p0, std::size_t tokens,
-                                   const std::vector<float>& q, const std::vector<float>& nk, const std::vector<float>& nv) {
+                                   const std::vector<float>& q, const std::vector<float>& nk, const std::vector<float>& nv,
+                                   const kvq::ScoreOptions& rule = {}) {
   const std::size_t dim = cache.shape().head_dim, kv_heads = cache.shape().kv_heads, heads = q.size() / tokens / dim;
   const std::size_t group = heads / kv_heads;
   const bool pre = cache.config().key_rope == kvq::KeyRope::pre;
@@ -59,7 +61,7 @@ std::vector<float> oracle_with_new(const BasicKVCache& cache, std::size_t layer,
         if (pre) cache.rope().rotate(row.data(), p0 + t);
         for (std::size_t c = 0; c < dim; ++c) queries(t, c) = row[c];
       }
-      const kvq::MatrixD o = kvq::attend(queries, keys, values, p0);
+      const kvq::MatrixD o = kvq::attend(queries, keys, values, p0, nullptr, rule);
       for (std::size_t t = 0; t < tokens; ++t)
         for (std::size_t c = 0; c < dim; ++c) out[(t * heads + h) * dim + c] = float(o(t, c));
     }
@@ -152,6 +154,88 @@ TEST(Attend, BatchesAreBitIdenticalToSingleRequestsAndDecode) {
     std::vector<float> decoded(qb.size());
     kvq::decode_attention(b, 0, 300, qb, decoded, {.tier = tier, .chunk_tokens = 128});
     EXPECT_EQ(decoded, ob);
+  }
+}
+
+// A softmax scale, sliding windows (shorter than a chunk, a block, the request; reaching into
+// the sinks or not) and logit soft-capping, in every kernel, decode and attend, stored and new
+// tokens, against the oracle applying the same rule.
+TEST(Attend, ScaleWindowAndSoftcapMatchTheOracle) {
+  std::vector<kvq::ScoreOptions> rules(6);
+  rules[0].scale = 0.05f;
+  rules[1].window = 1;
+  rules[2].window = 37;
+  rules[3].window = 300;
+  rules[4].softcap = 2.0f;
+  rules[5] = {.scale = 0.2f, .window = 100, .softcap = 3.0f};
+  const std::size_t kv_heads = 2, dim = 64, group = 3, heads = kv_heads * group;
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k4c32-v2t32-r16-s0-post", "k16-v16-r0-s0-post", "k8c32-v8t32-r8-s1-f32"}) {
+    const BasicKVCache cache = filled(text, kv_heads, dim, 533, 31, 64);
+    const BasicKVCache prefix = filled(text, kv_heads, dim, 200, 31, 64);
+    const auto q1 = kvq::test::normal_vector(heads * dim, 32, 0.4f);
+    const auto q = kvq::test::normal_vector(37 * heads * dim, 33, 0.4f);
+    const auto nk = kvq::test::outlier_keys(37, kv_heads, dim, 3, 4.0f, 34);
+    const auto nv = kvq::test::normal_vector(37 * kv_heads * dim, 35);
+    for (std::size_t i = 0; i < rules.size(); ++i) {
+      const kvq::ScoreOptions& rule = rules[i];
+      const std::string what = std::string(text) + " rule " + std::to_string(i);
+      std::vector<float> oracle(q1.size()), plain(q1.size()), out(q1.size());
+      for (const std::size_t position : {532u, 250u, 2u}) {
+        kvq::reference_attention(cache, 1, position, q1, oracle, rule);
+        kvq::reference_attention(cache, 1, position, q1, plain);
+        if (!rule.window || *rule.window <= position) {
+          EXPECT_GT(relative_error(plain, oracle), 1e-3) << what << ": the rule changed nothing";
+        }
+        for (const kvq::isa::Level isa : {kvq::isa::Level::scalar, kvq::isa::Level::avx2, kvq::isa::Level::avx512}) {
+          kvq::decode_attention(cache, 1, position, q1, out, {.chunk_tokens = 64, .max_isa = isa, .scores = rule});
+          EXPECT_LT(relative_error(out, oracle), 1e-5) << what << " decode at " << position << " isa " << int(isa);
+          kvq::decode_attention(cache, 1, position, q1, out,
+                                {.tier = Tier::integer, .chunk_tokens = 64, .max_isa = isa, .scores = rule});
+          EXPECT_LT(relative_error(out, oracle), 2.5e-2) << what << " integer decode at " << position << " isa " << int(isa);
+        }
+      }
+      const std::size_t tokens = 7, p0 = 533 - tokens;
+      const auto qs = std::span(q).first(tokens * heads * dim);
+      std::vector<float> block(qs.size()), stored(qs.size());
+      kvq::reference_attention_block(cache, 1, p0, tokens, qs, block, rule);
+      kvq::attend({.cache = &cache, .layer = 1, .first_position = p0, .tokens = tokens, .queries = qs, .out = stored},
+                  {.chunk_tokens = 64, .scores = rule});
+      EXPECT_LT(relative_error(stored, block), 1e-5) << what << " stored block";
+      std::vector<float> fresh(q.size());
+      kvq::attend({.cache = &prefix, .layer = 0, .first_position = 200, .tokens = 37, .queries = q, .new_keys = nk,
+                   .new_values = nv, .out = fresh},
+                  {.chunk_tokens = 64, .scores = rule});
+      EXPECT_LT(relative_error(fresh, oracle_with_new(prefix, 0, 200, 37, q, nk, nv, rule)), 1e-5) << what << " prefill";
+    }
+  }
+}
+
+TEST(Attend, BadScoreOptionsThrowBeforeWritingAnything) {
+  const BasicKVCache cache = filled("k4c32-v2t32-r20-s3", 2, 64, 100, 36);
+  const auto q = kvq::test::normal_vector(2 * 4 * 64, 37);
+  std::vector<float> out(q.size(), 7.0f);
+  std::vector<kvq::ScoreOptions> rules(4);
+  rules[0].window = 0;
+  rules[1].scale = -1.0f;
+  rules[2].scale = std::nanf("");
+  rules[3].softcap = std::numeric_limits<float>::infinity();
+  const char* const parts[] = {"sliding window of 0", "softmax scale -1", "softmax scale nan", "soft-cap inf"};
+  for (std::size_t i = 0; i < rules.size(); ++i) {
+    const kvq::DecodeOptions options{.scores = rules[i]};
+    for (const std::size_t tokens : {1u, 2u}) {
+      try {
+        kvq::attend({.cache = &cache, .first_position = 98, .tokens = tokens, .queries = std::span(q).first(tokens * 4 * 64),
+                     .out = std::span(out).first(tokens * 4 * 64)},
+                    options);
+        ADD_FAILURE() << "accepted: " << parts[i];
+      } catch (const kvq::Error& e) {
+        EXPECT_EQ(e.code(), kvq::ErrorCode::invalid_argument);
+        EXPECT_NE(std::string(e.what()).find(parts[i]), std::string::npos) << e.what();
+      }
+    }
+    EXPECT_THROW(kvq::decode_attention(cache, 0, 99, std::span(q).first(4 * 64), std::span(out).first(4 * 64), options),
+                 kvq::Error);
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 7.0f; })) << parts[i];
   }
 }
 

@@ -4,10 +4,11 @@
 // exactly and causally), T speculative tokens to verify, or one decode step.
 //
 //   request r: queries (T, heads, d) at positions p0 .. p0 + T - 1
-//     stored prefix [0, P): every query of the request, read once by the kernels for all T x GQA
-//       query rows of a KV head (P = p0 with new tokens, p0 + 1 without)
-//     tail: query t also sees new tokens 0 .. t (exact, full precision), or stored positions
-//       p0 + 1 .. p0 + t
+//     stored prefix [S, P): seen by every query of the request, read once by the kernels for all
+//       T x GQA query rows of a KV head (P = p0 with new tokens, p0 + 1 without; S = 0, or with a
+//       sliding window the first position the last query sees)
+//     exact part: query t also sees new tokens 0 .. t (full precision) or stored positions
+//       p0 + 1 .. p0 + t, and with a window the stored positions before S inside its own window
 //   work items (request, KV head, rows batch, context chunk) run on the executor; the parts
 //   merge in a fixed order, so results are bit-identical for every thread count.
 //
@@ -50,7 +51,10 @@ namespace detail {
 /// One request, checked and laid out for the kernels.
 struct RequestPlan {
   const AttentionRequest* request = nullptr;
-  std::size_t tokens = 0, heads = 0, group = 0, rows = 0, batches = 0, prefix = 0, chunk = 0, chunks = 0;
+  std::size_t tokens = 0, heads = 0, group = 0, rows = 0, batches = 0, chunk = 0;
+  std::size_t shared = 0, prefix = 0;       // [shared, prefix): stored positions every query sees
+  std::size_t ragged = 0;                   // [ragged, shared): stored positions some queries see
+  std::size_t first_chunk = 0, chunks = 0;  // the chunks (ChunkGrid) covering [shared, prefix)
   kernels::attention::Path path{};
   std::size_t query_offset = 0, partial_offset = 0;  // into the workspace
 };
@@ -108,7 +112,8 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
     p.tokens = r.tokens;
     try {
       const float peak = fresh ? largest_magnitude(r.new_keys.data(), r.new_keys.size()) : -1.0f;
-      detail::check_attention_args(cache, r.layer, r.first_position, r.tokens, r.queries, r.out.size(), peak);
+      detail::check_attention_args(cache, r.layer, r.first_position, r.tokens, r.queries, r.out.size(), peak,
+                                   options.scores);
     } catch (const Error& e) {
       throw Error(e.code(), "attention request " + std::to_string(i) + ": " + e.message());
     }
@@ -119,8 +124,13 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
     p.prefix = fresh ? r.first_position : r.first_position + 1;
     const std::size_t tile = kernels::attention::tile_tokens(cache.keys(r.layer, 0, 0));
     p.chunk = std::max<std::size_t>(1, (options.chunk_tokens + tile - 1) / tile) * tile;
-    const std::size_t sinks = cache.config().sinks;
-    p.chunks = p.prefix == 0 ? 0 : p.prefix <= sinks ? 1 : (p.prefix - sinks + p.chunk - 1) / p.chunk;
+    p.shared = std::min(p.prefix, detail::window_start(options.scores, r.first_position + r.tokens - 1));
+    p.ragged = std::min(p.shared, detail::window_start(options.scores, r.first_position));
+    const detail::ChunkGrid grid{cache.config().sinks, p.chunk};
+    if (p.shared < p.prefix) {
+      p.first_chunk = grid.index(p.shared);
+      p.chunks = grid.index(p.prefix - 1) + 1 - p.first_chunk;
+    }
     const RopeTable* rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
     p.path = kernels::attention::select_path(cache.keys(r.layer, 0, 0), cache.values(r.layer, 0, 0),
                                              std::min(p.rows, max_group), rope, options.max_isa);
@@ -147,13 +157,13 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
   std::vector<float>& own_partial = partial_scratch;
   own_queries.resize(query_floats);
   own_partial.resize(partial_floats);
-  // Queries per KV head as rows (t, g): rotated to their own positions and scaled by 1/sqrt(d).
+  // Queries per KV head as rows (t, g): rotated to their own positions and scaled.
   for (const detail::RequestPlan& p : plans) {
     const AttentionRequest& r = *p.request;
     const BasicKVCache& cache = *r.cache;
     const std::size_t dim = cache.shape().head_dim;
     const bool pre = cache.config().key_rope == KeyRope::pre;
-    const float scale = 1.0f / std::sqrt(float(dim));
+    const float scale = detail::score_scale(options.scores, dim);
     for (std::size_t t = 0; t < p.tokens; ++t)
       for (std::size_t h = 0; h < p.heads; ++h) {
         const std::size_t kvh = h / p.group, row = t * p.group + h % p.group;
@@ -184,35 +194,39 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
     const float* q = own_queries.data() + p.query_offset + (it.kvh * p.rows + row0) * dim;
     float* base = own_partial.data() + p.partial_offset + ((it.kvh * p.batches + it.batch) * (p.chunks + 1) + it.part) * stride;
     const detail::PartialState state{base, base + max_group, base + 2 * max_group};
-    if (it.part < p.chunks) {  // a chunk of the stored prefix, read once for every row of the batch
-      const std::size_t sinks = cache.config().sinks;
-      const std::size_t begin = it.part == 0 ? 0 : sinks + it.part * p.chunk;
-      const std::size_t end = std::min(p.prefix, sinks + (it.part + 1) * p.chunk);
+    if (it.part < p.chunks) {  // a chunk of the shared prefix, read once for every row of the batch
+      const auto [begin, end] = detail::ChunkGrid{cache.config().sinks, p.chunk}.range(p.first_chunk + it.part, p.shared, p.prefix);
       const RopeTable* rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
       detail::run_range(cache, r.layer, it.kvh, begin, end, {q, rows, rope}, p.path, options, state);
       return;
     }
-    // The tail, exact: query t sees new tokens 0 .. t, or stored positions p0 + 1 .. p0 + t.
+    // The exact part: rows j < R are the ragged stored positions p.ragged + j, then the tail
+    // (positions p.prefix + j - R): new tokens, or the stored positions after p0.
     const bool fresh = !r.new_keys.empty(), pre = cache.config().key_rope == KeyRope::pre;
-    const std::size_t tail = fresh ? p.tokens : p.tokens - 1, kv_heads = cache.shape().kv_heads;
+    const std::size_t R = p.shared - p.ragged, tail = fresh ? p.tokens : p.tokens - 1, kv_heads = cache.shape().kv_heads;
     thread_local std::vector<float> keys, values;  // this task's thread: no allocation once warm
-    keys.resize(tail * dim);
-    values.resize(tail * dim);
-    for (std::size_t j = 0; j < tail; ++j) {
-      const std::size_t position = fresh ? r.first_position + j : r.first_position + 1 + j;
+    keys.resize((R + tail) * dim);
+    values.resize((R + tail) * dim);
+    for (std::size_t j = 0; j < R + tail; ++j) {
+      const std::size_t position = j < R ? p.ragged + j : p.prefix + (j - R);
       float* k = keys.data() + j * dim;
       float* v = values.data() + j * dim;
-      if (fresh) {
-        std::copy_n(r.new_keys.data() + (j * kv_heads + it.kvh) * dim, dim, k);
-        std::copy_n(r.new_values.data() + (j * kv_heads + it.kvh) * dim, dim, v);
+      if (fresh && j >= R) {
+        std::copy_n(r.new_keys.data() + ((j - R) * kv_heads + it.kvh) * dim, dim, k);
+        std::copy_n(r.new_values.data() + ((j - R) * kv_heads + it.kvh) * dim, dim, v);
       } else {
         cache.read_row(Tensor::keys, r.layer, it.kvh, position, k);
         cache.read_row(Tensor::values, r.layer, it.kvh, position, v);
       }
       if (pre) cache.rope().rotate_unscaled(k, position);  // kernels' convention: queries carry the scaling
     }
+    const float softcap = detail::softcap_or_zero(options.scores);
     for (std::size_t row = 0; row < rows; ++row) {
-      const std::size_t t = (row0 + row) / p.group, seen = fresh ? t + 1 : t;
+      const std::size_t t = (row0 + row) / p.group;
+      // Row t sees positions [lo, p0 + t]: exact rows [j0, j1).
+      const std::size_t lo = detail::window_start(options.scores, r.first_position + t);
+      const std::size_t j1 = R + (fresh ? t + 1 : t);
+      const std::size_t j0 = lo <= p.ragged ? 0 : lo < p.shared ? lo - p.ragged : lo <= p.prefix ? R : R + (lo - p.prefix);
       const float* x = q + row * dim;
       float* acc = state.acc + row * dim;
       float& m = state.max[row];
@@ -221,16 +235,17 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
       sum = 0.0f;
       std::fill(acc, acc + dim, 0.0f);
       float scores[max_tile_tokens];
-      for (std::size_t j0 = 0; j0 < seen; j0 += max_tile_tokens) {
-        const std::size_t n = std::min(max_tile_tokens, seen - j0);
+      for (std::size_t a = j0; a < j1; a += max_tile_tokens) {
+        const std::size_t n = std::min(max_tile_tokens, j1 - a);
         for (std::size_t j = 0; j < n; ++j) {
           float s = 0.0f;
-          for (std::size_t c = 0; c < dim; ++c) s += x[c] * keys[(j0 + j) * dim + c];
+          for (std::size_t c = 0; c < dim; ++c) s += x[c] * keys[(a + j) * dim + c];
           scores[j] = s;
         }
+        cap_scores(scores, n, softcap);
         kernels::attention::softmax_update(scores, n, m, sum, acc, dim);
         for (std::size_t j = 0; j < n; ++j)
-          for (std::size_t c = 0; c < dim; ++c) acc[c] += scores[j] * values[(j0 + j) * dim + c];
+          for (std::size_t c = 0; c < dim; ++c) acc[c] += scores[j] * values[(a + j) * dim + c];
       }
     }
   };

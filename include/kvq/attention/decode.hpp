@@ -25,9 +25,11 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvq/attention/reference.hpp"
+#include "kvq/attention/scores.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/error.hpp"
 #include "kvq/isa.hpp"
@@ -65,6 +67,9 @@ struct DecodeOptions {
   /// any data. The scan costs 5-15% of an integer-tier step at 32K; an engine that knows its
   /// keys and values have no outlier scales may turn it off.
   bool guard_outliers = true;
+  /// Softmax scale, sliding window and logit soft-cap (scores.hpp); the defaults are plain
+  /// causal attention with scale 1 / sqrt(head_dim).
+  ScoreOptions scores{};
 };
 
 namespace kernels::attention {
@@ -101,12 +106,25 @@ inline void run(Path path, const DecodeTask& task) noexcept {
 namespace detail {
 
 struct DecodePlan {
-  std::size_t dim = 0, heads = 0, group = 0, kv_heads = 0, tokens = 0, chunk = 0, chunks = 0;
+  std::size_t dim = 0, heads = 0, group = 0, kv_heads = 0, tokens = 0, chunk = 0;
+  std::size_t first = 0;                    // the first position the query sees (sliding window)
+  std::size_t first_chunk = 0, chunks = 0;  // the chunks covering [first, tokens)
+};
+
+/// Context chunk j covers [start(j), start(j + 1)) with start(j) = sinks + j * chunk (chunk 0 from
+/// 0): a fixed grid, so a chunk's bits do not depend on where a range or window begins.
+struct ChunkGrid {
+  std::size_t sinks = 0, chunk = 0;
+  std::size_t index(std::size_t p) const noexcept { return p < sinks ? 0 : (p - sinks) / chunk; }
+  /// Chunk j's part of [begin, end).
+  std::pair<std::size_t, std::size_t> range(std::size_t j, std::size_t begin, std::size_t end) const noexcept {
+    return {std::max(begin, j == 0 ? 0 : sinks + j * chunk), std::min(end, sinks + (j + 1) * chunk)};
+  }
 };
 
 inline DecodePlan plan_decode(const BasicKVCache& cache, std::size_t layer, std::size_t position,
                               std::span<const float> q, std::size_t out_size, const DecodeOptions& options) {
-  check_attention_args(cache, layer, position, 1, q, out_size);
+  check_attention_args(cache, layer, position, 1, q, out_size, -1.0f, options.scores);
   const std::size_t q_size = q.size();
   DecodePlan p;
   p.dim = cache.shape().head_dim;
@@ -123,9 +141,10 @@ inline DecodePlan plan_decode(const BasicKVCache& cache, std::size_t layer, std:
   p.tokens = position + 1;
   const std::size_t tile = kernels::attention::tile_tokens(cache.keys(layer, 0, 0));
   p.chunk = std::max<std::size_t>(1, (options.chunk_tokens + tile - 1) / tile) * tile;
-  const std::size_t sinks = cache.config().sinks;
-  // Chunk j covers [start(j), start(j + 1)) with start(j) = sinks + j * chunk (chunk 0 from 0).
-  p.chunks = p.tokens <= sinks ? 1 : (p.tokens - sinks + p.chunk - 1) / p.chunk;
+  const ChunkGrid grid{cache.config().sinks, p.chunk};
+  p.first = window_start(options.scores, position);
+  p.first_chunk = grid.index(p.first);
+  p.chunks = grid.index(position) + 1 - p.first_chunk;
   return p;
 }
 
@@ -164,6 +183,7 @@ inline void run_range(const BasicKVCache& cache, std::size_t layer, std::size_t 
     t.resume = k != first;
   };
   t.tier = options.tier;
+  t.softcap = softcap_or_zero(options.scores);
   if (options.tier == Tier::integer && options.guard_outliers) {
     kernels::attention::ScaleSpread spread;
     for (std::size_t k = first; k <= last; ++k) at_segment(k), spread.add(t);
@@ -199,7 +219,8 @@ inline void merge_parts(const float* max, const float* sum, const float* acc, st
 
 /// Decode attention for one position: q, out (heads, head_dim); queries follow the cache's
 /// key_rope (pre-RoPE queries are rotated to `position` here). Query head h reads KV head
-/// h / (heads / kv_heads). Attends to positions [0, position]. Throws kvq::Error on bad shapes,
+/// h / (heads / kv_heads). Attends to positions [0, position], or its last options.scores.window
+/// of them. Throws kvq::Error on bad shapes,
 /// a layer outside the cache or a position the layer does not hold yet.
 inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::size_t position,
                              std::span<const float> q, std::span<float> out, const DecodeOptions& options = {}) {
@@ -211,7 +232,7 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
   ws.partial.resize(plan.kv_heads * plan.chunks * stride);
 
   const bool pre = cache.config().key_rope == KeyRope::pre;
-  const float scale = 1.0f / std::sqrt(float(dim));
+  const float scale = detail::score_scale(options.scores, dim);
   std::copy(q.begin(), q.end(), ws.queries.begin());
   for (std::size_t h = 0; h < plan.heads; ++h) {
     float* x = ws.queries.data() + h * dim;
@@ -222,10 +243,10 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
   const RopeTable* rope = pre ? &cache.rope() : nullptr;
   const kernels::attention::Path path =
       kernels::attention::select_path(cache.keys(layer, 0, 0), cache.values(layer, 0, 0), plan.group, rope, options.max_isa);
-  const std::size_t sinks = cache.config().sinks;
+  const detail::ChunkGrid grid{cache.config().sinks, plan.chunk};
   auto task_at = [&](std::size_t i) {
-    const std::size_t kvh = i / plan.chunks, j = i % plan.chunks;
-    const std::size_t begin = j == 0 ? 0 : sinks + j * plan.chunk, end = std::min(plan.tokens, sinks + (j + 1) * plan.chunk);
+    const std::size_t kvh = i / plan.chunks, j = plan.first_chunk + i % plan.chunks;
+    const auto [begin, end] = grid.range(j, plan.first, plan.tokens);
     float* base = ws.partial.data() + i * stride;
     detail::run_range(cache, layer, kvh, begin, end, {ws.queries.data() + kvh * plan.group * dim, plan.group, rope}, path,
                       options, {base, base + plan.group, base + 2 * plan.group});

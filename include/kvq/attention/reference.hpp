@@ -1,6 +1,7 @@
 #pragma once
 // Reference attention: the oracle every faster path is measured against. Plain Eigen in double:
-// dequantize, rotate keys (pre-RoPE storage), softmax(q k^T / sqrt(d)), weighted sum of values.
+// dequantize, rotate keys (pre-RoPE storage), softmax(q k^T / sqrt(d)), weighted sum of values;
+// a softmax scale, sliding window and logit soft-cap as ScoreOptions (scores.hpp) defines them.
 //
 // Queries follow the cache's key_rope: with KeyRope::pre they arrive pre-RoPE and are rotated
 // here at their position; with KeyRope::post the engine has rotated them already.
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "kvq/attention/scores.hpp"
 #include "kvq/cache/kv_cache.hpp"
 
 namespace kvq::inline v0 {
@@ -45,23 +47,26 @@ inline HeadTensors read_head(const BasicKVCache& cache, std::size_t layer, std::
 /// Causal attention of one head's queries over given keys and values.
 /// queries (T, d) at positions first_position + t; keys, values (n, d) with n > last position.
 /// Returns the output (T, d); `weights`, when given, receives the attention rows (T, n), zero
-/// beyond each query's position.
+/// outside each query's window.
 inline MatrixD attend(const MatrixD& queries, const MatrixD& keys, const MatrixD& values, std::size_t first_position,
-                      MatrixD* weights = nullptr) {
+                      MatrixD* weights = nullptr, const ScoreOptions& rule = {}) {
   const auto T = queries.rows();
   const auto n = keys.rows();
-  const double scale = 1.0 / std::sqrt(double(queries.cols()));
+  const double scale = rule.scale ? double(*rule.scale) : 1.0 / std::sqrt(double(queries.cols()));
   MatrixD out = MatrixD::Zero(T, values.cols());
   if (weights != nullptr) *weights = MatrixD::Zero(T, n);
   Eigen::VectorXd row(n);
   for (Eigen::Index t = 0; t < T; ++t) {
-    const Eigen::Index visible = Eigen::Index(first_position) + t + 1;
-    row.head(visible) = keys.topRows(visible) * queries.row(t).transpose() * scale;
-    const double top = row.head(visible).maxCoeff();
-    row.head(visible) = (row.head(visible).array() - top).exp();
-    row.head(visible) /= row.head(visible).sum();
-    out.row(t) = row.head(visible).transpose() * values.topRows(visible);
-    if (weights != nullptr) weights->row(t).head(visible) = row.head(visible).transpose();
+    const Eigen::Index first = Eigen::Index(detail::window_start(rule, first_position + std::size_t(t)));
+    const Eigen::Index visible = Eigen::Index(first_position) + t + 1 - first;
+    auto r = row.segment(first, visible);
+    r = keys.middleRows(first, visible) * queries.row(t).transpose() * scale;
+    if (rule.softcap) r = double(*rule.softcap) * (r.array() / double(*rule.softcap)).tanh();
+    const double top = r.maxCoeff();
+    r = (r.array() - top).exp();
+    r /= r.sum();
+    out.row(t) = r.transpose() * values.middleRows(first, visible);
+    if (weights != nullptr) weights->row(t).segment(first, visible) = r.transpose();
   }
   return out;
 }
@@ -72,7 +77,8 @@ namespace detail {
 /// positions before first_position and to each other, with keys up to new_keys_peak in magnitude.
 inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, std::size_t first_position,
                                  std::size_t tokens, std::span<const float> q, std::size_t out_size,
-                                 float new_keys_peak = -1.0f) {
+                                 float new_keys_peak = -1.0f, const ScoreOptions& rule = {}) {
+  check_score_options(rule);
   const CacheShape& s = cache.shape();
   const std::size_t q_size = q.size();
   if (layer >= s.layers)
@@ -104,7 +110,7 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
                                                  std::to_string(at / s.head_dim % (q_size / tokens / s.head_dim)) +
                                                  ", channel " + std::to_string(at % s.head_dim) + " is not finite");
   }
-  // Scores |q.k| / sqrt(d) <= sum|q| x (largest |key|) x sqrt(2) (a RoPE pair rotates into one
+  // Scores |q.k| x scale <= sum|q| x (largest |key|) x sqrt(2) (a RoPE pair rotates into one
   // channel) must stay finite in float with room for the kernels' sums and the dequantized keys'
   // rounding; past that an fp32 kernel would produce inf - inf = NaN where the oracle is finite.
   const double key_peak = std::max(cache.key_peak(layer), new_keys_peak);
@@ -112,7 +118,7 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
   for (std::size_t row = 0; row < q_size / s.head_dim; ++row) {
     double l1 = 0;
     for (std::size_t c = 0; c < s.head_dim; ++c) l1 += std::fabs(double(q[row * s.head_dim + c]));
-    if (l1 * key_peak * 2 * std::sqrt(2.0) / std::sqrt(double(s.head_dim)) > limit)
+    if (l1 * key_peak * 2 * std::sqrt(2.0) * double(score_scale(rule, s.head_dim)) > limit)
       throw Error(ErrorCode::unrepresentable,
                   "attention: layer " + std::to_string(layer) + ", query head " + std::to_string(row % heads) +
                       " at position " + std::to_string(first_position + row / heads) + ": |q|_1 = " +
@@ -126,8 +132,9 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
 /// q (tokens, heads, head_dim) at positions first_position + t, out of the same shape.
 /// Query head h reads KV head h / (heads / kv_heads) (GQA; MQA when kv_heads is 1).
 inline void reference_attention_block(const BasicKVCache& cache, std::size_t layer, std::size_t first_position,
-                                      std::size_t tokens, std::span<const float> q, std::span<float> out) {
-  detail::check_attention_args(cache, layer, first_position, tokens, q, out.size());
+                                      std::size_t tokens, std::span<const float> q, std::span<float> out,
+                                      const ScoreOptions& rule = {}) {
+  detail::check_attention_args(cache, layer, first_position, tokens, q, out.size(), -1.0f, rule);
   const std::size_t dim = cache.shape().head_dim, heads = q.size() / tokens / dim;
   const std::size_t group = heads / cache.shape().kv_heads;
   std::vector<float> rotated(dim);
@@ -141,7 +148,7 @@ inline void reference_attention_block(const BasicKVCache& cache, std::size_t lay
         if (cache.config().key_rope == KeyRope::pre) cache.rope().rotate(rotated.data(), first_position + t);
         for (std::size_t c = 0; c < dim; ++c) queries(t, c) = rotated[c];
       }
-      const MatrixD o = attend(queries, kv.keys, kv.values, first_position);
+      const MatrixD o = attend(queries, kv.keys, kv.values, first_position, nullptr, rule);
       for (std::size_t t = 0; t < tokens; ++t)
         for (std::size_t c = 0; c < dim; ++c) out[(t * heads + h) * dim + c] = float(o(t, c));
     }
@@ -150,8 +157,8 @@ inline void reference_attention_block(const BasicKVCache& cache, std::size_t lay
 
 /// Decode: all query heads of one position. q, out: (heads, head_dim).
 inline void reference_attention(const BasicKVCache& cache, std::size_t layer, std::size_t position,
-                                std::span<const float> q, std::span<float> out) {
-  reference_attention_block(cache, layer, position, 1, q, out);
+                                std::span<const float> q, std::span<float> out, const ScoreOptions& rule = {}) {
+  reference_attention_block(cache, layer, position, 1, q, out, rule);
 }
 
 }  // namespace kvq::inline v0

@@ -654,6 +654,7 @@ struct Kernel {
     const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     for (std::size_t h = 0; h < task.group; ++h) {
       float* s = scores[h];
+      cap_scores(s, n, task.softcap);
       __m256 m8 = _mm256_set1_ps(task.max[h]);
       for (std::size_t t = 0; t < n; t += 8) m8 = _mm256_max_ps(m8, _mm256_blendv_ps(neg_inf, _mm256_load_ps(s + t), first_lanes(n - t)));
       const float m = hmax(m8), old = task.max[h];

@@ -365,6 +365,7 @@ struct Kernel {
   /// Online-softmax update; scores become the weights exp(score - max).
   KVQ_TARGET_AVX512_ATTENTION void softmax(std::size_t n) noexcept {
     for (std::size_t h = 0; h < task.group; ++h) {
+      cap_scores(scores[h], n, task.softcap);
       __m512 m = _mm512_set1_ps(task.max[h]);
       for (std::size_t t = 0; t < n; t += 16) {
         const __mmask16 mk = n - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - t)) - 1u);
@@ -553,8 +554,12 @@ struct Kernel {
     const bool int_path = int_supported(task), exact_path = !int_path && exact_supported(task);
     if (int_path || exact_path) {
       // Packed span on the integer or exact kernel; sinks and the window here.
-      // Whole 16-position steps only: an older query position can end the range inside a block.
-      const std::size_t qa = std::max(task.begin, k.first_quantized);
+      // Whole tiles from the start (a sliding window can begin inside one) and whole 16-position
+      // steps at the end (an older query position can end the range inside a block).
+      const std::size_t fq = k.first_quantized, tile = tile_tokens(k);
+      const std::size_t qa = task.begin <= fq                     ? fq
+                             : (task.begin - fq) % tile == 0 ? task.begin
+                                                             : tile_end(k, task.begin, k.end_quantized);
       const std::size_t qe = std::min(task.end, k.end_quantized);
       const std::size_t qb = qe > qa ? qa + (qe - qa) / 16 * 16 : qa;
       if (qa < qb) {

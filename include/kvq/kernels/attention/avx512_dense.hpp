@@ -153,7 +153,7 @@ KVQ_TARGET_AVX512_ATTENTION void dense_run(const DecodeTask& t, std::size_t h0, 
       const std::uint8_t* r = krows + (a + o) * rb;
       dense_keys16<Half, NV, NH>(r, rb, m - o < 16 ? m - o : 16, t.queries + h0 * dim, S.score, o);
     }
-    tile_softmax<NH, true>(S, mr);  // partial 16-row steps pad with -inf
+    tile_softmax<NH, true>(S, mr, t.softcap);  // partial 16-row steps pad with -inf
     dense_values<Half, NV, NH>(S, vrows + a * rb, rb, m, t.acc + h0 * dim);
   }
   for (int h = 0; h < NH; ++h) {

@@ -247,7 +247,7 @@ KVQ_TARGET_AVX512_ATTENTION void exact_tiles(IntState& S, ExactState& E, std::si
       for (std::size_t b = b0; b <= b1; ++b) exact_fold<NV, NH>(S, E, b, b - b0);
       for (std::size_t o = 0; o < n; o += 16) exact_keys16<NV, KB, NH>(S, E, a + o, o, (a + o - k.first_quantized) / g - b0);
     }
-    tile_softmax<NH>(S, n);
+    tile_softmax<NH>(S, n, S.task->softcap);
     exact_values<NV, VB, NH>(S, E, a, n);
   }
 }

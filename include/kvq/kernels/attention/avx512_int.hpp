@@ -380,12 +380,13 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_keys(IntState& S, std::size_t a, std
 }
 
 /// Online softmax of the tile's n scores per head, the heads side by side. Scores become
-/// p' = exp(score - tile max) (the tile's largest weight is 1); the true weights are
+/// p' = exp(score - tile max) (the tile's largest weight is 1), after soft-capping (softcap > 0); the true weights are
 /// p = p' * scale[4h] with scale = exp(tile max - running max). Masked: scores of -inf (padding)
 /// weigh exactly 0 (exp_ps clamps below -87). Shared by the packed and dense kernels (State:
 /// IntState or DenseState).
 template <int NH, bool Masked = false, class State>
-KVQ_TARGET_AVX512_ATTENTION inline void tile_softmax(State& S, std::size_t n) noexcept {
+KVQ_TARGET_AVX512_ATTENTION inline void tile_softmax(State& S, std::size_t n, float softcap) noexcept {
+  for (int h = 0; h < NH; ++h) cap_scores(S.score[h], n, softcap);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 m[4];
   for (int h = 0; h < 4; ++h) m[h] = h < NH ? minus_inf : _mm512_setzero_ps();
@@ -592,7 +593,7 @@ KVQ_TARGET_AVX512_ATTENTION void int_tiles(IntState& S, std::size_t a0, std::siz
     const std::size_t n = a1 - a < T ? a1 - a : T;
     if (S.task->rope != nullptr) rope_keys<NV, KB, NH>(S, P, a, n);
     else int_keys<NV, KB, NH>(S, a, n);
-    tile_softmax<NH>(S, n);
+    tile_softmax<NH>(S, n, S.task->softcap);
     int_values<NV, VB, NH>(S, a, n);
   }
 }

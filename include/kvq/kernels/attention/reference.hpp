@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kvq/attention/scores.hpp"
 #include "kvq/cache/stream_layout.hpp"
 #include "kvq/cache/stream_view.hpp"
 #include "kvq/pack/bitpack.hpp"
@@ -57,6 +58,7 @@ struct DecodeTask {
   std::size_t group = 1;            // query heads sharing the KV head
   std::size_t begin = 0, end = 0;
   Tier tier = Tier::exact;
+  float softcap = 0.0f;  // > 0: scores become softcap * tanh(score / softcap) before the softmax
   // A cache stores a stream in segments (blocks); a range crossing several runs once per segment,
   // each continuing the state the previous one left, and gives the bits of one pass over them.
   bool resume = false;  // true: max, sum and acc already hold the state of the positions before begin
@@ -260,8 +262,10 @@ inline void decode_task(const DecodeTask& task) noexcept {
       }
       s0 = s1;
     }
-    for (std::size_t h = 0; h < task.group; ++h)
+    for (std::size_t h = 0; h < task.group; ++h) {
+      cap_scores(scores[h], n, task.softcap);
       softmax_update(scores[h], n, task.max[h], task.sum[h], task.acc + h * dim, dim);
+    }
     auto [qa, qb] = task.tier == Tier::integer ? quantized_value_rows(v, a, b) : std::pair{a, a};
     if (qa < qb) detail::integer_values(task, a, qa, qb, scores);
     for (std::size_t p = a; p < b; ++p) {
