@@ -88,7 +88,7 @@ void decode_step(benchmark::State& state, std::string config, kvq::Tier tier, st
   state.counters["bytes_per_step"] = b.layer_bytes;
   state.counters["GB/s"] = benchmark::Counter(b.layer_bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["layers"] = double(b.layers);
-  state.SetLabel(kvq::kernels::attention::to_string(kvq::decode_path(*b.cache, kHeads, max_isa)));
+  state.SetLabel(kvq::decode_kernel(*b.cache, kHeads, o));
 }
 
 void verify_step(benchmark::State& state, std::string config, kvq::Tier tier, std::size_t context, std::size_t tokens) {

@@ -267,6 +267,34 @@ TEST(DecodeAttention, PathSelection) {
 #endif
 }
 
+// decode_kernel names the kernel a cache's packed rows run on, so a change that sends a fast
+// layout to a slower kernel fails here rather than only in the benchmarks.
+TEST(DecodeAttention, KernelSelection) {
+  struct Expected {
+    const char* config;
+    Tier tier;
+    const char* avx512;
+  };
+  const Expected cases[] = {{"k16-v16-r0-s1-post", Tier::exact, "avx512-dense"},
+                            {"k16-v16-r0-s1-post-f32", Tier::exact, "avx512-dense"},
+                            {"k4c32-v2t32-r16-s1-post", Tier::exact, "avx512-exact"},
+                            {"k4c32-v2t32-r16-s1-post", Tier::integer, "avx512-integer"},
+                            {"k2c64-v8t32-r16-s0", Tier::integer, "avx512-integer"},
+                            {"k8c32-v4t32-r16-s0", Tier::exact, "avx512-exact"},
+                            {"k3c8-v5t16-r5-s0", Tier::exact, "avx512-generic"},
+                            {"k4t32-v2t32-r16-s1-post", Tier::integer, "avx512-generic"}};
+  for (const Expected& e : cases) {
+    const BasicKVCache cache = make_cache({e.config, 2, 4, 128, 100, 99}, 5);
+    const DecodeOptions o{.tier = e.tier};
+    EXPECT_STREQ(kvq::decode_kernel(cache, 8, {.tier = e.tier, .max_isa = kvq::isa::Level::scalar}), "reference");
+#if defined(KVQ_HAVE_X86_KERNELS)
+    if (kvq::kernels::attention::avx512::supported()) {
+      EXPECT_STREQ(kvq::decode_kernel(cache, 8, o), e.avx512) << e.config << " " << kvq::to_string(e.tier);
+    }
+#endif
+  }
+}
+
 TEST(DecodeAttention, RejectsBadInput) {
   const Case c{"k4c32-v2t32-r16-s1", 2, 4, 64, 40, 39};
   const BasicKVCache cache = make_cache(c, 4);

@@ -272,4 +272,23 @@ inline kernels::attention::Path decode_path(const BasicKVCache& cache, std::size
                                          cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr, max_isa);
 }
 
+/// The kernel decode_attention runs on the packed rows of this cache, by name: "reference",
+/// "avx2", or one of the AVX-512 kernels ("avx512-dense", "avx512-integer", "avx512-exact",
+/// "avx512-generic"; avx512::Kernel). The integer tier's outlier guard may still run a chunk on
+/// the exact kernel (DecodeOptions::guard_outliers).
+inline const char* decode_kernel(const BasicKVCache& cache, std::size_t heads, const DecodeOptions& options = {}) {
+  const RopeTable* rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
+  kernels::attention::DecodeTask task;
+  task.keys = cache.keys(0, 0, 0);
+  task.values = cache.values(0, 0, 0);
+  task.group = heads / cache.shape().kv_heads;
+  task.rope = rope;
+  task.tier = options.tier;
+  const kernels::attention::Path path = kernels::attention::select_path(task.keys, task.values, task.group, rope, options.max_isa);
+#if defined(KVQ_HAVE_X86_KERNELS)
+  if (path == kernels::attention::Path::avx512) return to_string(kernels::attention::avx512::kernel_for(task));
+#endif
+  return kernels::attention::to_string(path);
+}
+
 }  // namespace kvq::inline v0

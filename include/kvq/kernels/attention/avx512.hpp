@@ -181,10 +181,27 @@ KVQ_TARGET_AVX512_ATTENTION inline __m512 exp_ps(__m512 x) noexcept {
 #include "kvq/kernels/attention/avx512_exact.hpp"
 
 namespace kvq::inline v0::kernels::attention::avx512 {
+
+/// Which AVX-512 kernel takes a task's rows: the dense one (both tensors unquantized), the
+/// integer or exact span kernel (packed rows of the fast widths and layouts; sinks and window
+/// around the span on the generic one), or the generic kernel for everything.
+enum class Kernel : unsigned char { generic, dense, integer, exact };
+
+constexpr const char* to_string(Kernel k) noexcept {
+  return k == Kernel::dense ? "avx512-dense" : k == Kernel::integer ? "avx512-integer" : k == Kernel::exact ? "avx512-exact" : "avx512-generic";
+}
+
+inline Kernel kernel_for(const DecodeTask& task) noexcept {
+  if (detail::dense_supported(task)) return Kernel::dense;
+  if (detail::int_supported(task)) return Kernel::integer;
+  if (detail::exact_supported(task)) return Kernel::exact;
+  return Kernel::generic;
+}
+
 namespace detail {
 
 template <int NV>
-struct Kernel {
+struct Kernels {
   static constexpr std::size_t dim = 16 * NV;
   static constexpr unsigned NU = NV / 4;  // 64-channel code vectors per row
 
@@ -200,7 +217,7 @@ struct Kernel {
   alignas(64) std::int8_t qi[max_group][dim];
   float bias[max_group], alpha[max_group];
 
-  KVQ_TARGET_AVX512_ATTENTION explicit Kernel(const DecodeTask& t) noexcept : task(t), k(t.keys), v(t.values) {
+  KVQ_TARGET_AVX512_ATTENTION explicit Kernels(const DecodeTask& t) noexcept : task(t), k(t.keys), v(t.values) {
     key_fast = detail::fast_codes(k) && k.spec.axis == Axis::per_channel;
     value_fast = detail::fast_codes(v) && v.spec.axis == Axis::per_token && 16 % groups_per_row(v.spec, dim) == 0;
     if (key_fast) ku.init(k.spec.bits, k.row_bytes);
@@ -547,11 +564,12 @@ struct Kernel {
 
   KVQ_TARGET_AVX512_ATTENTION void run() noexcept {
     start_state(task);
-    if (dense_supported(task)) {
+    const Kernel kind = kernel_for(task);
+    if (kind == Kernel::dense) {
       dense_span<NV>(task, task.begin, task.end);
       return;
     }
-    const bool int_path = int_supported(task), exact_path = !int_path && exact_supported(task);
+    const bool int_path = kind == Kernel::integer, exact_path = kind == Kernel::exact;
     if (int_path || exact_path) {
       // Packed span on the integer or exact kernel; sinks and the window here.
       // Whole tiles from the start (a sliding window can begin inside one) and whole 16-position
@@ -615,10 +633,10 @@ KVQ_TARGET_AVX512_ATTENTION inline void decode_task(const DecodeTask& task) noex
   // (int_init); a task's first segment starts afresh whatever path ran before it.
   if (!task.resume) detail::int_state().queries = nullptr;
   if (task.keys.head_dim == 64) {
-    detail::Kernel<4> kernel(task);
+    detail::Kernels<4> kernel(task);
     kernel.run();
   } else {
-    detail::Kernel<8> kernel(task);
+    detail::Kernels<8> kernel(task);
     kernel.run();
   }
 }
