@@ -660,15 +660,22 @@ KVQ_TARGET_AVX512_ATTENTION void run_span(const DecodeTask& t, std::size_t a0, s
 }
 
 /// The integer kernel's accumulators live in S.accf in the permuted channel order of the values.
+/// Moved with gathers and scatters: a task crossing many blocks moves them once per block.
 template <int NV, int KB, int VB>
 struct IntSpan {
   KVQ_TARGET_AVX512_ATTENTION static void load(IntState& S) noexcept {
-    for (std::size_t h = 0; h < S.nh; ++h)
-      for (std::size_t c = 0; c < S.dim; ++c) S.accf[h][c] = S.task->acc[(S.h0 + h) * S.dim + std::size_t(S.vchan[c])];
+    for (std::size_t h = 0; h < S.nh; ++h) {
+      const float* acc = S.task->acc + (S.h0 + h) * S.dim;
+      for (int i = 0; i < NV; ++i)
+        _mm512_store_ps(S.accf[h] + 16 * i, _mm512_i32gather_ps(_mm512_load_si512(S.vchan + 16 * i), acc, 4));
+    }
   }
   KVQ_TARGET_AVX512_ATTENTION static void store(IntState& S) noexcept {
-    for (std::size_t h = 0; h < S.nh; ++h)
-      for (std::size_t c = 0; c < S.dim; ++c) S.task->acc[(S.h0 + h) * S.dim + std::size_t(S.vchan[c])] = S.accf[h][c];
+    for (std::size_t h = 0; h < S.nh; ++h) {
+      float* acc = S.task->acc + (S.h0 + h) * S.dim;
+      for (int i = 0; i < NV; ++i)
+        _mm512_i32scatter_ps(acc, _mm512_load_si512(S.vchan + 16 * i), _mm512_load_ps(S.accf[h] + 16 * i), 4);
+    }
   }
   template <int NH>
   KVQ_TARGET_AVX512_ATTENTION static void tiles(IntState& S, std::size_t a0, std::size_t a1, std::size_t T) noexcept {
