@@ -12,10 +12,6 @@
 
 namespace kvq::inline v0::isa {
 
-struct Scalar {};
-struct Avx2 {};    // AVX2 + FMA + F16C
-struct Avx512 {};  // AVX-512 F/BW/VL/DQ + VNNI, BMI2, F16C, FMA
-
 enum class Level : unsigned char { scalar, avx2, avx512 };
 
 constexpr const char* to_string(Level l) noexcept {

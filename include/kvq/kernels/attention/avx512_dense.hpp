@@ -17,9 +17,12 @@
 #include <cstdint>
 #include <limits>
 
+#include "kvq/kernels/attention/avx512_int.hpp"
 #include "kvq/kernels/attention/reference.hpp"
 
 #define KVQ_DENSE_INLINE KVQ_TARGET_AVX512_ATTENTION __attribute__((always_inline))
+
+KVQ_AVX512_WARNINGS_OFF
 
 namespace kvq::inline v0::kernels::attention::avx512::detail {
 
@@ -212,5 +215,7 @@ KVQ_TARGET_AVX512_ATTENTION void dense_span(const DecodeTask& t, std::size_t a, 
 }
 
 }  // namespace kvq::inline v0::kernels::attention::avx512::detail
+
+KVQ_AVX512_WARNINGS_ON
 
 #undef KVQ_DENSE_INLINE

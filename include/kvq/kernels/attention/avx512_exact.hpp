@@ -19,9 +19,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kvq/kernels/attention/avx512_int.hpp"
 #include "kvq/kernels/attention/reference.hpp"
 
 #define KVQ_EXACT_INLINE KVQ_TARGET_AVX512_ATTENTION __attribute__((always_inline))
+
+KVQ_AVX512_WARNINGS_OFF
 
 namespace kvq::inline v0::kernels::attention::avx512::detail {
 
@@ -269,5 +272,7 @@ KVQ_TARGET_AVX512_ATTENTION void exact_span(const DecodeTask& t, std::size_t a0,
 }
 
 }  // namespace kvq::inline v0::kernels::attention::avx512::detail
+
+KVQ_AVX512_WARNINGS_ON
 
 #undef KVQ_EXACT_INLINE

@@ -37,9 +37,12 @@
 #include <cstring>
 #include <limits>
 
+#include "kvq/kernels/attention/avx512_common.hpp"
 #include "kvq/kernels/attention/reference.hpp"
 
 #define KVQ_INT_INLINE KVQ_TARGET_AVX512_ATTENTION __attribute__((always_inline))
+
+KVQ_AVX512_WARNINGS_OFF
 
 namespace kvq::inline v0::kernels::attention::avx512::detail {
 
@@ -689,5 +692,7 @@ KVQ_TARGET_AVX512_ATTENTION void int_span(const DecodeTask& t, std::size_t a0, s
 }
 
 }  // namespace kvq::inline v0::kernels::attention::avx512::detail
+
+KVQ_AVX512_WARNINGS_ON
 
 #undef KVQ_INT_INLINE

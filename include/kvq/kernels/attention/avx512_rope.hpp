@@ -26,10 +26,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kvq/kernels/attention/avx512_int.hpp"
 #include "kvq/kernels/attention/reference.hpp"
 #include "kvq/rope/rope.hpp"
 
 #define KVQ_ROPE_INLINE KVQ_TARGET_AVX512_ATTENTION __attribute__((always_inline))
+
+KVQ_AVX512_WARNINGS_OFF
 
 namespace kvq::inline v0::kernels::attention::avx512::detail {
 
@@ -205,5 +208,7 @@ inline RopeKeyState& rope_key_state(bool reset) noexcept {
 }
 
 }  // namespace kvq::inline v0::kernels::attention::avx512::detail
+
+KVQ_AVX512_WARNINGS_ON
 
 #undef KVQ_ROPE_INLINE

@@ -1,0 +1,165 @@
+#pragma once
+// What every AVX-512 attention kernel shares: the target attribute, the CPU check, the shapes
+// the kernels take, and the vector helpers (code unpacking, exp). avx512.hpp says which kernel
+// runs what.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "kvq/isa.hpp"
+#include "kvq/kernels/attention/reference.hpp"
+
+#define KVQ_TARGET_AVX512_ATTENTION \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,bmi2,f16c,fma")))
+
+// GCC 12 warns on its own intrinsic headers (_mm512_undefined_* placeholders) when inlined
+// through target attributes; the warning is about GCC's code, not ours. Each AVX-512 header
+// turns it off for its own code.
+#if defined(__clang__)  // -Wmaybe-uninitialized is GCC's; clang warns about the unknown name
+#define KVQ_AVX512_WARNINGS_OFF _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")
+#else
+#define KVQ_AVX512_WARNINGS_OFF                                                                            \
+  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")           \
+      _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")
+#endif
+#define KVQ_AVX512_WARNINGS_ON _Pragma("GCC diagnostic pop")
+
+KVQ_AVX512_WARNINGS_OFF
+
+namespace kvq::inline v0::kernels::attention::avx512 {
+
+/// This CPU runs these kernels (AVX-512 level plus VBMI for the code unpacking).
+inline bool supported() noexcept {
+  static const bool ok = [] {
+    if (isa::detected() != isa::Level::avx512) return false;
+    __builtin_cpu_init();
+    return bool(__builtin_cpu_supports("avx512vbmi"));
+  }();
+  return ok;
+}
+
+inline bool fast_bits(int bits) noexcept { return bits == 2 || bits == 4 || bits == 8; }
+
+/// Shapes the kernels take; anything else runs on the reference kernel.
+inline bool supports(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope) noexcept {
+  const std::size_t d = keys.head_dim;
+  if ((d != 64 && d != 128) || values.head_dim != d || group == 0 || group > max_group) return false;
+  if (rope != nullptr && rope->config().dims() != d) return false;
+  return true;
+}
+
+namespace detail {
+
+using DecodeTask = attention::DecodeTask;
+
+/// Codes of one stream unpack this fast way: width 2/4/8, per-channel or whole 16-channel groups.
+inline bool fast_codes(const StreamView& s) noexcept {
+  return s.quantized && fast_bits(s.spec.bits) && s.spec.group % 16 == 0;
+}
+
+/// 16 values of type s at element index i as floats.
+KVQ_TARGET_AVX512_ATTENTION inline __m512 load16(Scalar s, const std::uint8_t* base, std::size_t i) noexcept {
+  if (s == Scalar::f32) return _mm512_loadu_ps(base + 4 * i);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 2 * i));
+  if (s == Scalar::f16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/// Up to 16 values (n of them; the rest 0) of type s as floats.
+KVQ_TARGET_AVX512_ATTENTION inline __m512 load_n(Scalar s, const std::uint8_t* base, std::size_t i, std::size_t n) noexcept {
+  const __mmask16 m = n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u);
+  if (s == Scalar::f32) return _mm512_maskz_loadu_ps(m, base + 4 * i);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, base + 2 * i);
+  if (s == Scalar::f16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/// Unpacks 64 channels [64u, 64u + 64) of a packed row into bytes in channel order.
+struct Unpacker {
+  int bits = 8;
+  std::size_t row_bytes = 0;
+  __m512i index[2];  // vpermb source bytes per output qword, per u
+  __m512i shifts;    // vpmultishiftqb bit offsets
+  __m512i mask;
+
+  KVQ_TARGET_AVX512_ATTENTION void init(int b, std::size_t rb) noexcept {
+    bits = b;
+    row_bytes = rb;
+    alignas(64) std::uint8_t idx[2][64], sh[64];
+    const unsigned per_qword = unsigned(b);  // source bytes per 8 codes
+    for (unsigned u = 0; u < 2; ++u)
+      for (unsigned q = 0; q < 8; ++q)
+        for (unsigned j = 0; j < 8; ++j) idx[u][8 * q + j] = std::uint8_t((u * 8 + q) * per_qword + (j < per_qword ? j : 0));
+    for (unsigned j = 0; j < 64; ++j) sh[j] = std::uint8_t((j % 8) * unsigned(b));
+    index[0] = _mm512_load_si512(idx[0]);
+    index[1] = _mm512_load_si512(idx[1]);
+    shifts = _mm512_load_si512(sh);
+    mask = _mm512_set1_epi8(char((1u << b) - 1u));
+  }
+  /// The packed row (at most 64 bytes are used when bits < 8).
+  KVQ_TARGET_AVX512_ATTENTION __m512i load(const std::uint8_t* row) const noexcept {
+    if (bits == 8) return _mm512_setzero_si512();
+    const std::size_t n = row_bytes < 64 ? row_bytes : 64;
+    return _mm512_maskz_loadu_epi8(n >= 64 ? ~__mmask64(0) : (__mmask64(1) << n) - 1, row);
+  }
+  KVQ_TARGET_AVX512_ATTENTION __m512i codes(const std::uint8_t* row, __m512i packed, unsigned u) const noexcept {
+    if (bits == 8) return _mm512_loadu_si512(row + 64 * u);
+    const __m512i bytes = _mm512_permutexvar_epi8(index[u], packed);
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, bytes), mask);
+  }
+};
+
+/// 16 vectors v[t] -> one vector whose lane t is the sum of v[t]'s lanes.
+KVQ_TARGET_AVX512_ATTENTION inline __m512 reduce16(const float* v) noexcept {
+  alignas(64) static constexpr int even[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  alignas(64) static constexpr int odd[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  const __m512i e = _mm512_load_si512(even), o = _mm512_load_si512(odd);
+  __m512 x[16];
+  for (int t = 0; t < 16; ++t) x[t] = _mm512_load_ps(v + 16 * t);
+  for (int n = 16; n > 1; n /= 2)
+    for (int i = 0; i < n / 2; ++i)
+      x[i] = _mm512_add_ps(_mm512_permutex2var_ps(x[2 * i], e, x[2 * i + 1]), _mm512_permutex2var_ps(x[2 * i], o, x[2 * i + 1]));
+  return x[0];
+}
+
+KVQ_TARGET_AVX512_ATTENTION inline __m512i reduce16_epi32(const float* v) noexcept {
+  alignas(64) static constexpr int even[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  alignas(64) static constexpr int odd[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  const __m512i e = _mm512_load_si512(even), o = _mm512_load_si512(odd);
+  __m512i x[16];
+  for (int t = 0; t < 16; ++t) x[t] = _mm512_load_si512(v + 16 * t);
+  for (int n = 16; n > 1; n /= 2)
+    for (int i = 0; i < n / 2; ++i)
+      x[i] = _mm512_add_epi32(_mm512_permutex2var_epi32(x[2 * i], e, x[2 * i + 1]),
+                              _mm512_permutex2var_epi32(x[2 * i], o, x[2 * i + 1]));
+  return x[0];
+}
+
+/// exp(x) for x <= 0 (about 1 ulp); lanes below -87 give a tiny positive number.
+KVQ_TARGET_AVX512_ATTENTION inline __m512 exp_ps(__m512 x) noexcept {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace detail
+}  // namespace kvq::inline v0::kernels::attention::avx512
+
+KVQ_AVX512_WARNINGS_ON
