@@ -28,7 +28,7 @@
 // The file ends after the last layer. Its size grows with the tokens held, not with the capacity.
 // Version 1 files (no RoPE extension: every channel rotated, no scaling) are still read; save
 // writes version 2. KVPool::save writes a whole pool with the same header and sections
-// (kv_pool_file.hpp).
+// (kv_pool.hpp).
 
 #include <algorithm>
 #include <bit>
@@ -58,6 +58,10 @@ inline constexpr char cache_file_magic[8] = {'K', 'V', 'Q', 'C', 'A', 'C', 'H', 
 inline constexpr std::uint32_t cache_file_version = 2;  // what save writes; 1 is still read
 inline constexpr std::uint32_t byte_order_marker = 0x01020304;
 inline constexpr std::uint32_t tag_header = 0x44414548, tag_table = 0x4C424154, tag_layer = 0x5259414C;  // "HEAD" "TABL" "LAYR"
+// A pool file (kv_pool.hpp): its own magic and version, the same header, blocks and own rows.
+inline constexpr char pool_file_magic[8] = {'K', 'V', 'Q', '_', 'P', 'O', 'O', 'L'};
+inline constexpr std::uint32_t pool_file_version = 1;
+inline constexpr std::uint32_t tag_block = 0x4B4F4C42, tag_own = 0x524E574F;  // "BLOK" "OWNR"
 inline constexpr std::size_t max_config_text = 256;
 // The header's fixed fields: kvq version, shape, RoPE style and theta, config text length; and
 // those of the RoPE extension of version 2, without its frequency divisors.
@@ -489,6 +493,28 @@ inline FileHeader read_header(FileReader& file) {
   return read_header(file, read_preamble(file, cache_file_magic, cache_file_version, "kvq cache file"));
 }
 
+/// One layer's table entry (CacheAccess::table_entry_bytes).
+inline void write_table_entry(SectionWriter& w, const CacheAccess::LayerState& s) {
+  w.put_value(s.length);
+  for (const auto& stream : s.streams) {
+    w.put_value(stream.quantized_end);
+    w.put_value(stream.rollback_floor);
+    w.put_value(stream.kept_from);
+  }
+  w.put_value(s.key_peak);
+}
+inline CacheAccess::LayerState read_table_entry(PayloadReader& in) {
+  CacheAccess::LayerState s;
+  s.length = in.value<std::uint64_t>();
+  for (auto& st : s.streams) {
+    st.quantized_end = in.value<std::uint64_t>();
+    st.rollback_floor = in.value<std::uint64_t>();
+    st.kept_from = in.value<std::uint64_t>();
+  }
+  s.key_peak = in.value<float>();
+  return s;
+}
+
 /// Partial rotary or scaled RoPE, which describe() names.
 inline bool has_rope_extension(const CacheShape& s) {
   return s.rope().dims() != s.head_dim || s.rope_scaling != RopeScaling{};
@@ -523,14 +549,7 @@ inline void read_body(FileReader& file, BasicKVCache& target) {
   PayloadReader in(table, file, "table", table_start);
   std::vector<CacheAccess::LayerState> states(layers);
   for (std::size_t l = 0; l < layers; ++l) {
-    CacheAccess::LayerState& s = states[l];
-    s.length = in.value<std::uint64_t>();
-    for (auto& st : s.streams) {
-      st.quantized_end = in.value<std::uint64_t>();
-      st.rollback_floor = in.value<std::uint64_t>();
-      st.kept_from = in.value<std::uint64_t>();
-    }
-    s.key_peak = in.value<float>();
+    const CacheAccess::LayerState& s = states[l] = read_table_entry(in);
     const std::string why = CacheAccess::check(target, s);
     if (!why.empty()) file.fail("table", table_start, "layer " + std::to_string(l) + ": " + why);
   }
@@ -551,16 +570,7 @@ inline void save(const BasicKVCache& cache, std::ostream& out) {
   detail::write_header(out, s, to_string(cache.config()));
   {
     detail::SectionWriter w(out, detail::tag_table, std::uint64_t(s.layers) * CacheAccess::table_entry_bytes);
-    for (std::size_t l = 0; l < s.layers; ++l) {
-      const CacheAccess::LayerState st = CacheAccess::state(cache, l);
-      w.put_value(st.length);
-      for (const auto& stream : st.streams) {
-        w.put_value(stream.quantized_end);
-        w.put_value(stream.rollback_floor);
-        w.put_value(stream.kept_from);
-      }
-      w.put_value(st.key_peak);
-    }
+    for (std::size_t l = 0; l < s.layers; ++l) detail::write_table_entry(w, CacheAccess::state(cache, l));
     w.finish();
   }
   for (std::size_t l = 0; l < s.layers; ++l) {
