@@ -435,7 +435,9 @@ TEST(KVPool, SavedPoolLoadsBackWithItsSharing) {
     kvq::test::expect_same_state(copy.sequence(first), pool.sequence(first), "after more tokens");
     std::size_t k = 0;
     for (const auto& [id, t] : model)
-      if (id != first) EXPECT_TRUE(copy.sequence(id).stored_bytes() == others[k++]) << "sequence " << id;
+      if (id != first) {
+        EXPECT_TRUE(copy.sequence(id).stored_bytes() == others[k++]) << "sequence " << id;
+      }
     for (const auto& [id, t] : model) copy.remove_sequence(id);
     copy.remove_sequence(added);
     EXPECT_EQ(copy.blocks().counts().in_use, 0u) << "every block returned";
@@ -575,6 +577,86 @@ TEST(KVPool, DamagedPoolFileThrowsIoAndChangesNothing) {
   load_pool(target, file);  // and the sound file still loads
   for (const SequenceId id : {SequenceId(0), SequenceId(1), SequenceId(2)})
     kvq::test::expect_same_state(target.sequence(id), pool.sequence(id), "sequence " + std::to_string(id));
+}
+
+/// Appends tokens [from, to) of `tokens` to every layer of sequence `id` in chunks of `chunk`.
+void feed(KVPool& pool, SequenceId id, const Tokens& tokens, std::size_t from, std::size_t to, std::size_t chunk) {
+  const std::size_t row = row_of(pool.shape().sequence_shape());
+  for (std::size_t a = from; a < to; a += chunk) {
+    const std::size_t b = std::min(to, a + chunk);
+    for (std::size_t l = 0; l < pool.shape().layers; ++l) pool.append(id, l, a, tokens.k(a, b, row), tokens.v(a, b, row));
+  }
+}
+
+// Two requests with the same prompt, fed in different chunk sizes and never forked, come to share
+// the prompt's sealed blocks; a third whose prompt parts at position 300 shares the blocks before
+// it. Nobody's bytes or attention change, and removing either sharer leaves the other whole.
+TEST(KVPool, SharePrefixesFindsACommonPromptFedInOtherChunks) {
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4t32-r8-s0-post", "k16-v16-r0-s1-f32"}) {
+    SCOPED_TRACE(text);
+    const CacheConfig config = config_of(text);
+    KVPool pool(small_pool(), config);
+    const CacheShape shape = pool.shape().sequence_shape();
+    const std::size_t row = row_of(shape), n = 700, parted = 300, s = config.sinks;
+    Tokens prompt, other;
+    std::mt19937 rng(41);
+    prompt.add(n, row, rng);
+    other = prompt;
+    other.cut(parted, row);
+    other.add(n - parted, row, rng);
+    const SequenceId a = pool.add_sequence(), b = pool.add_sequence(), c = pool.add_sequence();
+    feed(pool, a, prompt, 0, n, n);
+    feed(pool, b, prompt, 0, n, 37);
+    feed(pool, c, other, 0, n, 128);
+    const std::size_t sealed = kvq::detail::CacheAccess::sealed_blocks(pool.sequence(a), 0);
+    ASSERT_GE(sealed, 8u);
+    const std::size_t before_parting = (parted - s) / 64;  // blocks wholly before position 300
+    for (std::size_t l = 0; l < 2; ++l) {
+      const auto ha = pool.block_hashes(a, l), hb = pool.block_hashes(b, l), hc = pool.block_hashes(c, l);
+      EXPECT_EQ(ha, hb) << "layer " << l;
+      ASSERT_EQ(ha.size(), sealed);
+      for (std::size_t k = 0; k < sealed; ++k) EXPECT_EQ(ha[k] == hc[k], k < before_parting) << "block " << k;
+      if (l == 1) {
+        EXPECT_NE(ha, pool.block_hashes(a, 0)) << "layers hash apart";
+      }
+    }
+    std::map<SequenceId, std::vector<std::uint8_t>> bytes;
+    std::map<SequenceId, std::vector<float>> outputs;
+    for (const SequenceId id : {a, b, c}) {
+      bytes[id] = pool.sequence(id).stored_bytes();
+      outputs[id] = decode_outputs(pool.sequence(id));
+    }
+    const kvq::PoolMemory before = pool.memory();
+    EXPECT_EQ(before.shared, 0u);
+    const std::size_t freed = pool.share_prefixes(b);
+    EXPECT_EQ(freed, 2 * sealed * pool.block_bytes()) << "every sealed block of both layers";
+    EXPECT_EQ(pool.memory().used, before.used - freed);
+    EXPECT_EQ(pool.memory().shared, 2 * sealed * pool.block_bytes());
+    const std::size_t freed_c = pool.share_prefixes(c);
+    EXPECT_EQ(freed_c, 2 * before_parting * pool.block_bytes());
+    EXPECT_EQ(pool.share_prefixes(b), 0u) << "nothing left to share";
+    for (const SequenceId id : {a, b, c}) {
+      EXPECT_TRUE(pool.sequence(id).stored_bytes() == bytes[id]) << "sequence " << id;
+      EXPECT_EQ(decode_outputs(pool.sequence(id)), outputs[id]) << "sequence " << id;
+    }
+    // Removing a sharer leaves the others whole; writing to one leaves the rest alone.
+    pool.remove_sequence(a);
+    EXPECT_TRUE(pool.sequence(b).stored_bytes() == bytes[b]);
+    EXPECT_TRUE(pool.sequence(c).stored_bytes() == bytes[c]);
+    Tokens longer = prompt;
+    longer.add(150, row, rng);
+    feed(pool, b, longer, n, n + 150, 50);
+    kvq::test::expect_same_state(pool.sequence(b), fresh_cache(shape, config, longer), "the sharer goes on");
+    EXPECT_TRUE(pool.sequence(c).stored_bytes() == bytes[c]);
+    pool.truncate(c, n - 5);  // rollback of a sequence holding shared blocks
+    other.cut(n - 5, row);
+    EXPECT_TRUE(pool.sequence(c).stored_bytes() == fresh_cache(shape, config, other).stored_bytes());
+    pool.remove_sequence(b);
+    pool.remove_sequence(c);
+    EXPECT_EQ(pool.blocks().counts().in_use, 0u);
+    EXPECT_THROW((void)pool.block_hashes(a, 0), kvq::Error);
+    EXPECT_THROW((void)pool.share_prefixes(a), kvq::Error);
+  }
 }
 
 // What an engine sees of memory: committed blocks follow the tokens held.

@@ -43,6 +43,7 @@
 #include <ostream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvq/cache/kv_cache.hpp"
@@ -131,6 +132,28 @@ struct CacheAccess {
 
   /// The blocks layer `layer` refers to, in position order.
   static const std::vector<BlockId>& table(const BasicKVCache& c, std::size_t layer) { return c.tables_[layer]; }
+  /// Blocks of `layer` no append writes again: full for both tensors (packed rows, or every row
+  /// of an unquantized tensor). Only truncate and erase rewrite them, copying shared ones first.
+  static std::size_t sealed_blocks(const BasicKVCache& c, std::size_t layer) {
+    const std::size_t n = c.lengths_[layer];
+    const std::size_t rows = std::min(c.block_rows_used(Tensor::keys, n, c.quantized_end(Tensor::keys, layer)),
+                                      c.block_rows_used(Tensor::values, n, c.quantized_end(Tensor::values, layer)));
+    return std::min(rows / c.block_rows_, c.tables_[layer].size());
+  }
+  /// The sink rows of one stream of `layer` that the layer holds.
+  static std::pair<const std::uint8_t*, std::size_t> sink_rows(const BasicKVCache& c, Tensor t, std::size_t layer, std::size_t head) {
+    const StreamLayout& lay = layout(c, t);
+    return {c.own_base(t, layer, head) + lay.sink_offset, std::min(lay.sinks, c.lengths_[layer]) * row(lay)};
+  }
+  /// Makes block k of `layer` refer to `other` instead, which holds the same bytes (the caller
+  /// compared them): one block fewer in use when the old one had no other reference.
+  static void share_block(BasicKVCache& c, std::size_t layer, std::size_t k, BlockId other) noexcept {
+    BlockId& mine = c.tables_[layer][k];
+    c.store_->retain(other);
+    c.store_->release(mine);
+    mine = other;
+  }
+
   /// Blocks a layer in state `s` refers to.
   static std::size_t blocks_for(const BasicKVCache& c, const LayerState& s) {
     return c.blocks_for(std::size_t(s.length), std::size_t(s.streams[0].quantized_end), std::size_t(s.streams[1].quantized_end));
@@ -373,7 +396,7 @@ class PayloadReader {
   std::size_t remaining() const noexcept { return bytes_.size() - at_; }
   void bytes(void* dest, std::size_t n) {
     if (n > bytes_.size() - at_) file_.fail(section_, start_, "its fields run past its " + std::to_string(bytes_.size()) + " bytes");
-    std::memcpy(dest, bytes_.data() + at_, n);
+    if (n != 0) std::memcpy(dest, bytes_.data() + at_, n);  // dest may be null then (an empty vector's data)
     at_ += n;
   }
  private:

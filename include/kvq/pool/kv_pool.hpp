@@ -6,6 +6,7 @@
 //   sequence(id)                        -> a BasicKVCache: decode_attention, reference_attention,
 //                                          metrics and save() take it as they take a KVCache
 //   save(out) / load(in)                -> every sequence of the pool, blocks shared as they were
+//   block_hashes / share_prefixes       -> find and share a common prompt prefix across sequences
 //
 // Memory is committed as sequences reach new positions (in slabs of about 2 MiB of blocks), up
 // to the pool's limit of blocks; every sequence shares one RoPE table. fork(id, length) shares the parent's blocks by reference
@@ -17,8 +18,8 @@
 //
 // Thread safety: const operations may run concurrently with each other and with append,
 // truncate and erase of other sequences; append, truncate and erase of different sequences may
-// run concurrently. add_sequence, fork, load_sequence, remove_sequence, save and load wait for
-// the operations in flight and run alone. Two operations on one sequence need the caller's
+// run concurrently. add_sequence, fork, load_sequence, remove_sequence, save, load and
+// share_prefixes wait for the operations in flight and run alone. Two operations on one sequence need the caller's
 // synchronisation.
 //
 // Pool file (format version 1), in the writer's byte order and with the sections of a cache file
@@ -37,16 +38,18 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <istream>
 #include <map>
-#include <ostream>
-#include <vector>
 #include <memory>
 #include <mutex>
+#include <ostream>
 #include <shared_mutex>
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
+#include <vector>
 
 #include "kvq/cache/block_store.hpp"
 #include "kvq/cache/kv_cache.hpp"
@@ -80,6 +83,28 @@ struct PoolShape {
 };
 
 using SequenceId = std::uint64_t;
+
+namespace detail {
+/// 64-bit hash of n bytes continuing from h: a multiply-xorshift mix per 8-byte word, fast and
+/// well spread, not cryptographic (KVPool::share_prefixes confirms every match byte for byte).
+inline std::uint64_t hash_bytes(const void* data, std::size_t n, std::uint64_t h) noexcept {
+  const auto* p = static_cast<const std::uint8_t*>(data);
+  auto mix = [](std::uint64_t x) {
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+  };
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    std::uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    h = mix(h ^ (w * 0x9E3779B97F4A7C15ull));
+  }
+  std::uint64_t tail = 0;
+  std::memcpy(&tail, p + i, n - i);
+  return mix(h ^ (tail * 0x9E3779B97F4A7C15ull) ^ n);
+}
+}  // namespace detail
 
 /// Bytes of a pool, counting each block once however many sequences share it.
 struct PoolMemory {
@@ -274,14 +299,14 @@ class KVPool {
       std::vector<std::vector<std::uint64_t>> blocks;
     };
     std::vector<Saved> saved(count);
+    std::unordered_set<SequenceId> ids;
     std::vector<bool> referenced(std::size_t(std::min<std::uint64_t>(block_count, t.remaining() / 8)), false);
     for (std::size_t i = 0; i < saved.size(); ++i) {
       Saved& q = saved[i];
       q.id = t.value<std::uint64_t>();
       const std::string who = "sequence " + std::to_string(q.id);
       if (q.id >= next_id) file.fail("table", table_start, who + " is not below the next id " + std::to_string(next_id));
-      for (std::size_t j = 0; j < i; ++j)
-        if (saved[j].id == q.id) file.fail("table", table_start, who + " appears twice");
+      if (!ids.insert(q.id).second) file.fail("table", table_start, who + " appears twice");
       q.states.resize(shape_.layers);
       q.blocks.resize(shape_.layers);
       for (std::size_t l = 0; l < shape_.layers; ++l) {
@@ -349,6 +374,60 @@ class KVPool {
     next_id_ = next_id;
   }
 
+  /// Content hashes of the sealed blocks of one layer of a sequence (blocks no append writes
+  /// again: their positions packed, or stored in full for an unquantized tensor), in position
+  /// order. Hash k covers the layer's sink rows and blocks 0..k: equal hashes mean equal prefixes
+  /// up to that block's end (up to hash collisions), and since a sequence's bytes do not depend
+  /// on how its tokens arrived, two sequences fed one prompt have equal hashes however it was
+  /// chunked. An engine can keep them to find a request's longest cached prefix.
+  std::vector<std::uint64_t> block_hashes(SequenceId id, std::size_t layer) const {
+    std::shared_lock lock(mutex_);
+    const BasicKVCache& cache = find(id, "block_hashes");
+    if (layer >= shape_.layers)
+      throw Error(ErrorCode::invalid_argument, "pool block_hashes: layer " + std::to_string(layer) + " of " +
+                                                   std::to_string(shape_.layers));
+    return chained_hashes(cache, layer);
+  }
+
+  /// Makes sequence `id` share, layer by layer, each of its sealed blocks whose content and
+  /// whole prefix equal those of a block another sequence holds (block_hashes, then the bytes
+  /// compared): its own copy is let go of and the other's referenced, as a fork would (of several
+  /// equal copies, the one most sequences already refer to). Exact: the
+  /// sequence's bytes, views and attention are unchanged. Returns the bytes memory().used fell
+  /// by. Reads every sealed block of the pool; waits for the operations in flight and runs alone.
+  std::size_t share_prefixes(SequenceId id) {
+    using Access = detail::CacheAccess;
+    std::unique_lock lock(mutex_);
+    BasicKVCache& target = find(id, "share_prefixes");
+    const std::size_t in_use = store_->counts().in_use;
+    for (std::size_t l = 0; l < shape_.layers; ++l) {
+      const std::vector<std::uint64_t> mine = chained_hashes(target, l);
+      if (mine.empty()) continue;
+      std::unordered_map<std::uint64_t, BlockId> others;  // hash -> a block of another sequence
+      for (const auto& [other_id, other] : sequences_) {
+        if (other_id == id) continue;
+        const std::vector<std::uint64_t> theirs = chained_hashes(*other, l);
+        for (std::size_t k = 0; k < theirs.size(); ++k) {
+          // Of equal copies, the one most sequences refer to (then the lowest id): repeated calls
+          // leave one copy, whatever order the sequences come in.
+          const BlockId b = Access::table(*other, l)[k];
+          const auto [it, added] = others.emplace(theirs[k], b);
+          const unsigned have = store_->references(it->second), offered = store_->references(b);
+          if (!added && (offered > have || (offered == have && b < it->second))) it->second = b;
+        }
+      }
+      // Allocation is done: what follows cannot fail.
+      for (std::size_t k = 0; k < mine.size(); ++k) {
+        const auto it = others.find(mine[k]);
+        if (it == others.end()) break;  // the prefixes part here, and the chain with them
+        const BlockId own = Access::table(target, l)[k];
+        if (it->second != own && std::memcmp(store_->data(it->second), store_->data(own), block_bytes_) == 0)
+          Access::share_block(target, l, k, it->second);
+      }
+    }
+    return (in_use - store_->counts().in_use) * block_bytes_;
+  }
+
   PoolMemory memory() const {
     std::shared_lock lock(mutex_);
     PoolMemory m;
@@ -365,6 +444,21 @@ class KVPool {
     const SequenceId id = next_id_++;
     sequences_.emplace(id, std::move(cache));
     return id;
+  }
+
+  /// block_hashes of a sequence the caller has found.
+  std::vector<std::uint64_t> chained_hashes(const BasicKVCache& cache, std::size_t layer) const {
+    using Access = detail::CacheAccess;
+    std::uint64_t h = detail::hash_bytes(&layer, sizeof layer, 0x6B7671u);
+    for (std::size_t head = 0; head < shape_.kv_heads; ++head)
+      for (const Tensor t : {Tensor::keys, Tensor::values}) {
+        const auto [rows, bytes] = Access::sink_rows(cache, t, layer, head);
+        h = detail::hash_bytes(rows, bytes, h);
+      }
+    std::vector<std::uint64_t> hashes(Access::sealed_blocks(cache, layer));
+    for (std::size_t k = 0; k < hashes.size(); ++k)
+      hashes[k] = h = detail::hash_bytes(store_->data(Access::table(cache, layer)[k]), block_bytes_, h);
+    return hashes;
   }
 
   /// The sequences in id order.
