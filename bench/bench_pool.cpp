@@ -1,8 +1,9 @@
 // KVPool against a KVCache of its own: appending one token at a time (8 KV heads x 128, K4V2),
-// forking a 10K-token prefix, saving and loading one sequence (GB/s of file bytes), and the
-// memory a 32-layer sequence commits at 1000 tokens.
+// forking a 10K-token prefix, saving and loading one sequence and a whole pool (GB/s of file
+// bytes), and the memory a 32-layer sequence commits at 1000 tokens.
 #include <benchmark/benchmark.h>
 
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
@@ -113,6 +114,50 @@ void load_sequence(benchmark::State& state) {
   state.counters["GB/s"] = benchmark::Counter(double(file.size()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+/// The 10K-token sequence and three forks of it, each 1000 tokens longer: the file holds the
+/// shared prefix once.
+struct Branched : Filled {
+  Branched() : Filled(10000) {
+    const auto k = normal_rows(1000, 5), v = normal_rows(1000, 6);
+    for (int i = 0; i < 3; ++i) {
+      const kvq::SequenceId child = pool.fork(id, 10000);
+      for (std::size_t l = 0; l < 4; ++l) pool.append(child, l, 10000, k, v);
+    }
+  }
+};
+
+void save_pool(benchmark::State& state) {
+  Branched f;
+  std::size_t bytes = 0;
+  for (auto _ : state) {
+    std::ostringstream out;
+    f.pool.save(out);
+    bytes = out.str().size();
+    benchmark::DoNotOptimize(bytes);
+  }
+  state.counters["GB/s"] = benchmark::Counter(double(bytes) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["file_MB"] = double(bytes) * 1e-6;
+}
+
+void load_pool(benchmark::State& state) {
+  Branched f;
+  std::ostringstream out;
+  f.pool.save(out);
+  const std::string file = out.str();
+  for (auto _ : state) {
+    state.PauseTiming();
+    auto target = std::make_unique<kvq::KVPool>(pool_shape(4), k4v2());
+    std::istringstream in(file);
+    state.ResumeTiming();
+    target->load(in);
+    benchmark::DoNotOptimize(target->sequence_count());
+    state.PauseTiming();
+    target.reset();
+    state.ResumeTiming();
+  }
+  state.counters["GB/s"] = benchmark::Counter(double(file.size()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
 /// What a 32-layer, 8 x 128 K4V2 sequence commits at 1000 tokens, against what its tokens hold.
 void memory_at_1000(benchmark::State& state) {
   kvq::PoolShape shape = pool_shape(32);
@@ -146,5 +191,7 @@ BENCHMARK(append_pool)->Name("append/pool/K4V2/8x128");
 BENCHMARK(fork_prefix)->Name("fork/K4V2/4x8x128/10000")->Unit(benchmark::kMicrosecond);
 BENCHMARK(save_sequence)->Name("save/K4V2/4x8x128/10000")->Unit(benchmark::kMillisecond);
 BENCHMARK(load_sequence)->Name("load/K4V2/4x8x128/10000")->Unit(benchmark::kMillisecond);
+BENCHMARK(save_pool)->Name("save_pool/K4V2/4x8x128/10000+3x1000")->Unit(benchmark::kMillisecond);
+BENCHMARK(load_pool)->Name("load_pool/K4V2/4x8x128/10000+3x1000")->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

@@ -119,26 +119,133 @@ TEST(CacheFile, SavesToAndLoadsFromAFile) {
   }
 }
 
-// Format version 1 records RoPE style and theta only: a cache with partial rotary or scaled RoPE
-// is refused by name, before a file is opened, rather than saved as another RoPE.
-TEST(CacheFile, RopeTheFormatCannotRecordIsRefused) {
-  CacheShape shape{1, 1, 32, 64};
-  shape.rope_scaling.type = kvq::RopeScalingType::yarn;
-  shape.rope_scaling.factor = 4.0f, shape.rope_scaling.original_context = 32;
-  const BasicKVCache cache = sample_cache(shape, config_of("k4c8-v2t8-r8-s1"), 20, 4);
-  try {
-    (void)saved(cache);
-    ADD_FAILURE() << "saved";
-  } catch (const kvq::Error& e) {
-    EXPECT_EQ(e.code(), kvq::ErrorCode::unsupported);
-    EXPECT_NE(std::string(e.what()).find("yarn scaling"), std::string::npos) << e.what();
+// Shapes whose RoPE the header must carry: partial rotary dims and every scaling, frequency
+// divisors included (keys stored pre-RoPE are rotated at attention, so the RoPE is part of what
+// the bytes mean).
+std::vector<CacheShape> rope_shapes() {
+  std::vector<CacheShape> shapes;
+  CacheShape base{2, 2, 32, 96};
+  base.rope_dims = 16;  // partial rotary
+  shapes.push_back(base);
+  CacheShape linear = base;
+  linear.rope_dims = 0, linear.rope_scaling.type = kvq::RopeScalingType::linear, linear.rope_scaling.factor = 2.5f;
+  shapes.push_back(linear);
+  CacheShape llama3 = base;
+  llama3.rope_theta = 500000.0f, llama3.rope_scaling.type = kvq::RopeScalingType::llama3;
+  llama3.rope_scaling.factor = 8.0f, llama3.rope_scaling.original_context = 64;
+  llama3.rope_scaling.frequency_divisors = {1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 8.0f, 8.0f};  // one per rotated pair
+  shapes.push_back(llama3);
+  CacheShape yarn = base;
+  yarn.rope_style = kvq::RopeStyle::half_split, yarn.rope_scaling.type = kvq::RopeScalingType::yarn;
+  yarn.rope_scaling.factor = 4.0f, yarn.rope_scaling.original_context = 32, yarn.rope_scaling.attention_factor = 1.25f;
+  shapes.push_back(yarn);
+  return shapes;
+}
+
+TEST(CacheFile, PartialAndScaledRopeRoundTrips) {
+  const CacheConfig config = config_of("k4c8-v2t8-r8-s1");
+  for (const CacheShape& shape : rope_shapes()) {
+    SCOPED_TRACE(kvq::detail::describe(shape));
+    const BasicKVCache original = sample_cache(shape, config, 70, 4);
+    const std::string bytes = saved(original);
+    BasicKVCache into(shape, config);
+    append_random(into, 20, 8);
+    load_text(into, bytes);
+    kvq::test::expect_same_state(into, original, "loaded into a cache of the same RoPE");
+    std::istringstream in(bytes, std::ios::binary);
+    const BasicKVCache fresh = kvq::load(in);
+    EXPECT_TRUE(fresh.shape().rope_scaling == shape.rope_scaling);
+    EXPECT_EQ(fresh.shape().rope().dims(), shape.rope().dims());
+    kvq::test::expect_same_state(fresh, original, "loaded as a new cache");  // reference attention rotates with the file's RoPE
+    EXPECT_EQ(saved(fresh), bytes);
+    // Any other RoPE is a mismatch naming it; the target keeps what it held.
+    for (const CacheShape& other : rope_shapes()) {
+      if (kvq::detail::same_shape(other, shape)) continue;
+      BasicKVCache target(other, config);
+      append_random(target, 9, 5);
+      const auto before = snapshot(target);
+      try {
+        load_text(target, bytes);
+        ADD_FAILURE() << "loaded into " << kvq::detail::describe(other);
+      } catch (const kvq::Error& e) {
+        EXPECT_EQ(e.code(), kvq::ErrorCode::shape_mismatch) << e.what();
+        EXPECT_NE(std::string(e.what()).find(kvq::detail::describe(shape)), std::string::npos) << e.what();
+      }
+      EXPECT_TRUE(snapshot(target) == before);
+    }
   }
-  const auto path = std::filesystem::temp_directory_path() / ("kvq_test_rope_" + std::to_string(::getpid()) + ".kvq");
-  EXPECT_THROW(kvq::save_file(cache, path), kvq::Error);
-  EXPECT_FALSE(std::filesystem::exists(path));
-  shape.rope_scaling = {};
-  shape.rope_dims = 32;  // rotating every channel is no extension
-  EXPECT_NO_THROW((void)saved(sample_cache(shape, config_of("k4c8-v2t8-r8-s1"), 20, 4)));
+}
+
+// The RoPE extension is covered like every other field: any truncation or flipped bit of a file
+// with partial, scaled RoPE and frequency divisors is an io error, and the target keeps its state.
+TEST(CacheFile, DamagedScaledRopeFileThrowsIo) {
+  CacheShape shape{1, 1, 16, 48};
+  shape.rope_dims = 8, shape.rope_scaling.type = kvq::RopeScalingType::llama3, shape.rope_scaling.factor = 8.0f;
+  shape.rope_scaling.original_context = 32, shape.rope_scaling.frequency_divisors = {1.0f, 2.0f, 4.0f, 8.0f};
+  const CacheConfig config = config_of("k4c8-v2t8-r4-s1");
+  const std::string file = saved(sample_cache(shape, config, 20, 12));
+  BasicKVCache target(shape, config);
+  append_random(target, 11, 3);
+  const auto before = snapshot(target);
+  auto expect_io = [&](const std::string& bytes, const std::string& what) {
+    try {
+      load_text(target, bytes);
+      ADD_FAILURE() << what << ": no error";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::io) << what << ": " << e.what();
+    }
+    EXPECT_TRUE(snapshot(target) == before) << what;
+  };
+  for (std::size_t n = 0; n < file.size(); ++n) expect_io(file.substr(0, n), "truncated to " + std::to_string(n));
+  for (std::size_t i = 0; i < file.size(); ++i)
+    for (int bit = 0; bit < 8; ++bit) {
+      std::string bytes = file;
+      bytes[i] = char(bytes[i] ^ (1 << bit));
+      expect_io(bytes, "bit " + std::to_string(bit) + " of byte " + std::to_string(i));
+      if (::testing::Test::HasFailure()) return;
+    }
+}
+
+// A file of format version 1 (written before the header carried the RoPE extension) reads as
+// every channel rotated, no scaling. It is made here from a version 2 file by dropping the
+// extension from the header.
+std::string as_version_1(const std::string& v2) {
+  std::uint64_t size;
+  std::memcpy(&size, v2.data() + 20, 8);
+  const std::string payload = v2.substr(28, size);
+  std::uint32_t divisors;
+  std::memcpy(&divisors, payload.data() + 52 + 44, 4);
+  const std::string v1_payload = payload.substr(0, 52) + payload.substr(52 + 48 + 4 * std::size_t(divisors));
+  std::string out = v2.substr(0, 16);
+  out[8] = 1;
+  std::string section = v2.substr(16, 4);
+  const std::uint64_t v1_size = v1_payload.size();
+  section.append(reinterpret_cast<const char*>(&v1_size), 8);
+  section += v1_payload;
+  const std::uint32_t crc = kvq::crc32c(section.data(), section.size());
+  section.append(reinterpret_cast<const char*>(&crc), 4);
+  return out + section + v2.substr(28 + size + 4);
+}
+
+TEST(CacheFile, Version1FilesStillLoad) {
+  const CacheShape shape{2, 2, 32, 96};
+  const CacheConfig config = config_of("k4c8-v2t8-r8-s1");
+  const BasicKVCache original = sample_cache(shape, config, 70, 6);
+  const std::string v1 = as_version_1(saved(original));
+  ASSERT_EQ(v1.size() + 48, saved(original).size());
+  BasicKVCache into(shape, config);
+  load_text(into, v1);
+  kvq::test::expect_same_state(into, original, "version 1 into a cache");
+  std::istringstream in(v1, std::ios::binary);
+  const BasicKVCache fresh = kvq::load(in);
+  EXPECT_EQ(fresh.shape().rope_dims, 0u);
+  EXPECT_TRUE(fresh.shape().rope_scaling == kvq::RopeScaling{});
+  EXPECT_EQ(saved(fresh), saved(original)) << "saved again as version 2";
+  // A version 1 file means full, unscaled RoPE: a scaled target is another shape.
+  CacheShape scaled = shape;
+  scaled.rope_scaling.type = kvq::RopeScalingType::linear, scaled.rope_scaling.factor = 2.0f;
+  BasicKVCache other(scaled, config);
+  EXPECT_THROW(load_text(other, v1), kvq::Error);
 }
 
 // The file holds what the cache uses (codes, parameters, sink and window rows, as memory()
@@ -154,7 +261,7 @@ TEST(CacheFile, SizeFollowsTheTokensHeldNotTheCapacity) {
     const std::size_t size = saved(small).size();
     EXPECT_EQ(saved(large).size(), size) << "capacity must not matter";
     const std::size_t config_text = kvq::to_string(config).size();
-    const std::size_t overhead = 16 + (16 + 56 + config_text) + (16 + layers * 60) + layers * 16;
+    const std::size_t overhead = 16 + (16 + 104 + config_text) + (16 + layers * 60) + layers * 16;
     // beyond memory(): the packed rows still in the ring and the rollback copies of packed rows
     std::size_t full_precision_copies = 0;
     for (std::size_t l = 0; l < layers; ++l)
@@ -228,8 +335,10 @@ TEST_F(DamagedFile, ForeignPreambleNamesWhatIsWrong) {
   bytes[0] = 'X';
   expect_rejected(bytes, kvq::ErrorCode::io, "wrong magic", "magic");
   bytes = file;
-  bytes[8] = 2;
-  expect_rejected(bytes, kvq::ErrorCode::io, "format version 2", "version");
+  bytes[8] = 3;
+  expect_rejected(bytes, kvq::ErrorCode::io, "format version 3; this kvq reads versions 1 to 2", "version");
+  bytes[8] = 0;
+  expect_rejected(bytes, kvq::ErrorCode::io, "format version 0", "version 0");
   bytes = file;
   std::swap(bytes[12], bytes[15]);
   std::swap(bytes[13], bytes[14]);
@@ -240,7 +349,7 @@ TEST_F(DamagedFile, ForeignPreambleNamesWhatIsWrong) {
 // A section whose CRC is right but whose table claims more than the file holds: rejected before
 // anything large is allocated (the layer payload grows only as bytes arrive).
 TEST_F(DamagedFile, ForgedTableWithAValidCrcIsRejected) {
-  const std::size_t table = 16 + (16 + 56 + kvq::to_string(config).size());  // start of the table section
+  const std::size_t table = 16 + (16 + 104 + kvq::to_string(config).size());  // start of the table section
   std::string bytes = file;
   auto put_u64 = [&](std::size_t at, std::uint64_t x) { std::memcpy(bytes.data() + at, &x, 8); };
   auto fix_crc = [&] {

@@ -346,6 +346,319 @@ TEST(KVPool, SavedSequencesLoadBackAndBadFilesChangeNothing) {
   EXPECT_EQ(pool.memory().used, used);
 }
 
+std::string saved_pool(const KVPool& pool) {
+  std::ostringstream out(std::ios::binary);
+  pool.save(out);
+  return out.str();
+}
+
+void load_pool(KVPool& pool, const std::string& bytes) {
+  std::istringstream in(bytes, std::ios::binary);
+  pool.load(in);
+}
+
+/// The tokens of each sequence of a pool filled by fill_pool.
+using PoolModel = std::map<SequenceId, Tokens>;
+
+/// A pool with forks sharing prefixes, a fork written to, a rollback, a removed sequence: the ways
+/// blocks come to be shared or copied.
+PoolModel fill_pool(KVPool& pool, std::size_t prompt, unsigned seed) {
+  PoolModel model;
+  const std::size_t row = row_of(pool.shape().sequence_shape()), layers = pool.shape().layers;
+  std::mt19937 rng(seed);
+  Tokens base;
+  const SequenceId a = add_tokens(pool, base, prompt, seed);
+  model[a] = base;
+  auto extend = [&](SequenceId id, std::size_t n) {
+    Tokens& t = model[id];
+    const std::size_t from = t.size(row);
+    t.add(n, row, rng);
+    for (std::size_t l = 0; l < layers; ++l) pool.append(id, l, from, t.k(from, from + n, row), t.v(from, from + n, row));
+  };
+  const SequenceId b = pool.fork(a, prompt);  // shares every block
+  model[b] = base;
+  extend(b, 37);
+  const SequenceId c = pool.fork(a, prompt - 5);  // a speculative branch
+  model[c] = base;
+  model[c].cut(prompt - 5, row);
+  extend(c, 20);
+  pool.truncate(c, prompt + 3);
+  model[c].cut(prompt + 3, row);
+  extend(c, 9);
+  const SequenceId gone = pool.fork(b, prompt + 37);
+  pool.remove_sequence(gone);  // ids stay sparse
+  extend(a, 3);
+  return model;
+}
+
+// A saved pool loads back into an empty pool as it was: every sequence's bytes, rows and
+// attention, its ids, the blocks shared (memory().used and .shared), and what happens next.
+TEST(KVPool, SavedPoolLoadsBackWithItsSharing) {
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4t32-r8-s0-post", "k16-v16-r0-s1-f32"}) {
+    SCOPED_TRACE(text);
+    const CacheConfig config = config_of(text);
+    KVPool pool(small_pool(), config);
+    const PoolModel model = fill_pool(pool, 300, 21);
+    const std::string bytes = saved_pool(pool);
+    KVPool copy(small_pool(8192), config);  // another memory limit is fine
+    load_pool(copy, bytes);
+    ASSERT_EQ(copy.sequence_count(), pool.sequence_count());
+    for (const auto& [id, tokens] : model) {
+      ASSERT_TRUE(copy.contains(id)) << "sequence " << id;
+      kvq::test::expect_same_state(copy.sequence(id), pool.sequence(id), "sequence " + std::to_string(id));
+      EXPECT_EQ(decode_outputs(copy.sequence(id)), decode_outputs(pool.sequence(id))) << "sequence " << id;
+      EXPECT_TRUE(copy.sequence(id).stored_bytes() == fresh_cache(pool.shape().sequence_shape(), config, tokens).stored_bytes());
+      for (std::size_t l = 0; l < 2; ++l)
+        for (const kvq::Tensor t : {kvq::Tensor::keys, kvq::Tensor::values})
+          EXPECT_EQ(copy.sequence(id).rollback_floor(t, l), pool.sequence(id).rollback_floor(t, l));
+    }
+    EXPECT_GT(pool.memory().shared, 0u);
+    EXPECT_EQ(copy.memory().used, pool.memory().used);
+    EXPECT_EQ(copy.memory().shared, pool.memory().shared) << "shared blocks stay shared";
+    EXPECT_EQ(copy.blocks().counts().in_use, pool.blocks().counts().in_use);
+    KVPool same_limit(small_pool(), config);
+    load_pool(same_limit, bytes);
+    EXPECT_TRUE(saved_pool(same_limit) == bytes) << "saving the loaded pool writes the same file";
+    const SequenceId added = copy.add_sequence();
+    EXPECT_EQ(added, pool.add_sequence()) << "ids continue where they were";
+    // Writes to a sequence whose blocks are shared leave the others alone, in both pools.
+    const SequenceId first = model.begin()->first;
+    Tokens more = model.begin()->second;
+    std::mt19937 rng(5);
+    const std::size_t from = more.size(128);
+    more.add(90, 128, rng);
+    std::vector<std::vector<std::uint8_t>> others;
+    for (const auto& [id, t] : model)
+      if (id != first) others.push_back(copy.sequence(id).stored_bytes());
+    for (KVPool* p : {&pool, &copy})
+      for (std::size_t l = 0; l < 2; ++l) p->append(first, l, from, more.k(from, from + 90, 128), more.v(from, from + 90, 128));
+    kvq::test::expect_same_state(copy.sequence(first), pool.sequence(first), "after more tokens");
+    std::size_t k = 0;
+    for (const auto& [id, t] : model)
+      if (id != first) {
+        EXPECT_TRUE(copy.sequence(id).stored_bytes() == others[k++]) << "sequence " << id;
+      }
+    for (const auto& [id, t] : model) copy.remove_sequence(id);
+    copy.remove_sequence(added);
+    EXPECT_EQ(copy.blocks().counts().in_use, 0u) << "every block returned";
+  }
+}
+
+// Files for another pool, or a pool that cannot take one: named errors, nothing changed.
+TEST(KVPool, PoolFileForAnotherPoolIsRefused) {
+  const CacheConfig config = config_of("k4c32-v2t32-r20-s3");
+  KVPool pool(small_pool(), config);
+  (void)fill_pool(pool, 200, 3);
+  const std::string bytes = saved_pool(pool);
+  auto expect_refused = [&](KVPool& target, kvq::ErrorCode code, const std::string& needle) {
+    const std::size_t count = target.sequence_count(), used = target.memory().used;
+    try {
+      load_pool(target, bytes);
+      ADD_FAILURE() << needle << ": loaded";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(target.sequence_count(), count) << needle;
+    EXPECT_EQ(target.memory().used, used) << needle;
+  };
+  PoolShape shape = small_pool();
+  shape.block_tokens = 128;
+  KVPool other_blocks(shape, config);
+  expect_refused(other_blocks, kvq::ErrorCode::shape_mismatch, "blocks of 64 positions");
+  shape = small_pool();
+  shape.rope_scaling.type = kvq::RopeScalingType::linear, shape.rope_scaling.factor = 2.0f;
+  KVPool scaled(shape, config);
+  expect_refused(scaled, kvq::ErrorCode::shape_mismatch, "linear scaling");
+  shape = small_pool();
+  shape.rope_dims = 32;
+  KVPool partial(shape, config);
+  expect_refused(partial, kvq::ErrorCode::shape_mismatch, "rotary dims 32");
+  KVPool other_config(small_pool(), config_of("k4c32-v2t32-r20-s2"));
+  expect_refused(other_config, kvq::ErrorCode::shape_mismatch, "configured 'k4c32-v2t32-r20-s3'");
+  const std::size_t blocks = pool.blocks().counts().in_use;
+  KVPool small(small_pool(blocks - 1), config);
+  expect_refused(small, kvq::ErrorCode::capacity_exceeded, "holds " + std::to_string(blocks) + " blocks");
+  EXPECT_EQ(small.blocks().counts().in_use, 0u);
+  KVPool busy(small_pool(), config);
+  Tokens t;
+  (void)add_tokens(busy, t, 50, 4);
+  expect_refused(busy, kvq::ErrorCode::invalid_argument, "empty");
+  std::ostringstream cache_file(std::ios::binary);
+  kvq::save(pool.sequence(0), cache_file);
+  KVPool empty(small_pool(), config);
+  std::istringstream in(cache_file.str(), std::ios::binary);
+  try {
+    empty.load(in);
+    ADD_FAILURE() << "a cache file loaded as a pool";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::io) << e.what();
+    EXPECT_NE(std::string(e.what()).find("wrong magic"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(empty.sequence_count(), 0u);
+}
+
+// A pool of scaled, partial RoPE keeps it through the file.
+TEST(KVPool, PoolFileKeepsScaledRope) {
+  PoolShape shape = small_pool();
+  shape.rope_dims = 32, shape.rope_scaling.type = kvq::RopeScalingType::yarn;
+  shape.rope_scaling.factor = 4.0f, shape.rope_scaling.original_context = 512;
+  const CacheConfig config = config_of("k4c32-v2t32-r20-s3");
+  KVPool pool(shape, config);
+  const PoolModel model = fill_pool(pool, 150, 8);
+  KVPool copy(shape, config);
+  load_pool(copy, saved_pool(pool));
+  for (const auto& [id, tokens] : model) {
+    kvq::test::expect_same_state(copy.sequence(id), pool.sequence(id), "sequence " + std::to_string(id));
+    EXPECT_EQ(decode_outputs(copy.sequence(id)), decode_outputs(pool.sequence(id)));
+  }
+}
+
+// Damage anywhere (every truncation, a flipped bit in every byte, random mutations): a named io
+// error, or for the rare mutation that leaves a sound file a load, and after a failed load an
+// empty pool with every block returned.
+TEST(KVPool, DamagedPoolFileThrowsIoAndChangesNothing) {
+  PoolShape shape = small_pool(64);
+  shape.kv_heads = 1, shape.head_dim = 16, shape.max_tokens = 256;
+  const CacheConfig config = config_of("k4c8-v2t8-r4-s1-d6");
+  KVPool pool(shape, config);
+  Tokens base;
+  const SequenceId a = add_tokens(pool, base, 70, 9);
+  (void)pool.fork(a, 70);
+  (void)pool.fork(a, 66);
+  const std::string file = saved_pool(pool);
+  ASSERT_GT(file.size(), 1000u);
+  KVPool target(shape, config);
+  auto expect_io = [&](const std::string& bytes, const std::string& what) {
+    try {
+      load_pool(target, bytes);
+      ADD_FAILURE() << what << ": no error";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::io) << what << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find("kvq pool file, section '"), std::string::npos) << what << ": " << e.what();
+    }
+    EXPECT_EQ(target.sequence_count(), 0u) << what;
+    EXPECT_EQ(target.blocks().counts().in_use, 0u) << what;
+  };
+  for (std::size_t n = 0; n < file.size(); ++n) {
+    expect_io(file.substr(0, n), "truncated to " + std::to_string(n));
+    if (HasFailure()) return;
+  }
+  expect_io(file + "x", "one byte appended");
+  std::mt19937 rng(31);
+  for (std::size_t i = 0; i < file.size(); ++i) {
+    std::string bytes = file;
+    bytes[i] = char(bytes[i] ^ (1 << (rng() % 8)));
+    expect_io(bytes, "a bit of byte " + std::to_string(i));
+    if (HasFailure()) return;
+  }
+  std::size_t loaded = 0;
+  for (int iteration = 0; iteration < 3000; ++iteration) {
+    std::string bytes = file;
+    for (int m = 1 + int(rng() % 3); m > 0; --m) {
+      const std::size_t at = rng() % bytes.size();
+      switch (rng() % 3) {
+        case 0: bytes[at] = char(rng()); break;
+        case 1: bytes.insert(bytes.begin() + std::ptrdiff_t(at), char(rng())); break;
+        default: bytes.erase(at, 1 + rng() % 16); break;
+      }
+    }
+    try {
+      load_pool(target, bytes);
+      ++loaded;
+      for (const SequenceId id : {SequenceId(0), SequenceId(1), SequenceId(2)})
+        if (target.contains(id)) target.remove_sequence(id);
+    } catch (const kvq::Error&) {
+    }
+    ASSERT_EQ(target.sequence_count(), 0u) << "iteration " << iteration;
+    ASSERT_EQ(target.blocks().counts().in_use, 0u) << "iteration " << iteration;
+  }
+  EXPECT_LT(loaded, 30u);
+  load_pool(target, file);  // and the sound file still loads
+  for (const SequenceId id : {SequenceId(0), SequenceId(1), SequenceId(2)})
+    kvq::test::expect_same_state(target.sequence(id), pool.sequence(id), "sequence " + std::to_string(id));
+}
+
+/// Appends tokens [from, to) of `tokens` to every layer of sequence `id` in chunks of `chunk`.
+void feed(KVPool& pool, SequenceId id, const Tokens& tokens, std::size_t from, std::size_t to, std::size_t chunk) {
+  const std::size_t row = row_of(pool.shape().sequence_shape());
+  for (std::size_t a = from; a < to; a += chunk) {
+    const std::size_t b = std::min(to, a + chunk);
+    for (std::size_t l = 0; l < pool.shape().layers; ++l) pool.append(id, l, a, tokens.k(a, b, row), tokens.v(a, b, row));
+  }
+}
+
+// Two requests with the same prompt, fed in different chunk sizes and never forked, come to share
+// the prompt's sealed blocks; a third whose prompt parts at position 300 shares the blocks before
+// it. Nobody's bytes or attention change, and removing either sharer leaves the other whole.
+TEST(KVPool, SharePrefixesFindsACommonPromptFedInOtherChunks) {
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4t32-r8-s0-post", "k16-v16-r0-s1-f32"}) {
+    SCOPED_TRACE(text);
+    const CacheConfig config = config_of(text);
+    KVPool pool(small_pool(), config);
+    const CacheShape shape = pool.shape().sequence_shape();
+    const std::size_t row = row_of(shape), n = 700, parted = 300, s = config.sinks;
+    Tokens prompt, other;
+    std::mt19937 rng(41);
+    prompt.add(n, row, rng);
+    other = prompt;
+    other.cut(parted, row);
+    other.add(n - parted, row, rng);
+    const SequenceId a = pool.add_sequence(), b = pool.add_sequence(), c = pool.add_sequence();
+    feed(pool, a, prompt, 0, n, n);
+    feed(pool, b, prompt, 0, n, 37);
+    feed(pool, c, other, 0, n, 128);
+    const std::size_t sealed = kvq::detail::CacheAccess::sealed_blocks(pool.sequence(a), 0);
+    ASSERT_GE(sealed, 8u);
+    const std::size_t before_parting = (parted - s) / 64;  // blocks wholly before position 300
+    for (std::size_t l = 0; l < 2; ++l) {
+      const auto ha = pool.block_hashes(a, l), hb = pool.block_hashes(b, l), hc = pool.block_hashes(c, l);
+      EXPECT_EQ(ha, hb) << "layer " << l;
+      ASSERT_EQ(ha.size(), sealed);
+      for (std::size_t k = 0; k < sealed; ++k) EXPECT_EQ(ha[k] == hc[k], k < before_parting) << "block " << k;
+      if (l == 1) {
+        EXPECT_NE(ha, pool.block_hashes(a, 0)) << "layers hash apart";
+      }
+    }
+    std::map<SequenceId, std::vector<std::uint8_t>> bytes;
+    std::map<SequenceId, std::vector<float>> outputs;
+    for (const SequenceId id : {a, b, c}) {
+      bytes[id] = pool.sequence(id).stored_bytes();
+      outputs[id] = decode_outputs(pool.sequence(id));
+    }
+    const kvq::PoolMemory before = pool.memory();
+    EXPECT_EQ(before.shared, 0u);
+    const std::size_t freed = pool.share_prefixes(b);
+    EXPECT_EQ(freed, 2 * sealed * pool.block_bytes()) << "every sealed block of both layers";
+    EXPECT_EQ(pool.memory().used, before.used - freed);
+    EXPECT_EQ(pool.memory().shared, 2 * sealed * pool.block_bytes());
+    const std::size_t freed_c = pool.share_prefixes(c);
+    EXPECT_EQ(freed_c, 2 * before_parting * pool.block_bytes());
+    EXPECT_EQ(pool.share_prefixes(b), 0u) << "nothing left to share";
+    for (const SequenceId id : {a, b, c}) {
+      EXPECT_TRUE(pool.sequence(id).stored_bytes() == bytes[id]) << "sequence " << id;
+      EXPECT_EQ(decode_outputs(pool.sequence(id)), outputs[id]) << "sequence " << id;
+    }
+    // Removing a sharer leaves the others whole; writing to one leaves the rest alone.
+    pool.remove_sequence(a);
+    EXPECT_TRUE(pool.sequence(b).stored_bytes() == bytes[b]);
+    EXPECT_TRUE(pool.sequence(c).stored_bytes() == bytes[c]);
+    Tokens longer = prompt;
+    longer.add(150, row, rng);
+    feed(pool, b, longer, n, n + 150, 50);
+    kvq::test::expect_same_state(pool.sequence(b), fresh_cache(shape, config, longer), "the sharer goes on");
+    EXPECT_TRUE(pool.sequence(c).stored_bytes() == bytes[c]);
+    pool.truncate(c, n - 5);  // rollback of a sequence holding shared blocks
+    other.cut(n - 5, row);
+    EXPECT_TRUE(pool.sequence(c).stored_bytes() == fresh_cache(shape, config, other).stored_bytes());
+    pool.remove_sequence(b);
+    pool.remove_sequence(c);
+    EXPECT_EQ(pool.blocks().counts().in_use, 0u);
+    EXPECT_THROW((void)pool.block_hashes(a, 0), kvq::Error);
+    EXPECT_THROW((void)pool.share_prefixes(a), kvq::Error);
+  }
+}
+
 // What an engine sees of memory: committed blocks follow the tokens held.
 TEST(KVPool, CommittedMemoryFollowsTheLength) {
   PoolShape shape = small_pool();

@@ -106,6 +106,8 @@ class BlockStore {
       --in_use_;
     }
   }
+  /// How many caches refer to the block.
+  unsigned references(BlockId id) const noexcept { return slots_[id].refs.load(std::memory_order_relaxed); }
   /// True when more than one cache refers to the block: it must be copied before a write.
   bool shared(BlockId id) const noexcept { return slots_[id].refs.load(std::memory_order_relaxed) > 1; }
 

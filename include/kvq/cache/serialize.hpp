@@ -8,14 +8,16 @@
 // A restored cache equals the saved one: stored_bytes(), memory(), views, attention, how far it
 // can roll back, and what further appends do. Loading is all-or-nothing: every byte is read and
 // checked before the target changes. A damaged or foreign file throws kvq::Error(io) naming the
-// section and offset; a sound file for another shape or configuration throws shape_mismatch.
-// Version 1 records RoPE style and theta only: a cache with partial rotary dims or RoPE scaling
-// is refused by save (unsupported) rather than written as another RoPE.
+// section and offset; a sound file for another shape, RoPE or configuration throws shape_mismatch.
 //
-// Format (version 1), fields in the writer's byte order, which the marker records:
+// Format (version 2), fields in the writer's byte order, which the marker records:
 //   "KVQCACHE"  u32 format version  u32 byte-order marker 0x01020304
 //   section "header": u32 kvq major, minor, patch | u64 layers, kv_heads, head_dim, capacity |
-//                     u32 RoPE style | f32 RoPE theta | u32 n, n bytes: to_string(config)
+//                     u32 RoPE style | f32 RoPE theta | RoPE extension (below) |
+//                     u32 n, n bytes: to_string(config)
+//   RoPE extension:   u64 rotary dims | u32 scaling type | f32 factor | u64 original context |
+//                     f32 low and high frequency factors, beta fast and slow, attention factor |
+//                     u32 n, n f32: frequency divisors
 //   section "table":  per layer: u64 length | per tensor (key, value): u64 quantized end, u64
 //                     rollback floor, u64 first packed position the rollback history holds
 //   section "layer l" for each layer: per KV head, per tensor (key, value): sink rows, the ring's
@@ -24,6 +26,9 @@
 //                     is in use
 // A section is u32 tag | u64 payload bytes | payload | u32 CRC-32C of tag, size and payload.
 // The file ends after the last layer. Its size grows with the tokens held, not with the capacity.
+// Version 1 files (no RoPE extension: every channel rotated, no scaling) are still read; save
+// writes version 2. KVPool::save writes a whole pool with the same header and sections
+// (kv_pool.hpp).
 
 #include <algorithm>
 #include <bit>
@@ -38,6 +43,7 @@
 #include <ostream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvq/cache/kv_cache.hpp"
@@ -50,10 +56,18 @@ namespace kvq::inline v0 {
 namespace detail {
 
 inline constexpr char cache_file_magic[8] = {'K', 'V', 'Q', 'C', 'A', 'C', 'H', 'E'};
-inline constexpr std::uint32_t cache_file_version = 1;
+inline constexpr std::uint32_t cache_file_version = 2;  // what save writes; 1 is still read
 inline constexpr std::uint32_t byte_order_marker = 0x01020304;
 inline constexpr std::uint32_t tag_header = 0x44414548, tag_table = 0x4C424154, tag_layer = 0x5259414C;  // "HEAD" "TABL" "LAYR"
+// A pool file (kv_pool.hpp): its own magic and version, the same header, blocks and own rows.
+inline constexpr char pool_file_magic[8] = {'K', 'V', 'Q', '_', 'P', 'O', 'O', 'L'};
+inline constexpr std::uint32_t pool_file_version = 1;
+inline constexpr std::uint32_t tag_block = 0x4B4F4C42, tag_own = 0x524E574F;  // "BLOK" "OWNR"
 inline constexpr std::size_t max_config_text = 256;
+// The header's fixed fields: kvq version, shape, RoPE style and theta, config text length; and
+// those of the RoPE extension of version 2, without its frequency divisors.
+inline constexpr std::uint64_t header_fixed_bytes = 3 * 4 + 4 * 8 + 4 + 4 + 4, rope_extension_bytes = 8 + 4 + 4 + 8 + 5 * 4 + 4;
+inline constexpr std::uint64_t max_frequency_divisors = max_head_dim / 2;
 
 inline std::string hex(std::uint32_t x) {
   static constexpr char digits[] = "0123456789abcdef";
@@ -94,19 +108,55 @@ struct CacheAccess {
     return length > lay.sinks && length - lay.sinks > lay.ring_rows ? length - lay.ring_rows : lay.sinks;
   }
 
+  /// Which pieces of a layer a section holds: all of them (a cache file), or only the cache's
+  /// own rows (a pool file, which holds the blocks once each beside the sequences).
+  enum class Pieces { all, own };
+
   /// Bytes one stream of one head takes in a layer section.
-  static std::size_t stream_bytes(const BasicKVCache& c, Tensor t, std::uint64_t length, const StreamState& s) {
+  static std::size_t stream_bytes(const BasicKVCache& c, Tensor t, std::uint64_t length, const StreamState& s, Pieces pieces) {
     const StreamLayout& lay = layout(c, t);
     const std::size_t n = std::size_t(length), end = std::size_t(s.quantized_end), packed = end - lay.sinks;
     const std::size_t first = first_in_ring(lay, n), kept = std::size_t(s.kept_from);
-    const std::size_t residual_rows = std::min(lay.sinks, n) + (n > first ? n - first : 0) + (end - kept);
-    return residual_rows * row(lay) + packed * lay.row_bytes + params(lay, packed) * (lay.spec.has_zero_point() ? 2 : 1);
+    const std::size_t ring = n > first && (pieces == Pieces::all || lay.quantized) ? n - first : 0;
+    const std::size_t own = (std::min(lay.sinks, n) + ring + (end - kept)) * row(lay);
+    if (pieces == Pieces::own) return own;
+    return own + packed * lay.row_bytes + params(lay, packed) * (lay.spec.has_zero_point() ? 2 : 1);
   }
 
-  static std::size_t layer_bytes(const BasicKVCache& c, const LayerState& s) {
+  static std::size_t layer_bytes(const BasicKVCache& c, const LayerState& s, Pieces pieces = Pieces::all) {
     std::size_t n = 0;
-    for (const Tensor t : {Tensor::keys, Tensor::values}) n += stream_bytes(c, t, s.length, s.streams[BasicKVCache::index(t)]);
+    for (const Tensor t : {Tensor::keys, Tensor::values})
+      n += stream_bytes(c, t, s.length, s.streams[BasicKVCache::index(t)], pieces);
     return n * c.shape().kv_heads;
+  }
+
+  /// The blocks layer `layer` refers to, in position order.
+  static const std::vector<BlockId>& table(const BasicKVCache& c, std::size_t layer) { return c.tables_[layer]; }
+  /// Blocks of `layer` no append writes again: full for both tensors (packed rows, or every row
+  /// of an unquantized tensor). Only truncate and erase rewrite them, copying shared ones first.
+  static std::size_t sealed_blocks(const BasicKVCache& c, std::size_t layer) {
+    const std::size_t n = c.lengths_[layer];
+    const std::size_t rows = std::min(c.block_rows_used(Tensor::keys, n, c.quantized_end(Tensor::keys, layer)),
+                                      c.block_rows_used(Tensor::values, n, c.quantized_end(Tensor::values, layer)));
+    return std::min(rows / c.block_rows_, c.tables_[layer].size());
+  }
+  /// The sink rows of one stream of `layer` that the layer holds.
+  static std::pair<const std::uint8_t*, std::size_t> sink_rows(const BasicKVCache& c, Tensor t, std::size_t layer, std::size_t head) {
+    const StreamLayout& lay = layout(c, t);
+    return {c.own_base(t, layer, head) + lay.sink_offset, std::min(lay.sinks, c.lengths_[layer]) * row(lay)};
+  }
+  /// Makes block k of `layer` refer to `other` instead, which holds the same bytes (the caller
+  /// compared them): one block fewer in use when the old one had no other reference.
+  static void share_block(BasicKVCache& c, std::size_t layer, std::size_t k, BlockId other) noexcept {
+    BlockId& mine = c.tables_[layer][k];
+    c.store_->retain(other);
+    c.store_->release(mine);
+    mine = other;
+  }
+
+  /// Blocks a layer in state `s` refers to.
+  static std::size_t blocks_for(const BasicKVCache& c, const LayerState& s) {
+    return c.blocks_for(std::size_t(s.length), std::size_t(s.streams[0].quantized_end), std::size_t(s.streams[1].quantized_end));
   }
 
   /// Why `s` is not a state the cache can be in (empty when it is one).
@@ -143,9 +193,10 @@ struct CacheAccess {
   /// Calls visit(pointer, bytes) for every piece of one layer section, in file order: the
   /// pieces of `c` (const to save, mutable to restore) in state `s`.
   /// Packed rows [0, packed) of one stream are in blocks: the file holds all their codes, then all
-  /// scales, then all zero points, each visited by runs within one block.
+  /// scales, then all zero points, each visited by runs within one block. Pieces::own skips
+  /// whatever lives in blocks (those and the rows of an unquantized stream).
   template <class Cache, class Visit>
-  static void visit_pieces(Cache& c, std::size_t layer, const LayerState& s, Visit&& visit) {
+  static void visit_pieces(Cache& c, std::size_t layer, const LayerState& s, Visit&& visit, Pieces pieces = Pieces::all) {
     using Byte = std::conditional_t<std::is_const_v<Cache>, const std::uint8_t, std::uint8_t>;
     auto& cache = const_cast<BasicKVCache&>(c);  // pointers only; a const cache is only read
     const std::size_t block = cache.block_rows_;
@@ -156,8 +207,10 @@ struct CacheAccess {
         const std::size_t r = row(lay), end = std::size_t(st.quantized_end), packed = end - lay.sinks;
         const std::size_t length = std::size_t(s.length), first = first_in_ring(lay, length);
         visit(static_cast<Byte*>(cache.own_base(t, layer, h)) + lay.sink_offset, std::min(lay.sinks, length) * r);
-        for (std::size_t p = first; p < length; ++p) visit(static_cast<Byte*>(cache.ring_row(t, layer, h, p)), r);
+        if (pieces == Pieces::all || lay.quantized)
+          for (std::size_t p = first; p < length; ++p) visit(static_cast<Byte*>(cache.ring_row(t, layer, h, p)), r);
         for (const int part : {0, 1, 2}) {  // codes, scales, zero points
+          if (pieces == Pieces::own) break;
           if (part == 2 && !lay.spec.has_zero_point()) break;
           for (std::size_t a = 0; a < packed;) {
             const std::size_t n = std::min(packed - a, block - a % block);
@@ -181,8 +234,7 @@ struct CacheAccess {
     try {
       for (std::size_t l = 0; l < states.size(); ++l) {
         const LayerState& s = states[l];
-        const std::size_t n = c.blocks_for(std::size_t(s.length), std::size_t(s.streams[0].quantized_end),
-                                           std::size_t(s.streams[1].quantized_end));
+        const std::size_t n = blocks_for(c, s);
         tables[l].reserve(n);
         while (tables[l].size() < n) tables[l].push_back(c.store_->acquire("a cache being loaded"));
       }
@@ -194,11 +246,12 @@ struct CacheAccess {
     return tables;
   }
 
-  /// Replaces the cache's contents with checked layer states and section payloads. noexcept:
-  /// everything was validated before.
+  /// Replaces the cache's contents with checked layer states, section payloads and the blocks
+  /// the cache now holds (zeroed, or already filled for Pieces::own). noexcept: everything was
+  /// validated before.
   static void restore(BasicKVCache& c, const std::vector<LayerState>& states,
-                      const std::vector<std::vector<std::uint8_t>>& payloads,
-                      std::vector<std::vector<BlockId>>&& tables) noexcept {
+                      const std::vector<std::vector<std::uint8_t>>& payloads, std::vector<std::vector<BlockId>>&& tables,
+                      Pieces pieces = Pieces::all) noexcept {
     c.clear();
     c.tables_ = std::move(tables);
     for (std::size_t l = 0; l < states.size(); ++l) {
@@ -207,7 +260,7 @@ struct CacheAccess {
       visit_pieces(c, l, s, [&](std::uint8_t* dest, std::size_t n) {
         if (n != 0) std::memcpy(dest, in, n);
         in += n;
-      });
+      }, pieces);
       c.lengths_[l] = std::size_t(s.length);
       c.key_peaks_[l] = s.key_peak;
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
@@ -247,12 +300,13 @@ class SectionWriter {
 /// Reads a stream while counting the offset, so every error can say where it happened.
 class FileReader {
  public:
-  explicit FileReader(std::istream& in) : in_(in) {}
+  /// `kind` names the file in errors ("kvq cache file").
+  FileReader(std::istream& in, std::string kind = "kvq cache file") : in_(in), kind_(std::move(kind)) {}
 
   std::uint64_t offset() const noexcept { return offset_; }
 
   [[noreturn]] void fail(const std::string& section, std::uint64_t at, const std::string& why) const {
-    throw Error(ErrorCode::io, "kvq cache file, section '" + section + "' at offset " + std::to_string(at) + ": " + why);
+    throw Error(ErrorCode::io, kind_ + ", section '" + section + "' at offset " + std::to_string(at) + ": " + why);
   }
 
   void read(void* dest, std::size_t n, const std::string& section) {
@@ -273,26 +327,29 @@ class FileReader {
   /// 64 MiB the buffer grows only as bytes arrive, so a size field cannot allocate much more
   /// than the file holds.
   std::vector<std::uint8_t> section(std::uint32_t tag, std::uint64_t size, const std::string& name) {
-    const std::uint64_t start = offset_;
-    const auto file_tag = read_value<std::uint32_t>(name);
-    const auto file_size = read_value<std::uint64_t>(name);
-    if (file_tag != tag) fail(name, start, "tag " + hex(file_tag) + " where " + hex(tag) + " belongs");
-    if (file_size != size)
-      fail(name, start, "declares " + std::to_string(file_size) + " bytes where its table entries make " + std::to_string(size));
-    std::uint32_t crc = crc32c(&file_tag, sizeof file_tag);
-    crc = crc32c(&file_size, sizeof file_size, crc);
+    return section(tag, size, size, name);
+  }
+  /// The same for a section of [least, most] bytes.
+  std::vector<std::uint8_t> section(std::uint32_t tag, std::uint64_t least, std::uint64_t most, const std::string& name) {
     std::vector<std::uint8_t> payload;
-    payload.reserve(std::min<std::size_t>(std::size_t(size), std::size_t(64) << 20));
-    constexpr std::size_t chunk = std::size_t(1) << 20;
-    while (payload.size() < size) {
-      const std::size_t n = std::min<std::size_t>(chunk, std::size_t(size) - payload.size());
-      payload.resize(payload.size() + n);
-      read(payload.data() + payload.size() - n, n, name);
-    }
-    crc = crc32c(payload.data(), payload.size(), crc);
-    const auto stored = read_value<std::uint32_t>(name);
-    if (stored != crc) fail(name, start, "CRC-32C mismatch (stored " + hex(stored) + ", computed " + hex(crc) + "): the section is corrupt");
+    checked_section(tag, least, most, name, [&](std::uint64_t size, std::uint32_t& crc) {
+      payload.reserve(std::min<std::size_t>(std::size_t(size), std::size_t(64) << 20));
+      constexpr std::size_t chunk = std::size_t(1) << 20;
+      while (payload.size() < size) {
+        const std::size_t n = std::min<std::size_t>(chunk, std::size_t(size) - payload.size());
+        payload.resize(payload.size() + n);
+        read(payload.data() + payload.size() - n, n, name);
+      }
+      crc = crc32c(payload.data(), payload.size(), crc);
+    });
     return payload;
+  }
+  /// Reads a section of exactly `size` bytes into `dest` (which may hold garbage after a throw).
+  void section_into(std::uint32_t tag, std::uint64_t size, const std::string& name, void* dest) {
+    checked_section(tag, size, size, name, [&](std::uint64_t n, std::uint32_t& crc) {
+      read(dest, std::size_t(n), name);
+      crc = crc32c(dest, std::size_t(n), crc);
+    });
   }
 
   void expect_end() {
@@ -300,7 +357,28 @@ class FileReader {
   }
 
  private:
+  /// Tag and size (checked), the payload through read_payload(size, crc), then the CRC.
+  template <class ReadPayload>
+  void checked_section(std::uint32_t tag, std::uint64_t least, std::uint64_t most, const std::string& name,
+                       ReadPayload&& read_payload) {
+    const std::uint64_t start = offset_;
+    const auto file_tag = read_value<std::uint32_t>(name);
+    const auto file_size = read_value<std::uint64_t>(name);
+    if (file_tag != tag) fail(name, start, "tag " + hex(file_tag) + " where " + hex(tag) + " belongs");
+    if (least == most && file_size != least)
+      fail(name, start, "declares " + std::to_string(file_size) + " bytes where its table entries make " + std::to_string(least));
+    if (file_size < least || file_size > most)
+      fail(name, start, "implausible size " + std::to_string(file_size) + " (expected " + std::to_string(least) + " to " +
+                            std::to_string(most) + ")");
+    std::uint32_t crc = crc32c(&file_tag, sizeof file_tag);
+    crc = crc32c(&file_size, sizeof file_size, crc);
+    read_payload(file_size, crc);
+    const auto stored = read_value<std::uint32_t>(name);
+    if (stored != crc) fail(name, start, "CRC-32C mismatch (stored " + hex(stored) + ", computed " + hex(crc) + "): the section is corrupt");
+  }
+
   std::istream& in_;
+  std::string kind_;
   std::uint64_t offset_ = 0;
 };
 
@@ -315,9 +393,10 @@ class PayloadReader {
     bytes(&x, sizeof x);
     return x;
   }
+  std::size_t remaining() const noexcept { return bytes_.size() - at_; }
   void bytes(void* dest, std::size_t n) {
     if (n > bytes_.size() - at_) file_.fail(section_, start_, "its fields run past its " + std::to_string(bytes_.size()) + " bytes");
-    std::memcpy(dest, bytes_.data() + at_, n);
+    if (n != 0) std::memcpy(dest, bytes_.data() + at_, n);  // dest may be null then (an empty vector's data)
     at_ += n;
   }
  private:
@@ -335,34 +414,54 @@ struct FileHeader {
   CacheConfig config;
 };
 
-inline FileHeader read_header(FileReader& file) {
-  char magic[8];
-  file.read(magic, sizeof magic, "preamble");
-  if (std::memcmp(magic, cache_file_magic, sizeof magic) != 0) file.fail("preamble", 0, "not a kvq cache file (wrong magic)");
+/// Checks the magic, format version (one of 1..newest) and byte order; returns the version.
+inline std::uint32_t read_preamble(FileReader& file, const char (&magic)[8], std::uint32_t newest, const char* what) {
+  char found[8];
+  file.read(found, sizeof found, "preamble");
+  if (std::memcmp(found, magic, sizeof found) != 0) file.fail("preamble", 0, std::string("not a ") + what + " (wrong magic)");
   const auto version = file.read_value<std::uint32_t>("preamble");
-  if (version != cache_file_version)
-    file.fail("preamble", 8, "format version " + std::to_string(version) + "; this kvq reads version " +
-                                 std::to_string(cache_file_version));
+  if (version == 0 || version > newest)
+    file.fail("preamble", 8, "format version " + std::to_string(version) + "; this kvq reads versions 1 to " +
+                                 std::to_string(newest));
   const auto marker = file.read_value<std::uint32_t>("preamble");
   if (marker != byte_order_marker)
     file.fail("preamble", 12, marker == 0x04030201u
                                   ? std::string("written on a machine of the other byte order")
                                   : "byte-order marker " + hex(marker) + " is neither order");
-  // The header's size is not known before it is read: take it from the file, bounded.
-  const std::uint64_t start = file.offset();
-  const auto tag = file.read_value<std::uint32_t>("header");
-  const auto size = file.read_value<std::uint64_t>("header");
-  constexpr std::uint64_t fixed = 3 * 4 + 4 * 8 + 4 + 4 + 4;
-  if (tag != tag_header) file.fail("header", start, "tag " + hex(tag) + " where " + hex(tag_header) + " belongs");
-  if (size < fixed || size > fixed + max_config_text) file.fail("header", start, "implausible size " + std::to_string(size));
-  std::vector<std::uint8_t> payload(static_cast<std::size_t>(size));
-  file.read(payload.data(), payload.size(), "header");
-  std::uint32_t crc = crc32c(&tag, sizeof tag);
-  crc = crc32c(&size, sizeof size, crc);
-  crc = crc32c(payload.data(), payload.size(), crc);
-  const auto stored = file.read_value<std::uint32_t>("header");
-  if (stored != crc) file.fail("header", start, "CRC-32C mismatch (stored " + hex(stored) + ", computed " + hex(crc) + "): the section is corrupt");
+  return version;
+}
 
+inline void write_preamble(std::ostream& out, const char (&magic)[8], std::uint32_t version) {
+  out.write(magic, 8);
+  out.write(reinterpret_cast<const char*>(&version), 4);
+  out.write(reinterpret_cast<const char*>(&byte_order_marker), 4);
+}
+
+/// The header section (format version 2) of a cache of `s` configured `config`.
+inline void write_header(std::ostream& out, const CacheShape& s, const std::string& config) {
+  const RopeScaling& r = s.rope_scaling;
+  SectionWriter w(out, tag_header, header_fixed_bytes + rope_extension_bytes + 4 * r.frequency_divisors.size() + config.size());
+  for (const int v : {version_major, version_minor, version_patch}) w.put_value(std::uint32_t(v));
+  for (const std::size_t v : {s.layers, s.kv_heads, s.head_dim, s.capacity}) w.put_value(std::uint64_t(v));
+  w.put_value(std::uint32_t(s.rope_style));
+  w.put_value(s.rope_theta);
+  w.put_value(std::uint64_t(s.rope().dims()));
+  w.put_value(std::uint32_t(r.type));
+  w.put_value(r.factor);
+  w.put_value(std::uint64_t(r.original_context));
+  for (const float x : {r.low_freq_factor, r.high_freq_factor, r.beta_fast, r.beta_slow, r.attention_factor}) w.put_value(x);
+  w.put_value(std::uint32_t(r.frequency_divisors.size()));
+  w.put(r.frequency_divisors.data(), 4 * r.frequency_divisors.size());
+  w.put_value(std::uint32_t(config.size()));
+  w.put(config.data(), config.size());
+  w.finish();
+}
+
+/// Reads the header section of a file of format `version`.
+inline FileHeader read_header(FileReader& file, std::uint32_t version) {
+  const std::uint64_t start = file.offset();
+  const std::uint64_t fixed = header_fixed_bytes + (version >= 2 ? rope_extension_bytes : 0);
+  const auto payload = file.section(tag_header, fixed, fixed + (version >= 2 ? 4 * max_frequency_divisors : 0) + max_config_text, "header");
   PayloadReader in(payload, file, "header", start);
   FileHeader h;
   for (int i = 0; i < 3; ++i) (void)in.value<std::uint32_t>();  // the writing kvq's version: for people, not checked
@@ -370,16 +469,40 @@ inline FileHeader read_header(FileReader& file) {
              capacity = in.value<std::uint64_t>();
   const auto style = in.value<std::uint32_t>();
   const auto theta = in.value<float>();
+  std::uint64_t rope_dims = dim;  // version 1: every channel rotated, no scaling
+  RopeScaling scaling;
+  if (version >= 2) {
+    rope_dims = in.value<std::uint64_t>();
+    const auto type = in.value<std::uint32_t>();
+    if (type > std::uint32_t(RopeScalingType::yarn)) file.fail("header", start, "unknown RoPE scaling type " + std::to_string(type));
+    scaling.type = RopeScalingType(type);
+    scaling.factor = in.value<float>();
+    const auto context = in.value<std::uint64_t>();
+    for (float* x : {&scaling.low_freq_factor, &scaling.high_freq_factor, &scaling.beta_fast, &scaling.beta_slow,
+                     &scaling.attention_factor})
+      *x = in.value<float>();
+    const auto divisors = in.value<std::uint32_t>();
+    if (divisors > max_frequency_divisors || context > std::numeric_limits<std::size_t>::max())
+      file.fail("header", start, "implausible RoPE scaling (" + std::to_string(divisors) + " frequency divisors)");
+    scaling.original_context = std::size_t(context);
+    scaling.frequency_divisors.resize(divisors);
+    in.bytes(scaling.frequency_divisors.data(), 4 * std::size_t(divisors));
+  }
   const auto n = in.value<std::uint32_t>();
-  if (n != size - fixed) file.fail("header", start, "configuration text of " + std::to_string(n) + " bytes does not fill the section");
+  if (n != in.remaining()) file.fail("header", start, "configuration text of " + std::to_string(n) + " bytes does not fill the section");
   h.config_text.resize(n);
   in.bytes(h.config_text.data(), n);
   if (style > std::uint32_t(RopeStyle::half_split)) file.fail("header", start, "unknown RoPE style " + std::to_string(style));
   constexpr std::uint64_t most = std::numeric_limits<std::size_t>::max();
-  if (layers > most || heads > most || dim > most || capacity > most)
+  if (layers > most || heads > most || dim > most || capacity > most || rope_dims > most)
     file.fail("header", start, "a shape field exceeds this machine's size_t");
   h.shape = CacheShape{std::size_t(layers), std::size_t(heads), std::size_t(dim), std::size_t(capacity),
-                       RopeStyle(style), theta};
+                       RopeStyle(style), theta, rope_dims == dim ? 0 : std::size_t(rope_dims), std::move(scaling)};
+  try {
+    validate(h.shape.rope());
+  } catch (const Error& e) {
+    file.fail("header", start, std::string("the RoPE it records is invalid: ") + e.what());
+  }
   try {
     h.config = parse_cache_config(h.config_text);
   } catch (const Error& e) {
@@ -388,7 +511,34 @@ inline FileHeader read_header(FileReader& file) {
   return h;
 }
 
-/// Partial rotary or scaled RoPE, which format version 1 cannot record.
+/// The preamble and header of a cache file.
+inline FileHeader read_header(FileReader& file) {
+  return read_header(file, read_preamble(file, cache_file_magic, cache_file_version, "kvq cache file"));
+}
+
+/// One layer's table entry (CacheAccess::table_entry_bytes).
+inline void write_table_entry(SectionWriter& w, const CacheAccess::LayerState& s) {
+  w.put_value(s.length);
+  for (const auto& stream : s.streams) {
+    w.put_value(stream.quantized_end);
+    w.put_value(stream.rollback_floor);
+    w.put_value(stream.kept_from);
+  }
+  w.put_value(s.key_peak);
+}
+inline CacheAccess::LayerState read_table_entry(PayloadReader& in) {
+  CacheAccess::LayerState s;
+  s.length = in.value<std::uint64_t>();
+  for (auto& st : s.streams) {
+    st.quantized_end = in.value<std::uint64_t>();
+    st.rollback_floor = in.value<std::uint64_t>();
+    st.kept_from = in.value<std::uint64_t>();
+  }
+  s.key_peak = in.value<float>();
+  return s;
+}
+
+/// Partial rotary or scaled RoPE, which describe() names.
 inline bool has_rope_extension(const CacheShape& s) {
   return s.rope().dims() != s.head_dim || s.rope_scaling != RopeScaling{};
 }
@@ -398,14 +548,13 @@ inline std::string describe(const CacheShape& s) {
          std::to_string(s.head_dim) + ", capacity " + std::to_string(s.capacity) + ", RoPE " + to_string(s.rope_style) +
          " theta " + std::to_string(s.rope_theta) +
          (has_rope_extension(s) ? ", rotary dims " + std::to_string(s.rope().dims()) + ", " +
-                                      to_string(s.rope_scaling.type) + " scaling"
+                                      to_string(s.rope_scaling.type) + " scaling factor " +
+                                      std::to_string(s.rope_scaling.factor) +
+                                      (s.rope_scaling.frequency_divisors.empty()
+                                           ? std::string()
+                                           : ", " + std::to_string(s.rope_scaling.frequency_divisors.size()) +
+                                                 " frequency divisors")
                                 : std::string());
-}
-
-inline void check_savable(const CacheShape& s) {
-  if (has_rope_extension(s))
-    throw Error(ErrorCode::unsupported, "saving a cache of " + describe(s) + ": format version " +
-                                            std::to_string(cache_file_version) + " records RoPE style and theta only");
 }
 
 inline bool same_shape(const CacheShape& a, const CacheShape& b) {
@@ -423,14 +572,7 @@ inline void read_body(FileReader& file, BasicKVCache& target) {
   PayloadReader in(table, file, "table", table_start);
   std::vector<CacheAccess::LayerState> states(layers);
   for (std::size_t l = 0; l < layers; ++l) {
-    CacheAccess::LayerState& s = states[l];
-    s.length = in.value<std::uint64_t>();
-    for (auto& st : s.streams) {
-      st.quantized_end = in.value<std::uint64_t>();
-      st.rollback_floor = in.value<std::uint64_t>();
-      st.kept_from = in.value<std::uint64_t>();
-    }
-    s.key_peak = in.value<float>();
+    const CacheAccess::LayerState& s = states[l] = read_table_entry(in);
     const std::string why = CacheAccess::check(target, s);
     if (!why.empty()) file.fail("table", table_start, "layer " + std::to_string(l) + ": " + why);
   }
@@ -443,38 +585,15 @@ inline void read_body(FileReader& file, BasicKVCache& target) {
 
 }  // namespace detail
 
-/// Writes `cache` to `out` (binary); throws kvq::Error(io) when the stream fails, (unsupported)
-/// for RoPE the format cannot record (see above).
+/// Writes `cache` to `out` (binary); throws kvq::Error(io) when the stream fails.
 inline void save(const BasicKVCache& cache, std::ostream& out) {
   using detail::CacheAccess;
-  detail::check_savable(cache.shape());
-  out.write(detail::cache_file_magic, sizeof detail::cache_file_magic);
-  out.write(reinterpret_cast<const char*>(&detail::cache_file_version), 4);
-  out.write(reinterpret_cast<const char*>(&detail::byte_order_marker), 4);
+  detail::write_preamble(out, detail::cache_file_magic, detail::cache_file_version);
   const CacheShape& s = cache.shape();
-  const std::string config = to_string(cache.config());
-  {
-    detail::SectionWriter w(out, detail::tag_header, 3 * 4 + 4 * 8 + 4 + 4 + 4 + config.size());
-    for (const int v : {version_major, version_minor, version_patch}) w.put_value(std::uint32_t(v));
-    for (const std::size_t v : {s.layers, s.kv_heads, s.head_dim, s.capacity}) w.put_value(std::uint64_t(v));
-    w.put_value(std::uint32_t(s.rope_style));
-    w.put_value(s.rope_theta);
-    w.put_value(std::uint32_t(config.size()));
-    w.put(config.data(), config.size());
-    w.finish();
-  }
+  detail::write_header(out, s, to_string(cache.config()));
   {
     detail::SectionWriter w(out, detail::tag_table, std::uint64_t(s.layers) * CacheAccess::table_entry_bytes);
-    for (std::size_t l = 0; l < s.layers; ++l) {
-      const CacheAccess::LayerState st = CacheAccess::state(cache, l);
-      w.put_value(st.length);
-      for (const auto& stream : st.streams) {
-        w.put_value(stream.quantized_end);
-        w.put_value(stream.rollback_floor);
-        w.put_value(stream.kept_from);
-      }
-      w.put_value(st.key_peak);
-    }
+    for (std::size_t l = 0; l < s.layers; ++l) detail::write_table_entry(w, CacheAccess::state(cache, l));
     w.finish();
   }
   for (std::size_t l = 0; l < s.layers; ++l) {
@@ -520,7 +639,6 @@ inline BasicKVCache load(std::istream& in) {
 }
 
 inline void save_file(const BasicKVCache& cache, const std::filesystem::path& path) {
-  detail::check_savable(cache.shape());  // before the file is truncated
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   if (!out) throw Error(ErrorCode::io, "cannot open '" + path.string() + "' for writing");
   save(cache, out);
