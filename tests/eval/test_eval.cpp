@@ -227,6 +227,19 @@ TEST_F(EvalModel, GenerationColumnsEndToEnd) {
   EXPECT_NE(msg.find("no story holds a prompt of 600 tokens"), std::string::npos) << msg;
 }
 
+// A prompt fed in chunks: the fp32 continuations are the token-by-token ones, and fp32 storage
+// keeps them whole.
+TEST_F(EvalModel, GenerationAfterAChunkedPrompt) {
+  const kvq::eval::GenerationEvaluation one_by_one(*model_, eval_stories_, 40, 24, kvq::eval::attention_fn("exact"));
+  const kvq::eval::GenerationEvaluation chunked(*model_, eval_stories_, 40, 24, kvq::eval::attention_fn("exact"), 16);
+  EXPECT_EQ(chunked.reference(), one_by_one.reference());
+  const auto lossless = chunked.evaluate(kvq::parse_cache_config("k16-v16-r0-s0-f32"));
+  EXPECT_DOUBLE_EQ(lossless.identical_share, 1.0);
+  EXPECT_LT(lossless.mean_kl, 1e-6);
+  const auto k2 = chunked.evaluate(kvq::parse_cache_config("k2t8-v2t8-r0-s0"));
+  EXPECT_LT(k2.identical_share, 1.0);  // the quantized prompt rows still change later tokens
+}
+
 // --tokens feeds ids directly: the same ids as the tokenized text give the same numbers.
 TEST_F(EvalModel, TokenFileMatchesTheText) {
   const auto dir = std::filesystem::temp_directory_path() / "kvq_eval_test_tokens";
