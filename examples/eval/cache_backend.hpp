@@ -1,7 +1,8 @@
 #pragma once
 // CacheBackend: plugs a kvq cache into the Llama engine. This is the integration an engine
 // author writes: hand the cache pre-RoPE keys (or rotate first for a post-RoPE cache), and ask
-// attention for each new position.
+// attention for each new position, or for a prompt chunk whose own keys and values are attended
+// exactly before they are stored.
 
 #include <cstddef>
 #include <functional>
@@ -15,23 +16,81 @@
 
 namespace kvq::eval {
 
-/// Which attention routine reads the cache.
-using AttentionFn = std::function<void(const BasicKVCache&, std::size_t layer, std::size_t position,
-                                       std::span<const float> q, std::span<float> out)>;
+/// Which attention routines read the cache: `decode` for one stored position, `chunk` for a
+/// prompt chunk of new positions (queries (T, heads, d) and the chunk's keys and values
+/// (T, kv_heads, d), attended exactly and causally, not stored yet). Queries and new keys follow
+/// the cache's key_rope.
+struct AttentionFn {
+  std::function<void(const BasicKVCache&, std::size_t layer, std::size_t position, std::span<const float> q,
+                     std::span<float> out)>
+      decode;
+  std::function<void(const BasicKVCache&, std::size_t layer, std::size_t first_position, std::size_t tokens,
+                     std::span<const float> q, std::span<const float> new_keys, std::span<const float> new_values,
+                     std::span<float> out)>
+      chunk;
+};
 
-inline AttentionFn reference_attention_fn() {
-  return [](const BasicKVCache& c, std::size_t layer, std::size_t position, std::span<const float> q,
-            std::span<float> out) { reference_attention(c, layer, position, q, out); };
+/// The Eigen oracle in double over the cache's rows before `first_position` as stored
+/// (dequantized) and the chunk's rows exact.
+inline void reference_chunk_attention(const BasicKVCache& cache, std::size_t layer, std::size_t first_position,
+                                      std::size_t tokens, std::span<const float> q, std::span<const float> new_keys,
+                                      std::span<const float> new_values, std::span<float> out) {
+  const std::size_t dim = cache.shape().head_dim, kv_heads = cache.shape().kv_heads;
+  detail::check_attention_args(cache, layer, first_position, tokens, q, out.size(),
+                               largest_magnitude(new_keys.data(), new_keys.size()));
+  if (new_keys.size() != tokens * kv_heads * dim || new_values.size() != new_keys.size())
+    throw Error(ErrorCode::shape_mismatch, "reference chunk attention: new keys/values of " +
+                                               std::to_string(new_keys.size()) + "/" + std::to_string(new_values.size()) +
+                                               " floats are not " + std::to_string(tokens) + " tokens x " +
+                                               std::to_string(kv_heads * dim));
+  const std::size_t heads = q.size() / tokens / dim, group = heads / kv_heads, n = first_position + tokens;
+  const bool pre = cache.config().key_rope == KeyRope::pre;
+  std::vector<float> row(dim);
+  const auto load = [&](std::span<const float> rows, std::size_t t, std::size_t stride, std::size_t head, bool rotate) {
+    row.assign(rows.begin() + static_cast<std::ptrdiff_t>(t * stride + head * dim),
+               rows.begin() + static_cast<std::ptrdiff_t>(t * stride + (head + 1) * dim));
+    if (rotate) cache.rope().rotate(row.data(), first_position + t);
+    return Eigen::RowVectorXd(Eigen::Map<const Eigen::RowVectorXf>(row.data(), static_cast<Eigen::Index>(dim)).cast<double>());
+  };
+  for (std::size_t kvh = 0; kvh < kv_heads; ++kvh) {
+    const HeadTensors stored = read_head(cache, layer, kvh);
+    MatrixD keys(n, dim), values(n, dim);
+    keys.topRows(first_position) = stored.keys.topRows(first_position);
+    values.topRows(first_position) = stored.values.topRows(first_position);
+    for (std::size_t t = 0; t < tokens; ++t) {
+      keys.row(first_position + t) = load(new_keys, t, kv_heads * dim, kvh, pre);
+      values.row(first_position + t) = load(new_values, t, kv_heads * dim, kvh, false);
+    }
+    for (std::size_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+      MatrixD queries(tokens, dim);
+      for (std::size_t t = 0; t < tokens; ++t) queries.row(t) = load(q, t, heads * dim, h, pre);
+      const MatrixD o = attend(queries, keys, values, first_position);
+      for (std::size_t t = 0; t < tokens; ++t)
+        for (std::size_t c = 0; c < dim; ++c) out[(t * heads + h) * dim + c] = float(o(t, c));
+    }
+  }
 }
 
-/// decode_attention over the packed cache, in the given accuracy tier.
+inline AttentionFn reference_attention_fn() {
+  return {[](const BasicKVCache& c, std::size_t layer, std::size_t position, std::span<const float> q,
+             std::span<float> out) { reference_attention(c, layer, position, q, out); },
+          reference_chunk_attention};
+}
+
+/// decode_attention over the packed cache for one position, kvq::attend for a chunk, in the
+/// given accuracy tier.
 inline AttentionFn decode_attention_fn(Tier tier) {
-  return [tier](const BasicKVCache& c, std::size_t layer, std::size_t position, std::span<const float> q,
-                std::span<float> out) {
-    DecodeOptions options;
-    options.tier = tier;
-    decode_attention(c, layer, position, q, out, options);
-  };
+  DecodeOptions options;
+  options.tier = tier;
+  return {[options](const BasicKVCache& c, std::size_t layer, std::size_t position, std::span<const float> q,
+                    std::span<float> out) { decode_attention(c, layer, position, q, out, options); },
+          [options](const BasicKVCache& c, std::size_t layer, std::size_t first_position, std::size_t tokens,
+                    std::span<const float> q, std::span<const float> new_keys, std::span<const float> new_values,
+                    std::span<float> out) {
+            attend(AttentionRequest{.cache = &c, .layer = layer, .first_position = first_position, .tokens = tokens,
+                                    .queries = q, .new_keys = new_keys, .new_values = new_values, .out = out},
+                   options);
+          }};
 }
 
 /// "reference", "exact" or "integer".
@@ -64,10 +123,34 @@ class CacheBackend {
   }
 
   void attend(std::size_t layer, std::size_t position, std::span<const float> q, std::span<float> out) {
-    if (cache_.config().key_rope == KeyRope::pre) return attention_(cache_, layer, position, q, out);
+    if (cache_.config().key_rope == KeyRope::pre) return attention_.decode(cache_, layer, position, q, out);
     q_.assign(q.begin(), q.end());
     cache_.rope().rotate_heads(q_, position);
-    attention_(cache_, layer, position, q_, out);
+    attention_.decode(cache_, layer, position, q_, out);
+  }
+
+  /// A prompt chunk: its keys and values attended exactly, then appended by the model. A
+  /// post-RoPE cache receives the chunk's queries and keys rotated, as it receives stored keys.
+  void attend_chunk(std::size_t layer, std::size_t first_position, std::size_t tokens, std::span<const float> q,
+                    std::span<const float> k, std::span<const float> v, std::span<float> out) {
+    if (first_position != cache_.length(layer))
+      throw Error(ErrorCode::out_of_order, "layer " + std::to_string(layer) + ": a chunk at position " +
+                                               std::to_string(first_position) + ", the cache holds " +
+                                               std::to_string(cache_.length(layer)));
+    if (cache_.config().key_rope == KeyRope::pre)
+      return attention_.chunk(cache_, layer, first_position, tokens, q, k, v, out);
+    const std::size_t q_dim = q_.size(), kv_dim = k_.size();
+    if (tokens == 0 || q.size() != tokens * q_dim || k.size() != tokens * kv_dim)
+      throw Error(ErrorCode::shape_mismatch, "layer " + std::to_string(layer) + ": a chunk of " + std::to_string(tokens) +
+                                                 " tokens with q of " + std::to_string(q.size()) + " and k of " +
+                                                 std::to_string(k.size()) + " values");
+    chunk_q_.assign(q.begin(), q.end());
+    chunk_k_.assign(k.begin(), k.end());
+    for (std::size_t t = 0; t < tokens; ++t) {
+      cache_.rope().rotate_heads(std::span<float>(chunk_q_).subspan(t * q_dim, q_dim), first_position + t);
+      cache_.rope().rotate_heads(std::span<float>(chunk_k_).subspan(t * kv_dim, kv_dim), first_position + t);
+    }
+    attention_.chunk(cache_, layer, first_position, tokens, chunk_q_, chunk_k_, v, out);
   }
 
   const BasicKVCache& cache() const noexcept { return cache_; }
@@ -75,9 +158,10 @@ class CacheBackend {
  private:
   BasicKVCache cache_;
   AttentionFn attention_;
-  std::vector<float> q_, k_;
+  std::vector<float> q_, k_;             // one position's query and key (post-RoPE rotation)
+  std::vector<float> chunk_q_, chunk_k_;  // a chunk's
 };
-static_assert(llama::KVBackend<CacheBackend>);
+static_assert(llama::ChunkedKVBackend<CacheBackend>);
 
 /// Wraps a backend and records every layer's pre-RoPE q, k and v, for per-layer metrics.
 template <llama::KVBackend Inner>
@@ -93,6 +177,11 @@ class RecordingBackend {
   void attend(std::size_t layer, std::size_t position, std::span<const float> q, std::span<float> out) {
     q_[layer].insert(q_[layer].end(), q.begin(), q.end());
     inner_.attend(layer, position, q, out);
+  }
+  void attend_chunk(std::size_t layer, std::size_t first_position, std::size_t tokens, std::span<const float> q,
+                    std::span<const float> k, std::span<const float> v, std::span<float> out) {
+    inner_.attend_chunk(layer, first_position, tokens, q, k, v, out);  // k and v are recorded as the model appends them
+    q_[layer].insert(q_[layer].end(), q.begin(), q.end());
   }
 
   const std::vector<float>& queries(std::size_t layer) const { return q_[layer]; }  // (T, heads, d)

@@ -55,6 +55,10 @@ usage: kvq-eval [options]
   --attention NAME     what reads the quantized cache: exact (decode attention, fp32),
                        integer (decode attention on int8 dot products) or reference
                        (dequantize, then Eigen in double) (default: exact)
+  --prefill-chunk N    feed each story (and each --generate prompt) in chunks of N tokens
+                       through kvq::attend: a chunk attends to its own keys and values exactly,
+                       then the cache stores them (default: one token at a time, each stored
+                       before it attends to itself)
   --generate M         also generate M greedy tokens per story from each cache (default: 0, off)
   --prompt P           tokens of each story that prompt the generation (default: 64)
   --out DIR            where kvq-eval.csv and kvq-eval.svg go (default: kvq-eval-results)
@@ -83,6 +87,7 @@ struct EvalOptions {
   std::size_t stories = 0, metric_stories = 3;
   std::size_t context = 0;  // 0: default_context, capped at the model's context length
   std::size_t generate = 0, prompt = 64;  // free-running generation: steps (0: off) and prompt tokens
+  std::size_t prefill_chunk = 0;          // 0: one token at a time
 };
 
 inline constexpr std::size_t default_context = 512;
@@ -134,6 +139,10 @@ inline EvalOptions parse_options(const std::vector<std::string>& args) {
     else if (a == "--prompt") {
       o.prompt = parse_count(a, value());
       if (o.prompt == 0) throw Error(ErrorCode::invalid_argument, "--prompt must be at least 1 token");
+    }
+    else if (a == "--prefill-chunk") {
+      o.prefill_chunk = parse_count(a, value());
+      if (o.prefill_chunk == 0) throw Error(ErrorCode::invalid_argument, "--prefill-chunk must be at least 1 token");
     }
     else if (a == "--set") o.set = value();
     else if (a == "--attention") o.attention = value();
@@ -379,16 +388,20 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
     for (const std::string& c : o.configs) configs.push_back(parse_candidate(c));
     if (configs.empty()) configs = config_set(o.set, model.config().head_dim);
 
-    ModelEvaluation evaluation(model, stories, o.metric_stories, attention_fn(o.attention));
+    ModelEvaluation evaluation(model, stories, o.metric_stories, attention_fn(o.attention), o.prefill_chunk);
     std::optional<GenerationEvaluation> generation;
-    if (o.generate > 0) generation.emplace(model, stories, o.prompt, o.generate, attention_fn(o.attention));
+    if (o.generate > 0) generation.emplace(model, stories, o.prompt, o.generate, attention_fn(o.attention), o.prefill_chunk);
     const double base = evaluation.baseline_nll();
     out << fmt::format("model {} ({}, {} layers, {} heads, {} KV heads, head_dim {}), text {}: {} stories, {} predictions\n",
                        o.model.filename().string(), model.config().arch, model.config().layers, model.config().heads,
                        model.config().kv_heads, model.config().head_dim, source.filename().string(), stories.size(),
                        evaluation.predictions());
-    out << fmt::format("full-precision (fp32) cache: {:.4f} nats/token, perplexity {:.4f}; quantized caches read by {} attention\n\n",
+    out << fmt::format("full-precision (fp32) cache: {:.4f} nats/token, perplexity {:.4f}; quantized caches read by {} attention\n",
                        base, std::exp(base), o.attention);
+    out << (o.prefill_chunk == 0
+                ? std::string("stories fed one token at a time: each token is stored, quantized, before it attends to itself\n\n")
+                : fmt::format("stories fed in prefill chunks of {} tokens: a chunk attends to its own keys and values exactly, "
+                              "then the cache stores them\n\n", o.prefill_chunk));
     const std::vector<ConfigResult> results = evaluate_all(evaluation, configs, err, generation ? &*generation : nullptr);
     std::size_t longest = 0;
     for (const auto& s : stories) longest = std::max(longest, s.size());

@@ -32,10 +32,12 @@ struct GenerationResult {
 
 class GenerationEvaluation {
  public:
-  /// Prompts are the first `prompt` tokens of each story that is at least that long.
+  /// Prompts are the first `prompt` tokens of each story that is at least that long. With
+  /// `prefill_chunk` N > 0 every prompt but its last token is fed in chunks of N (see
+  /// llama::prefill_logits); the last prompt token and the generated ones run one at a time.
   GenerationEvaluation(const llama::Model& model, const std::vector<std::vector<int>>& stories, std::size_t prompt,
-                       std::size_t steps, AttentionFn attention = reference_attention_fn())
-      : model_(model), steps_(steps), attention_(std::move(attention)) {
+                       std::size_t steps, AttentionFn attention = reference_attention_fn(), std::size_t prefill_chunk = 0)
+      : model_(model), steps_(steps), attention_(std::move(attention)), prefill_chunk_(prefill_chunk) {
     if (prompt == 0 || steps == 0)
       throw Error(ErrorCode::invalid_argument, "generation needs a prompt of at least one token and at least one step");
     if (prompt + steps > model.config().context_length)
@@ -90,7 +92,14 @@ class GenerationEvaluation {
     std::vector<float> logits(vocab), exact_logits(vocab), lp(vocab), exact_lp(vocab);
     std::vector<int> tokens = prompt;
     Run r;
-    for (std::size_t pos = 0; pos + 1 < positions; ++pos) {
+    std::size_t pos = 0;
+    if (prefill_chunk_ > 0) {
+      pos = prompt.size() - 1;
+      const std::span<const int> head(prompt.data(), pos);
+      (void)llama::prefill_logits(model_, exact, head, prefill_chunk_);
+      if (quantized) (void)llama::prefill_logits(model_, *quantized, head, prefill_chunk_);
+    }
+    for (; pos + 1 < positions; ++pos) {
       model_.forward(tokens[pos], pos, exact, exact_logits);
       if (quantized) model_.forward(tokens[pos], pos, *quantized, logits);
       if (pos + 1 < prompt.size()) continue;
@@ -110,6 +119,7 @@ class GenerationEvaluation {
   const llama::Model& model_;
   std::size_t steps_;
   AttentionFn attention_;
+  std::size_t prefill_chunk_;
   std::vector<std::vector<int>> prompts_, reference_;
 };
 

@@ -56,11 +56,14 @@ inline std::string name_of(const ConfigResult& r) { return r.engine ? r.engine->
 class ModelEvaluation {
  public:
   /// `stories`: token sequences starting with BOS; `metric_stories`: how many of them feed the
-  /// per-layer attention metrics (they cost O(T^2) per head).
+  /// per-layer attention metrics (they cost O(T^2) per head). `prefill_chunk`: 0 feeds every
+  /// story one token at a time (each token is stored, quantized, before it attends to itself);
+  /// N feeds it in chunks of N tokens that attend to their own keys and values exactly. The fp32
+  /// run is fed the same way.
   ModelEvaluation(const llama::Model& model, std::vector<std::vector<int>> stories, std::size_t metric_stories,
-                  AttentionFn attention = reference_attention_fn())
+                  AttentionFn attention = reference_attention_fn(), std::size_t prefill_chunk = 0)
       : model_(model), stories_(std::move(stories)), metric_stories_(std::min(metric_stories, stories_.size())),
-        attention_(std::move(attention)) {
+        attention_(std::move(attention)), prefill_chunk_(prefill_chunk) {
     for (const auto& tokens : stories_) {
       RecordingBackend<llama::FullPrecisionBackend> kv(llama::FullPrecisionBackend(model_, tokens.size()),
                                                        model_.config().layers);
@@ -164,10 +167,10 @@ class ModelEvaluation {
   template <class Backend>
   std::vector<float> forward_all(Backend& kv, const std::vector<int>& tokens) const {
     const std::size_t vocab = model_.config().vocab;
-    std::vector<float> logits(vocab), out(tokens.size() * vocab);
+    std::vector<float> out = llama::prefill_logits(model_, kv, tokens, prefill_chunk_);
     for (std::size_t p = 0; p < tokens.size(); ++p) {
-      model_.forward(tokens[p], p, kv, logits);
-      llama::log_softmax(logits, std::span<float>(out.data() + p * vocab, vocab));
+      const std::span<float> row(out.data() + p * vocab, vocab);
+      llama::log_softmax(row, row);
     }
     return out;
   }
@@ -236,6 +239,7 @@ class ModelEvaluation {
   std::vector<std::vector<int>> stories_;
   std::size_t metric_stories_;
   AttentionFn attention_;
+  std::size_t prefill_chunk_;
   std::vector<Run> exact_;
 };
 

@@ -68,7 +68,7 @@ class FullPrecisionBackend {
 
   void attend(std::size_t layer, std::size_t position, std::span<const float> q, std::span<float> out) {
     const Layer& L = layer_at(layer);
-    const std::size_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
+    const std::size_t q_dim = heads_ * head_dim_;
     if (q.size() != q_dim || out.size() != q_dim)
       throw Error(ErrorCode::shape_mismatch, "layer " + std::to_string(layer) + ": q/out have " +
                                                  std::to_string(q.size()) + "/" + std::to_string(out.size()) +
@@ -79,29 +79,41 @@ class FullPrecisionBackend {
                                                " positions are stored");
     query_.assign(q.begin(), q.end());
     rope_.rotate_heads(query_, position);
-    scores_.resize(position + 1);
-    const std::size_t group = heads_ / kv_heads_;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
-    for (std::size_t h = 0; h < heads_; ++h) {
-      const float* qh = query_.data() + h * head_dim_;
-      const std::size_t kv_offset = (h / group) * head_dim_;
-      float max_score = -std::numeric_limits<float>::infinity();
-      for (std::size_t t = 0; t <= position; ++t) {
-        const float* kt = L.rotated_keys.data() + t * kv_dim + kv_offset;
-        float dot = 0.0f;
-        for (std::size_t i = 0; i < head_dim_; ++i) dot += qh[i] * kt[i];
-        scores_[t] = dot * scale;
-        max_score = std::max(max_score, scores_[t]);
-      }
-      float sum = 0.0f;
-      for (std::size_t t = 0; t <= position; ++t) sum += (scores_[t] = std::exp(scores_[t] - max_score));
-      float* oh = out.data() + h * head_dim_;
-      std::fill(oh, oh + head_dim_, 0.0f);
-      for (std::size_t t = 0; t <= position; ++t) {
-        const float a = scores_[t] / sum;
-        const float* vt = (filter_ ? L.stored_values : L.values).data() + t * kv_dim + kv_offset;
-        for (std::size_t i = 0; i < head_dim_; ++i) oh[i] += a * vt[i];
-      }
+    const float* values = (filter_ ? L.stored_values : L.values).data();
+    attend_rows(query_.data(), position + 1, L.rotated_keys.data(), values, position + 1, nullptr, nullptr, out.data());
+  }
+
+  /// A prompt chunk (see llama::ChunkedKVBackend): positions p0 .. p0 + T - 1, not stored yet,
+  /// attend to the stored rows (through the filter, when there is one) and to the chunk's own rows
+  /// 0 .. t as given: the chunk is what the engine holds in full precision before it stores it.
+  void attend_chunk(std::size_t layer, std::size_t first_position, std::size_t tokens, std::span<const float> q,
+                    std::span<const float> k, std::span<const float> v, std::span<float> out) {
+    const Layer& L = layer_at(layer);
+    const std::size_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
+    if (tokens == 0 || q.size() != tokens * q_dim || out.size() != q.size() || k.size() != tokens * kv_dim ||
+        v.size() != k.size())
+      throw Error(ErrorCode::shape_mismatch, "layer " + std::to_string(layer) + ": a chunk of " + std::to_string(tokens) +
+                                                 " tokens needs q/out of " + std::to_string(tokens * q_dim) +
+                                                 " and k/v of " + std::to_string(tokens * kv_dim) + " values, got " +
+                                                 std::to_string(q.size()) + "/" + std::to_string(out.size()) + " and " +
+                                                 std::to_string(k.size()) + "/" + std::to_string(v.size()));
+    if (first_position != L.length)
+      throw Error(ErrorCode::out_of_order, "layer " + std::to_string(layer) + ": a chunk at position " +
+                                               std::to_string(first_position) + ", expected " + std::to_string(L.length));
+    if (tokens > rope_.max_positions() - first_position)
+      throw Error(ErrorCode::capacity_exceeded, "layer " + std::to_string(layer) + ": a chunk of " +
+                                                    std::to_string(tokens) + " tokens at position " +
+                                                    std::to_string(first_position) + " is beyond the capacity of " +
+                                                    std::to_string(rope_.max_positions()));
+    chunk_keys_.assign(k.begin(), k.end());
+    for (std::size_t t = 0; t < tokens; ++t)
+      rope_.rotate_heads(std::span<float>(chunk_keys_).subspan(t * kv_dim, kv_dim), first_position + t);
+    const float* values = (filter_ ? L.stored_values : L.values).data();
+    for (std::size_t t = 0; t < tokens; ++t) {
+      query_.assign(q.begin() + static_cast<std::ptrdiff_t>(t * q_dim), q.begin() + static_cast<std::ptrdiff_t>((t + 1) * q_dim));
+      rope_.rotate_heads(query_, first_position + t);
+      attend_rows(query_.data(), first_position + t + 1, L.rotated_keys.data(), values, first_position,
+                  chunk_keys_.data(), v.data(), out.data() + t * q_dim);
     }
   }
 
@@ -125,6 +137,40 @@ class FullPrecisionBackend {
     std::size_t length = 0;
   };
 
+  // All heads of one rotated query over `visible` positions: the first `stored` rows from the
+  // stored keys and values, the rest from the chunk's (kv_heads * head_dim rows each).
+  void attend_rows(const float* query, std::size_t visible, const float* keys, const float* values, std::size_t stored,
+                   const float* chunk_keys, const float* chunk_values, float* out) {
+    const std::size_t kv_dim = kv_heads_ * head_dim_, group = heads_ / kv_heads_;
+    const auto key = [&](std::size_t t) { return t < stored ? keys + t * kv_dim : chunk_keys + (t - stored) * kv_dim; };
+    const auto value = [&](std::size_t t) {
+      return t < stored ? values + t * kv_dim : chunk_values + (t - stored) * kv_dim;
+    };
+    scores_.resize(visible);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
+    for (std::size_t h = 0; h < heads_; ++h) {
+      const float* qh = query + h * head_dim_;
+      const std::size_t kv_offset = (h / group) * head_dim_;
+      float max_score = -std::numeric_limits<float>::infinity();
+      for (std::size_t t = 0; t < visible; ++t) {
+        const float* kt = key(t) + kv_offset;
+        float dot = 0.0f;
+        for (std::size_t i = 0; i < head_dim_; ++i) dot += qh[i] * kt[i];
+        scores_[t] = dot * scale;
+        max_score = std::max(max_score, scores_[t]);
+      }
+      float sum = 0.0f;
+      for (std::size_t t = 0; t < visible; ++t) sum += (scores_[t] = std::exp(scores_[t] - max_score));
+      float* oh = out + h * head_dim_;
+      std::fill(oh, oh + head_dim_, 0.0f);
+      for (std::size_t t = 0; t < visible; ++t) {
+        const float a = scores_[t] / sum;
+        const float* vt = value(t) + kv_offset;
+        for (std::size_t i = 0; i < head_dim_; ++i) oh[i] += a * vt[i];
+      }
+    }
+  }
+
   Layer& layer_at(std::size_t layer) { return const_cast<Layer&>(std::as_const(*this).layer_at(layer)); }
   const Layer& layer_at(std::size_t layer) const {
     if (layer >= layers_.size())
@@ -137,9 +183,9 @@ class FullPrecisionBackend {
   RopeTable rope_;
   std::vector<Layer> layers_;
   StoredRowFilter filter_;
-  std::vector<float> query_, scores_, rotated_, stored_;
+  std::vector<float> query_, scores_, rotated_, stored_, chunk_keys_;
 };
 
-static_assert(KVBackend<FullPrecisionBackend>);
+static_assert(ChunkedKVBackend<FullPrecisionBackend>);
 
 }  // namespace kvq::llama

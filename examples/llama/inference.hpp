@@ -1,6 +1,7 @@
 #pragma once
-// Drivers over Model::forward: greedy decoding, and teacher forcing that keeps every position's
-// log-probabilities so an evaluator can compute perplexity, KL divergence and top-1 agreement.
+// Drivers over Model::forward and Model::forward_chunk: greedy decoding, and teacher forcing
+// (token by token or in prompt chunks) that keeps every position's log-probabilities so an
+// evaluator can compute perplexity, KL divergence and top-1 agreement.
 
 #include <algorithm>
 #include <cmath>
@@ -53,6 +54,30 @@ std::vector<int> greedy_generate(const Model& model, Backend& kv, std::size_t n_
   return tokens;
 }
 
+/// The next-token logits of every position of `tokens` (tokens x vocab), fed from position 0 into
+/// an empty backend: one token at a time through Model::forward when `chunk` is 0, else in chunks
+/// of `chunk` tokens through Model::forward_chunk (a chunk attends to its own keys and values
+/// exactly, before the backend stores them).
+template <KVBackend Backend>
+std::vector<float> prefill_logits(const Model& model, Backend& kv, std::span<const int> tokens, std::size_t chunk = 0) {
+  const std::size_t vocab = model.config().vocab;
+  std::vector<float> logits(tokens.size() * vocab);
+  if (chunk == 0) {
+    for (std::size_t pos = 0; pos < tokens.size(); ++pos)
+      model.forward(tokens[pos], pos, kv, std::span<float>(logits).subspan(pos * vocab, vocab));
+    return logits;
+  }
+  if constexpr (ChunkedKVBackend<Backend>) {
+    for (std::size_t pos = 0; pos < tokens.size(); pos += chunk) {
+      const std::size_t n = std::min(chunk, tokens.size() - pos);
+      model.forward_chunk(tokens.subspan(pos, n), pos, kv, std::span<float>(logits).subspan(pos * vocab, n * vocab));
+    }
+    return logits;
+  } else {
+    throw Error(ErrorCode::unsupported, "this KV backend takes one token at a time, not chunks of " + std::to_string(chunk));
+  }
+}
+
 /// Per-position output of teacher forcing over one sequence.
 struct TeacherForced {
   std::size_t vocab = 0;
@@ -71,10 +96,12 @@ struct TeacherForced {
   double perplexity() const { return std::exp(mean_nll()); }
 };
 
-/// Run `tokens` through the model with a fresh backend from `make_backend()` (called once).
+/// Run `tokens` through the model with a fresh backend from `make_backend()` (called once), one
+/// token at a time or in chunks of `chunk` tokens (see prefill_logits).
 template <class MakeBackend>
   requires KVBackend<std::invoke_result_t<MakeBackend&>>
-TeacherForced teacher_forced(const Model& model, MakeBackend&& make_backend, std::span<const int> tokens) {
+TeacherForced teacher_forced(const Model& model, MakeBackend&& make_backend, std::span<const int> tokens,
+                             std::size_t chunk = 0) {
   for (const int t : tokens)
     if (t < 0 || static_cast<std::size_t>(t) >= model.config().vocab)
       throw Error(ErrorCode::invalid_argument, "token " + std::to_string(t) + " is outside the vocabulary");
@@ -83,12 +110,11 @@ TeacherForced teacher_forced(const Model& model, MakeBackend&& make_backend, std
   r.vocab = model.config().vocab;
   r.log_probs.resize(tokens.size() * r.vocab);
   r.nll.reserve(tokens.empty() ? 0 : tokens.size() - 1);
-  std::vector<float> logits(r.vocab);
+  const std::vector<float> logits = prefill_logits(model, kv, tokens, chunk);
   for (std::size_t pos = 0; pos < tokens.size(); ++pos) {
-    model.forward(tokens[pos], pos, kv, logits);
-    const std::span<float> row(r.log_probs.data() + pos * r.vocab, r.vocab);
-    const double log_sum = log_softmax(logits, row);
-    if (pos + 1 < tokens.size()) r.nll.push_back(log_sum - double{logits[static_cast<std::size_t>(tokens[pos + 1])]});
+    const std::span<const float> these(logits.data() + pos * r.vocab, r.vocab);
+    const double log_sum = log_softmax(these, std::span<float>(r.log_probs.data() + pos * r.vocab, r.vocab));
+    if (pos + 1 < tokens.size()) r.nll.push_back(log_sum - double{these[static_cast<std::size_t>(tokens[pos + 1])]});
   }
   return r;
 }

@@ -1,5 +1,6 @@
 #pragma once
-// Llama forward pass for one token at one position, with the KV cache behind a backend. Runs the
+// Llama forward pass for one token at one position, or for a prompt chunk of T positions, with
+// the KV cache behind a backend. Runs the
 // GGUF architectures `llama` (Llama 2/3, Mistral, SmolLM, TinyLlama) and `qwen2` (the same block
 // with biases on q, k and v, and RoPE over the two halves of each head). The model
 // never applies RoPE itself: it hands the backend pre-RoPE keys and queries, so a cache may store
@@ -31,6 +32,18 @@ template <class B>
 concept KVBackend = requires(B& kv, std::size_t index, std::span<const float> in, std::span<float> out) {
   kv.append(index, index, in, in);  // (layer, position, k, v)
   kv.attend(index, index, in, out);  // (layer, position, q, out)
+};
+
+/// A backend that also takes prompt chunks. `attend_chunk(layer, p0, T, q, k, v, out)`: q and out
+/// (T, heads * head_dim), k and v (T, kv_heads * head_dim), all pre-RoPE, for positions
+/// p0 .. p0 + T - 1 that are not stored yet (the backend holds exactly 0 .. p0 - 1). Query t
+/// attends to the stored positions and, exactly, to the chunk's own keys and values 0 .. t: a
+/// quantizing cache does not quantize a chunk before the chunk attends to it. The model appends
+/// the T keys and values afterwards.
+template <class B>
+concept ChunkedKVBackend = KVBackend<B> && requires(B& kv, std::size_t index, std::span<const float> in,
+                                                    std::span<float> out) {
+  kv.attend_chunk(index, index, index, in, in, in, out);  // (layer, first_position, tokens, q, k, v, out)
 };
 
 struct LlamaConfig {
@@ -180,6 +193,62 @@ class Model {
     Eigen::Map<Vector>(logits.data(), static_cast<Eigen::Index>(c.vocab)).noalias() = output_ * xb;
   }
 
+  /// Chunked prefill: feed `tokens` at positions first_position .. first_position + T - 1 (the
+  /// backend must hold positions 0..first_position-1) and write the next-token logits of every one
+  /// of them, (T, vocab) row-major. Each layer runs its matrix products over the T rows at once,
+  /// attends through the backend's attend_chunk, then appends the T keys and values.
+  template <ChunkedKVBackend Backend>
+  void forward_chunk(std::span<const int> tokens, std::size_t first_position, Backend& kv,
+                     std::span<float> logits) const {
+    const LlamaConfig& c = config_;
+    if (tokens.empty()) throw Error(ErrorCode::invalid_argument, "forward_chunk: a chunk of zero tokens");
+    for (std::size_t t = 0; t < tokens.size(); ++t)
+      if (tokens[t] < 0 || static_cast<std::size_t>(tokens[t]) >= c.vocab)
+        throw Error(ErrorCode::invalid_argument, "forward_chunk: token " + std::to_string(tokens[t]) + " (chunk row " +
+                                                     std::to_string(t) + ") is outside the vocabulary of " +
+                                                     std::to_string(c.vocab));
+    if (logits.size() / c.vocab != tokens.size() || logits.size() % c.vocab != 0)
+      throw Error(ErrorCode::shape_mismatch, "forward_chunk: logits buffer has " + std::to_string(logits.size()) +
+                                                 " entries, " + std::to_string(tokens.size()) + " tokens x vocabulary " +
+                                                 std::to_string(c.vocab) + " needed");
+    const auto T = static_cast<Eigen::Index>(tokens.size());
+    const auto dim = static_cast<Eigen::Index>(c.dim);
+    Matrix x(T, dim), xb(T, dim), q(T, c.q_dim()), k(T, c.kv_dim()), v(T, c.kv_dim()), att(T, c.q_dim());
+    Matrix gate(T, c.ffn_dim), up(T, c.ffn_dim);
+    for (Eigen::Index t = 0; t < T; ++t) x.row(t) = embedding_.row(tokens[static_cast<std::size_t>(t)]);
+    const auto all = [](const Matrix& m) { return std::span<const float>(m.data(), static_cast<std::size_t>(m.size())); };
+    const auto row = [](const Matrix& m, Eigen::Index t) {
+      return std::span<const float>(m.data() + t * m.cols(), static_cast<std::size_t>(m.cols()));
+    };
+    for (std::size_t l = 0; l < c.layers; ++l) {
+      const Layer& L = layers_[l];
+      rms_norm_rows(x, L.attn_norm, xb);
+      q.noalias() = xb * L.wq.transpose();
+      k.noalias() = xb * L.wk.transpose();
+      v.noalias() = xb * L.wv.transpose();
+      if (c.qkv_bias) {
+        q.rowwise() += L.bq.transpose();
+        k.rowwise() += L.bk.transpose();
+        v.rowwise() += L.bv.transpose();
+      }
+      kv.attend_chunk(l, first_position, tokens.size(), all(q), all(k), all(v),
+                      std::span<float>(att.data(), static_cast<std::size_t>(att.size())));
+      for (Eigen::Index t = 0; t < T; ++t) kv.append(l, first_position + static_cast<std::size_t>(t), row(k, t), row(v, t));
+      x.noalias() += att * L.wo.transpose();
+
+      rms_norm_rows(x, L.ffn_norm, xb);
+      gate.noalias() = xb * L.w_gate.transpose();
+      up.noalias() = xb * L.w_up.transpose();
+      for (Eigen::Index i = 0; i < gate.size(); ++i) {
+        float& g = gate.data()[i];
+        g = g * (1.0f / (1.0f + std::exp(-g))) * up.data()[i];
+      }
+      x.noalias() += gate * L.w_down.transpose();
+    }
+    rms_norm_rows(x, output_norm_, xb);
+    Eigen::Map<Matrix>(logits.data(), T, static_cast<Eigen::Index>(c.vocab)).noalias() = xb * output_.transpose();
+  }
+
  private:
   struct Layer {
     Vector attn_norm, ffn_norm, bq, bk, bv;  // biases: empty unless config().qkv_bias
@@ -307,10 +376,17 @@ class Model {
 
   // As llama2.c computes it (float, eps inside the root), so greedy decoding matches its tokens.
   void rms_norm(const Vector& x, const Vector& weight, Vector& out) const {
+    rms_norm(x.data(), weight, out.data());
+  }
+  void rms_norm(const float* x, const Vector& weight, float* out) const {
+    const Eigen::Index n = weight.size();
     float ss = 0.0f;
-    for (Eigen::Index i = 0; i < x.size(); ++i) ss += x[i] * x[i];
-    ss = 1.0f / std::sqrt(ss / static_cast<float>(x.size()) + config_.norm_eps);
-    for (Eigen::Index i = 0; i < x.size(); ++i) out[i] = weight[i] * (ss * x[i]);
+    for (Eigen::Index i = 0; i < n; ++i) ss += x[i] * x[i];
+    ss = 1.0f / std::sqrt(ss / static_cast<float>(n) + config_.norm_eps);
+    for (Eigen::Index i = 0; i < n; ++i) out[i] = weight[i] * (ss * x[i]);
+  }
+  void rms_norm_rows(const Matrix& x, const Vector& weight, Matrix& out) const {
+    for (Eigen::Index t = 0; t < x.rows(); ++t) rms_norm(x.data() + t * x.cols(), weight, out.data() + t * out.cols());
   }
 
   LlamaConfig config_;

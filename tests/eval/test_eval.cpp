@@ -227,6 +227,19 @@ TEST_F(EvalModel, GenerationColumnsEndToEnd) {
   EXPECT_NE(msg.find("no story holds a prompt of 600 tokens"), std::string::npos) << msg;
 }
 
+// A prompt fed in chunks: the fp32 continuations are the token-by-token ones, and fp32 storage
+// keeps them whole.
+TEST_F(EvalModel, GenerationAfterAChunkedPrompt) {
+  const kvq::eval::GenerationEvaluation one_by_one(*model_, eval_stories_, 40, 24, kvq::eval::attention_fn("exact"));
+  const kvq::eval::GenerationEvaluation chunked(*model_, eval_stories_, 40, 24, kvq::eval::attention_fn("exact"), 16);
+  EXPECT_EQ(chunked.reference(), one_by_one.reference());
+  const auto lossless = chunked.evaluate(kvq::parse_cache_config("k16-v16-r0-s0-f32"));
+  EXPECT_DOUBLE_EQ(lossless.identical_share, 1.0);
+  EXPECT_LT(lossless.mean_kl, 1e-6);
+  const auto k2 = chunked.evaluate(kvq::parse_cache_config("k2t8-v2t8-r0-s0"));
+  EXPECT_LT(k2.identical_share, 1.0);  // the quantized prompt rows still change later tokens
+}
+
 // --tokens feeds ids directly: the same ids as the tokenized text give the same numbers.
 TEST_F(EvalModel, TokenFileMatchesTheText) {
   const auto dir = std::filesystem::temp_directory_path() / "kvq_eval_test_tokens";
@@ -374,7 +387,7 @@ TEST(EvalCli, BadInputGivesOneClearMessage) {
 // ' 5', '+5' and '05' were accepted by std::stoul; every count option takes plain digits only.
 TEST(EvalCli, CountsArePlainDigits) {
   std::string msg;
-  for (const char* option : {"--context", "--stories", "--metric-stories"})
+  for (const char* option : {"--context", "--stories", "--metric-stories", "--prefill-chunk"})
     for (const char* bad : {" 5", "+5", "05", "5 ", "-0", "0x10", "", "1e3", "5,", "99999999999999999999999"}) {
       EXPECT_EQ(run_cli({option, bad}, msg), 1) << option << " '" << bad << "'";
       EXPECT_NE(msg.find(option), std::string::npos) << msg;
@@ -385,10 +398,43 @@ TEST(EvalCli, CountsArePlainDigits) {
     EXPECT_EQ(run_cli({"--context", tiny}, msg), 1);
     EXPECT_NE(msg.find("at least 2"), std::string::npos) << msg;
   }
+  EXPECT_EQ(run_cli({"--prefill-chunk", "0"}, msg), 1);
+  EXPECT_NE(msg.find("--prefill-chunk must be at least 1"), std::string::npos) << msg;
+  EXPECT_EQ(run_cli({"--prefill-chunk", "sixty"}, msg), 1);
+  EXPECT_NE(msg.find("--prefill-chunk needs a non-negative whole number in plain digits, got 'sixty'"), std::string::npos)
+      << msg;
+  EXPECT_EQ(kvq::eval::parse_options({}).prefill_chunk, 0u);  // token by token unless asked
+  EXPECT_EQ(kvq::eval::parse_options({"--prefill-chunk", "64"}).prefill_chunk, 64u);
   const auto o = kvq::eval::parse_options({"--context", "64", "--stories", "0", "--metric-stories", "10"});
   EXPECT_EQ(o.context, 64u);
   EXPECT_EQ(o.stories, 0u);
   EXPECT_EQ(o.metric_stories, 10u);
+}
+
+// The report says how the stories were fed; in chunks a quantized cache is no further from fp32.
+TEST(EvalCli, PrefillChunksAreStatedAndNoWorse) {
+  if (!std::filesystem::exists(kvq::llama::default_model_path())) GTEST_SKIP() << kvq::llama::data_help();
+  const auto kl_of = [](const std::string& text) {  // the KL column of the one configuration's row
+    std::istringstream row(text.substr(text.find("\nk4c32-v2t8-r0-s0 ") + 1));
+    std::string name, axis1, axis2, axis3, axis4, axis5, bits, dppl;
+    double kl = -1;
+    row >> name >> axis1 >> axis2 >> axis3 >> axis4 >> axis5 >> bits >> dppl >> kl;
+    return kl;
+  };
+  const std::vector<std::string> common = {"--configs", "k4c32-v2t8-r0-s0", "--stories", "2", "--context", "128",
+                                           "--metric-stories", "0", "--out",
+                                           (std::filesystem::temp_directory_path() / "kvq_eval_prefill").string()};
+  std::ostringstream token_by_token, chunked, err;
+  ASSERT_EQ(kvq::eval::run_eval(common, token_by_token, err), 0) << err.str();
+  auto args = common;
+  args.insert(args.end(), {"--prefill-chunk", "32"});
+  ASSERT_EQ(kvq::eval::run_eval(args, chunked, err), 0) << err.str();
+  EXPECT_NE(token_by_token.str().find("stories fed one token at a time"), std::string::npos) << token_by_token.str();
+  EXPECT_NE(chunked.str().find("stories fed in prefill chunks of 32 tokens"), std::string::npos) << chunked.str();
+  const double kl_token = kl_of(token_by_token.str()), kl_chunk = kl_of(chunked.str());
+  EXPECT_GT(kl_token, 0.0) << token_by_token.str();
+  EXPECT_GT(kl_chunk, 0.0) << chunked.str();
+  EXPECT_LE(kl_chunk, kl_token * 1.05);
 }
 
 TEST(EvalCli, ContextDefaultsTo512CappedAtTheModelAndRefusesMore) {
