@@ -219,9 +219,9 @@ inline void merge_parts(const float* max, const float* sum, const float* acc, st
 
 /// Decode attention for one position: q, out (heads, head_dim); queries follow the cache's
 /// key_rope (pre-RoPE queries are rotated to `position` here). Query head h reads KV head
-/// h / (heads / kv_heads). Attends to positions [0, position], or its last options.scores.window
-/// of them. Throws kvq::Error on bad shapes,
-/// a layer outside the cache or a position the layer does not hold yet.
+/// h / (heads / kv_heads). Attends to positions [0, position], or the last options.scores.window
+/// of them. Throws kvq::Error on bad shapes or options, a layer outside the cache or a position
+/// the layer does not hold yet.
 inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::size_t position,
                              std::span<const float> q, std::span<float> out, const DecodeOptions& options = {}) {
   const detail::DecodePlan plan = detail::plan_decode(cache, layer, position, q, out.size(), options);

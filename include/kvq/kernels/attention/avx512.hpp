@@ -2,12 +2,12 @@
 // AVX-512 decode attention (F/BW/VL/DQ + VNNI + VBMI + F16C): the definitions of reference.hpp,
 // 16 channels per vector, for head_dim 64 and 128.
 //
-// Specialised kernels take whole tasks or their packed span (Kernel::run picks):
+// Specialised kernels take whole tasks or their packed span (kernel_for picks):
 //   avx512_dense.hpp  unquantized fp16/fp32 caches (the baselines), post-RoPE;
 //   avx512_int.hpp    integer tier, keys per channel and values per token, 2/4/8 bits;
 //   avx512_exact.hpp  exact tier, same layouts;
 //   avx512_rope.hpp   the key scores of both when keys are stored pre-RoPE.
-// The generic Kernel below handles everything else (other widths and axes) and the sinks and
+// The generic kernel below (Kernels<NV>) handles everything else (other widths and axes) and the sinks and
 // full-precision window around the packed span. In it, packed codes of 2, 4 and 8 bits unpack to
 // bytes in channel order with vpermb + vpmultishiftqb; other widths and axes read rows through
 // StreamView::read_row (still no dequantized copy: one row on the stack).
