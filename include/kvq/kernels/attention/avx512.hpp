@@ -7,10 +7,10 @@
 //   avx512_int.hpp    integer tier, keys per channel and values per token, 2/4/8 bits;
 //   avx512_exact.hpp  exact tier, same layouts;
 //   avx512_rope.hpp   the key scores of both when keys are stored pre-RoPE.
-// The generic kernel below (Kernels<NV>) handles everything else (other widths and axes) and the sinks and
-// full-precision window around the packed span. In it, packed codes of 2, 4 and 8 bits unpack to
-// bytes in channel order with vpermb + vpmultishiftqb; other widths and axes read rows through
-// StreamView::read_row (still no dequantized copy: one row on the stack).
+// The generic kernel below (Kernels<NV>) handles everything else (other widths and axes) and the
+// sinks and full-precision window around the packed span. In it, packed codes of 2, 4 and 8 bits
+// unpack to bytes in channel order with vpermb + vpmultishiftqb; other widths and axes read rows
+// through StreamView::read_row (still no dequantized copy: one row on the stack).
 //
 // Keys, per 16-token sub-tile: each row is produced once in registers and dotted with every
 // query head of the GQA group; the 16 partial vectors per head are reduced together (a
