@@ -1,5 +1,7 @@
 // llama-generate: greedy text from a GGUF Llama model with the full-precision KV cache.
-//   llama-generate [--model PATH] [--steps N] [--prompt TEXT]
+//   llama-generate [--model PATH] [--steps N] [--prompt TEXT] [--prefill-chunk N]
+// The prompt is fed in chunks of N tokens (default 64) that attend to each other exactly, as an
+// engine prefills; --prefill-chunk 0 feeds it one token at a time.
 
 #include <fmt/core.h>
 
@@ -23,6 +25,7 @@ int run(int argc, char** argv) {
   std::string model_path = kvq::llama::default_model_path().string();
   std::size_t steps = 256;
   std::string prompt;
+  std::size_t prefill_chunk = 64;
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
     const auto value = [&]() -> std::string {
@@ -31,20 +34,21 @@ int run(int argc, char** argv) {
     };
     if (arg == "--model") {
       model_path = value();
-    } else if (arg == "--steps" || arg == "-n") {
+    } else if (arg == "--steps" || arg == "-n" || arg == "--prefill-chunk") {
       const std::string v = value();
-      std::size_t used = 0;
+      std::size_t used = 0, n = 0;
       try {
-        steps = std::stoul(v, &used);
+        n = std::stoul(v, &used);
       } catch (const std::exception&) {
         used = 0;
       }
       if (used != v.size() || v.empty() || v[0] == '-')
-        throw kvq::Error(kvq::ErrorCode::invalid_argument, "--steps needs a non-negative integer, got '" + v + "'");
+        throw kvq::Error(kvq::ErrorCode::invalid_argument, std::string(arg) + " needs a non-negative integer, got '" + v + "'");
+      (arg == "--prefill-chunk" ? prefill_chunk : steps) = n;
     } else if (arg == "--prompt") {
       prompt = value();
     } else if (arg == "--help" || arg == "-h") {
-      fmt::print("usage: llama-generate [--model PATH] [--steps N] [--prompt TEXT]\n"
+      fmt::print("usage: llama-generate [--model PATH] [--steps N] [--prompt TEXT] [--prefill-chunk N]\n"
                  "  default model: {}\n", model_path);
       return 0;
     } else {
@@ -62,7 +66,7 @@ int run(int argc, char** argv) {
   // Sized by the positions that run, not by llama.context_length, which no tensor backs.
   kvq::llama::FullPrecisionBackend kv(model, std::max<std::size_t>(steps, 1));
   const auto prompt_tokens = tokenizer.encode(prompt);  // with BOS where the model expects it
-  const auto tokens = kvq::llama::greedy_generate(model, kv, steps, prompt_tokens, tokenizer.bos());
+  const auto tokens = kvq::llama::greedy_generate(model, kv, steps, prompt_tokens, tokenizer.bos(), prefill_chunk);
   fmt::print("{}\n", tokenizer.decode(tokens));
   return 0;
 }

@@ -36,24 +36,6 @@ inline double log_softmax(std::span<const float> logits, std::span<float> out) {
   return log_sum;
 }
 
-/// Feed `prompt` (BOS alone when empty), then append greedy tokens until `n_steps` positions have
-/// run or `stop_token` is produced. Returns prompt followed by the generated tokens; with the
-/// default prompt that is n_steps + 1 tokens, as llama2.c's `-n n_steps` prints them.
-template <KVBackend Backend>
-std::vector<int> greedy_generate(const Model& model, Backend& kv, std::size_t n_steps, std::span<const int> prompt = {},
-                                 int stop_token = -1) {
-  std::vector<int> tokens(prompt.begin(), prompt.end());
-  if (tokens.empty()) tokens.push_back(model.config().bos);
-  std::vector<float> logits(model.config().vocab);
-  for (std::size_t pos = 0; pos < n_steps && pos < tokens.size(); ++pos) {
-    model.forward(tokens[pos], pos, kv, logits);
-    if (pos + 1 < tokens.size()) continue;  // still inside the prompt
-    tokens.push_back(argmax(logits));
-    if (tokens.back() == stop_token) break;
-  }
-  return tokens;
-}
-
 /// The next-token logits of every position of `tokens` (tokens x vocab), fed from position 0 into
 /// an empty backend: one token at a time through Model::forward when `chunk` is 0, else in chunks
 /// of `chunk` tokens through Model::forward_chunk (a chunk attends to its own keys and values
@@ -76,6 +58,31 @@ std::vector<float> prefill_logits(const Model& model, Backend& kv, std::span<con
   } else {
     throw Error(ErrorCode::unsupported, "this KV backend takes one token at a time, not chunks of " + std::to_string(chunk));
   }
+}
+
+/// Feed `prompt` (BOS alone when empty), then append greedy tokens until `n_steps` positions have
+/// run or `stop_token` is produced. Returns prompt followed by the generated tokens; with the
+/// default prompt that is n_steps + 1 tokens, as llama2.c's `-n n_steps` prints them. With
+/// `prompt_chunk` > 0 the prompt but its last token is fed in chunks (prefill_logits), then
+/// decoding goes on one token at a time.
+template <KVBackend Backend>
+std::vector<int> greedy_generate(const Model& model, Backend& kv, std::size_t n_steps, std::span<const int> prompt = {},
+                                 int stop_token = -1, std::size_t prompt_chunk = 0) {
+  std::vector<int> tokens(prompt.begin(), prompt.end());
+  if (tokens.empty()) tokens.push_back(model.config().bos);
+  std::vector<float> logits(model.config().vocab);
+  std::size_t pos = 0;
+  if (prompt_chunk > 0 && tokens.size() > 1) {
+    pos = std::min(n_steps, tokens.size() - 1);
+    (void)prefill_logits(model, kv, std::span<const int>(tokens).first(pos), prompt_chunk);
+  }
+  for (; pos < n_steps && pos < tokens.size(); ++pos) {
+    model.forward(tokens[pos], pos, kv, logits);
+    if (pos + 1 < tokens.size()) continue;  // still inside the prompt
+    tokens.push_back(argmax(logits));
+    if (tokens.back() == stop_token) break;
+  }
+  return tokens;
 }
 
 /// Per-position output of teacher forcing over one sequence.

@@ -159,6 +159,17 @@ TEST_F(Prefill, ChunkSizesAgree) {
 // Chunks carry the position they start at: a chunk after token-by-token positions continues the
 // sequence, and a chunk at a position the backend does not stand at is refused before anything
 // is stored.
+// Generation after a chunked prompt (llama-generate's default) continues as after a prompt fed
+// one token at a time.
+TEST_F(Prefill, GreedyGenerationAfterAChunkedPromptIsTheSame) {
+  const std::vector<int> prompt(tokens_.begin(), tokens_.begin() + 40);
+  FullPrecisionBackend one(*model_, 72), chunked(*model_, 72);
+  const auto expected = greedy_generate(*model_, one, 72, prompt);
+  EXPECT_EQ(greedy_generate(*model_, chunked, 72, prompt, -1, 16), expected);
+  EXPECT_EQ(expected.size(), 73u);
+  EXPECT_EQ(chunked.length(0), 72u);
+}
+
 TEST_F(Prefill, MixedFeedingAndBadChunks) {
   const std::size_t vocab = model_->config().vocab;
   const auto fp32 = logits_fp32(0);
