@@ -75,7 +75,7 @@ KVQ_TARGET_AVX512_ATTENTION void run_exact_stage(k::IntState& S, Stage stage) {
         k::exact_keys16<kNV, KB, kNH>(S, E, a, (a - a0) % kTile, (a - a0) % kTile / g);
       break;
     case Stage::softmax:
-      for (std::size_t a = a0; a < a0 + kSpan; a += kTile) k::tile_softmax<kNH>(S, kTile);
+      for (std::size_t a = a0; a < a0 + kSpan; a += kTile) k::tile_softmax<kNH>(S, kTile, 0.0f);
       break;
     case Stage::values:
       for (std::size_t a = a0; a < a0 + kSpan; a += kTile) k::exact_values<kNV, VB, kNH>(S, E, a, kTile);
@@ -103,7 +103,7 @@ KVQ_TARGET_AVX512_ATTENTION void run_stage(k::IntState& S, Stage stage) {
       for (std::size_t a = a0; a < a0 + kSpan; a += 16) k::int_keys16<kNV, KB, kNH>(S, a, (a - a0) % kTile, (a - a0) % kTile / g);
       break;
     case Stage::softmax:
-      for (std::size_t a = a0; a < a0 + kSpan; a += kTile) k::tile_softmax<kNH>(S, kTile);
+      for (std::size_t a = a0; a < a0 + kSpan; a += kTile) k::tile_softmax<kNH>(S, kTile, 0.0f);
       break;
     case Stage::values:
       for (std::size_t a = a0; a < a0 + kSpan; a += kTile) k::int_values<kNV, VB, kNH>(S, a, kTile);

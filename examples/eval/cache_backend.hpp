@@ -30,51 +30,12 @@ struct AttentionFn {
       chunk;
 };
 
-/// The Eigen oracle in double over the cache's rows before `first_position` as stored
-/// (dequantized) and the chunk's rows exact.
-inline void reference_chunk_attention(const BasicKVCache& cache, std::size_t layer, std::size_t first_position,
-                                      std::size_t tokens, std::span<const float> q, std::span<const float> new_keys,
-                                      std::span<const float> new_values, std::span<float> out) {
-  const std::size_t dim = cache.shape().head_dim, kv_heads = cache.shape().kv_heads;
-  detail::check_attention_args(cache, layer, first_position, tokens, q, out.size(),
-                               largest_magnitude(new_keys.data(), new_keys.size()));
-  if (new_keys.size() != tokens * kv_heads * dim || new_values.size() != new_keys.size())
-    throw Error(ErrorCode::shape_mismatch, "reference chunk attention: new keys/values of " +
-                                               std::to_string(new_keys.size()) + "/" + std::to_string(new_values.size()) +
-                                               " floats are not " + std::to_string(tokens) + " tokens x " +
-                                               std::to_string(kv_heads * dim));
-  const std::size_t heads = q.size() / tokens / dim, group = heads / kv_heads, n = first_position + tokens;
-  const bool pre = cache.config().key_rope == KeyRope::pre;
-  std::vector<float> row(dim);
-  const auto load = [&](std::span<const float> rows, std::size_t t, std::size_t stride, std::size_t head, bool rotate) {
-    row.assign(rows.begin() + static_cast<std::ptrdiff_t>(t * stride + head * dim),
-               rows.begin() + static_cast<std::ptrdiff_t>(t * stride + (head + 1) * dim));
-    if (rotate) cache.rope().rotate(row.data(), first_position + t);
-    return Eigen::RowVectorXd(Eigen::Map<const Eigen::RowVectorXf>(row.data(), static_cast<Eigen::Index>(dim)).cast<double>());
-  };
-  for (std::size_t kvh = 0; kvh < kv_heads; ++kvh) {
-    const HeadTensors stored = read_head(cache, layer, kvh);
-    MatrixD keys(n, dim), values(n, dim);
-    keys.topRows(first_position) = stored.keys.topRows(first_position);
-    values.topRows(first_position) = stored.values.topRows(first_position);
-    for (std::size_t t = 0; t < tokens; ++t) {
-      keys.row(first_position + t) = load(new_keys, t, kv_heads * dim, kvh, pre);
-      values.row(first_position + t) = load(new_values, t, kv_heads * dim, kvh, false);
-    }
-    for (std::size_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-      MatrixD queries(tokens, dim);
-      for (std::size_t t = 0; t < tokens; ++t) queries.row(t) = load(q, t, heads * dim, h, pre);
-      const MatrixD o = attend(queries, keys, values, first_position);
-      for (std::size_t t = 0; t < tokens; ++t)
-        for (std::size_t c = 0; c < dim; ++c) out[(t * heads + h) * dim + c] = float(o(t, c));
-    }
-  }
-}
-
 inline AttentionFn reference_attention_fn() {
   return {[](const BasicKVCache& c, std::size_t layer, std::size_t position, std::span<const float> q,
              std::span<float> out) { reference_attention(c, layer, position, q, out); },
-          reference_chunk_attention};
+          [](const BasicKVCache& c, std::size_t layer, std::size_t first_position, std::size_t tokens,
+             std::span<const float> q, std::span<const float> new_keys, std::span<const float> new_values,
+             std::span<float> out) { reference_prefill_attention(c, layer, first_position, tokens, q, new_keys, new_values, out); }};
 }
 
 /// decode_attention over the packed cache for one position, kvq::attend for a chunk, in the

@@ -36,36 +36,8 @@ BasicKVCache filled(const char* config, std::size_t kv_heads, std::size_t dim, s
 std::vector<float> oracle_with_new(const BasicKVCache& cache, std::size_t layer, std::size_t p0, std::size_t tokens,
                                    const std::vector<float>& q, const std::vector<float>& nk, const std::vector<float>& nv,
                                    const kvq::ScoreOptions& rule = {}) {
-  const std::size_t dim = cache.shape().head_dim, kv_heads = cache.shape().kv_heads, heads = q.size() / tokens / dim;
-  const std::size_t group = heads / kv_heads;
-  const bool pre = cache.config().key_rope == kvq::KeyRope::pre;
-  std::vector<float> out(q.size()), row(dim);
-  for (std::size_t kvh = 0; kvh < kv_heads; ++kvh) {
-    const kvq::HeadTensors stored = kvq::read_head(cache, layer, kvh);
-    kvq::MatrixD keys(p0 + tokens, dim), values(p0 + tokens, dim);
-    keys.topRows(p0) = stored.keys.topRows(p0);
-    values.topRows(p0) = stored.values.topRows(p0);
-    for (std::size_t t = 0; t < tokens; ++t) {
-      row.assign(nk.begin() + (t * kv_heads + kvh) * dim, nk.begin() + (t * kv_heads + kvh + 1) * dim);
-      if (pre) cache.rope().rotate(row.data(), p0 + t);
-      for (std::size_t c = 0; c < dim; ++c) {
-        keys(p0 + t, c) = row[c];
-        values(p0 + t, c) = nv[(t * kv_heads + kvh) * dim + c];
-      }
-    }
-    for (std::size_t g = 0; g < group; ++g) {
-      const std::size_t h = kvh * group + g;
-      kvq::MatrixD queries(tokens, dim);
-      for (std::size_t t = 0; t < tokens; ++t) {
-        row.assign(q.begin() + (t * heads + h) * dim, q.begin() + (t * heads + h + 1) * dim);
-        if (pre) cache.rope().rotate(row.data(), p0 + t);
-        for (std::size_t c = 0; c < dim; ++c) queries(t, c) = row[c];
-      }
-      const kvq::MatrixD o = kvq::attend(queries, keys, values, p0, nullptr, rule);
-      for (std::size_t t = 0; t < tokens; ++t)
-        for (std::size_t c = 0; c < dim; ++c) out[(t * heads + h) * dim + c] = float(o(t, c));
-    }
-  }
+  std::vector<float> out(q.size());
+  kvq::reference_prefill_attention(cache, layer, p0, tokens, q, nk, nv, out, rule);
   return out;
 }
 

@@ -155,6 +155,50 @@ inline void reference_attention_block(const BasicKVCache& cache, std::size_t lay
   }
 }
 
+/// The oracle of a prefill chunk (kvq::attend with new tokens): q (tokens, heads, head_dim) at
+/// positions first_position + t over the cache's positions before first_position as stored and
+/// `tokens` new keys and values (tokens, kv_heads, head_dim), exact, causal among themselves; new
+/// keys follow the cache's key_rope as queries do. out (tokens, heads, head_dim).
+inline void reference_prefill_attention(const BasicKVCache& cache, std::size_t layer, std::size_t first_position,
+                                        std::size_t tokens, std::span<const float> q, std::span<const float> new_keys,
+                                        std::span<const float> new_values, std::span<float> out,
+                                        const ScoreOptions& rule = {}) {
+  const std::size_t dim = cache.shape().head_dim, kv_heads = cache.shape().kv_heads;
+  if (new_keys.size() != tokens * kv_heads * dim || new_values.size() != new_keys.size())
+    throw Error(ErrorCode::shape_mismatch, "reference prefill attention: new keys and values of " +
+                                               std::to_string(new_keys.size()) + " and " + std::to_string(new_values.size()) +
+                                               " floats are not " + std::to_string(tokens) + " tokens x " +
+                                               std::to_string(kv_heads) + " KV heads x " + std::to_string(dim));
+  detail::check_attention_args(cache, layer, first_position, tokens, q, out.size(),
+                               largest_magnitude(new_keys.data(), new_keys.size()), rule);
+  const std::size_t heads = q.size() / tokens / dim, group = heads / kv_heads, n = first_position + tokens;
+  const bool pre = cache.config().key_rope == KeyRope::pre;
+  std::vector<float> row(dim);
+  // Row t of head `head` of rows laid out (t, heads of `stride` floats), rotated to its position.
+  const auto load = [&](std::span<const float> rows, std::size_t t, std::size_t stride, std::size_t head, bool rotate) {
+    row.assign(rows.begin() + std::ptrdiff_t(t * stride + head * dim), rows.begin() + std::ptrdiff_t(t * stride + (head + 1) * dim));
+    if (rotate) cache.rope().rotate(row.data(), first_position + t);
+    return Eigen::RowVectorXd(Eigen::Map<const Eigen::RowVectorXf>(row.data(), Eigen::Index(dim)).cast<double>());
+  };
+  for (std::size_t kvh = 0; kvh < kv_heads; ++kvh) {
+    const HeadTensors stored = read_head(cache, layer, kvh);
+    MatrixD keys(n, dim), values(n, dim);
+    keys.topRows(first_position) = stored.keys.topRows(first_position);
+    values.topRows(first_position) = stored.values.topRows(first_position);
+    for (std::size_t t = 0; t < tokens; ++t) {
+      keys.row(first_position + t) = load(new_keys, t, kv_heads * dim, kvh, pre);
+      values.row(first_position + t) = load(new_values, t, kv_heads * dim, kvh, false);
+    }
+    for (std::size_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+      MatrixD queries(tokens, dim);
+      for (std::size_t t = 0; t < tokens; ++t) queries.row(t) = load(q, t, heads * dim, h, pre);
+      const MatrixD o = attend(queries, keys, values, first_position, nullptr, rule);
+      for (std::size_t t = 0; t < tokens; ++t)
+        for (std::size_t c = 0; c < dim; ++c) out[(t * heads + h) * dim + c] = float(o(t, c));
+    }
+  }
+}
+
 /// Decode: all query heads of one position. q, out: (heads, head_dim).
 inline void reference_attention(const BasicKVCache& cache, std::size_t layer, std::size_t position,
                                 std::span<const float> q, std::span<float> out, const ScoreOptions& rule = {}) {
