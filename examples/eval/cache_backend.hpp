@@ -9,6 +9,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvq/kvq.hpp"
@@ -69,25 +70,31 @@ inline CacheShape cache_shape(const llama::Model& model, std::size_t capacity) {
   return CacheShape{m.layers, m.kv_heads, m.head_dim, capacity, rope.style, rope.theta, rope.rotary_dims, rope.scaling};
 }
 
+/// A kvq cache in the engine, one configuration per layer (LayeredKVCache): each layer is
+/// read by the attention routines as a one-layer cache.
 class CacheBackend {
  public:
+  CacheBackend(const llama::Model& model, std::vector<CacheConfig> configs, std::size_t capacity,
+               AttentionFn attention = reference_attention_fn())
+      : cache_(cache_shape(model, capacity), std::move(configs)), attention_(std::move(attention)),
+        q_(model.config().q_dim()), k_(model.config().kv_dim()) {}
   CacheBackend(const llama::Model& model, const CacheConfig& config, std::size_t capacity,
                AttentionFn attention = reference_attention_fn())
-      : cache_(cache_shape(model, capacity), config), attention_(std::move(attention)),
-        q_(model.config().q_dim()), k_(model.config().kv_dim()) {}
+      : CacheBackend(model, std::vector<CacheConfig>(model.config().layers, config), capacity, std::move(attention)) {}
 
   void append(std::size_t layer, std::size_t position, std::span<const float> k, std::span<const float> v) {
-    if (cache_.config().key_rope == KeyRope::pre) return cache_.append(layer, position, k, v);
+    if (pre_rope(layer)) return cache_.append(layer, position, k, v);
     k_.assign(k.begin(), k.end());  // a post-RoPE cache receives rotated keys
     cache_.rope().rotate_heads(k_, position);
     cache_.append(layer, position, k_, v);
   }
 
   void attend(std::size_t layer, std::size_t position, std::span<const float> q, std::span<float> out) {
-    if (cache_.config().key_rope == KeyRope::pre) return attention_.decode(cache_, layer, position, q, out);
+    const BasicKVCache& one = cache_.layer(layer);
+    if (pre_rope(layer)) return attention_.decode(one, 0, position, q, out);
     q_.assign(q.begin(), q.end());
     cache_.rope().rotate_heads(q_, position);
-    attention_.decode(cache_, layer, position, q_, out);
+    attention_.decode(one, 0, position, q_, out);
   }
 
   /// A prompt chunk: its keys and values attended exactly, then appended by the model. A
@@ -98,8 +105,8 @@ class CacheBackend {
       throw Error(ErrorCode::out_of_order, "layer " + std::to_string(layer) + ": a chunk at position " +
                                                std::to_string(first_position) + ", the cache holds " +
                                                std::to_string(cache_.length(layer)));
-    if (cache_.config().key_rope == KeyRope::pre)
-      return attention_.chunk(cache_, layer, first_position, tokens, q, k, v, out);
+    const BasicKVCache& one = cache_.layer(layer);
+    if (pre_rope(layer)) return attention_.chunk(one, 0, first_position, tokens, q, k, v, out);
     const std::size_t q_dim = q_.size(), kv_dim = k_.size();
     if (tokens == 0 || q.size() != tokens * q_dim || k.size() != tokens * kv_dim)
       throw Error(ErrorCode::shape_mismatch, "layer " + std::to_string(layer) + ": a chunk of " + std::to_string(tokens) +
@@ -111,13 +118,15 @@ class CacheBackend {
       cache_.rope().rotate_heads(std::span<float>(chunk_q_).subspan(t * q_dim, q_dim), first_position + t);
       cache_.rope().rotate_heads(std::span<float>(chunk_k_).subspan(t * kv_dim, kv_dim), first_position + t);
     }
-    attention_.chunk(cache_, layer, first_position, tokens, chunk_q_, chunk_k_, v, out);
+    attention_.chunk(one, 0, first_position, tokens, chunk_q_, chunk_k_, v, out);
   }
 
-  const BasicKVCache& cache() const noexcept { return cache_; }
+  const LayeredKVCache& cache() const noexcept { return cache_; }
 
  private:
-  BasicKVCache cache_;
+  bool pre_rope(std::size_t layer) const { return cache_.config(layer).key_rope == KeyRope::pre; }
+
+  LayeredKVCache cache_;
   AttentionFn attention_;
   std::vector<float> q_, k_;             // one position's query and key (post-RoPE rotation)
   std::vector<float> chunk_q_, chunk_k_;  // a chunk's

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -21,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "eval/advisor.hpp"
 #include "eval/distortion.hpp"
 #include "eval/model_eval.hpp"
 #include "eval/report.hpp"
@@ -62,6 +64,10 @@ usage: kvq-eval [options]
   --generate M         also generate M greedy tokens per story from each cache (default: 0, off)
   --prompt P           tokens of each story that prompt the generation (default: 64)
   --out DIR            where kvq-eval.csv and kvq-eval.svg go (default: kvq-eval-results)
+  --advise             choose a configuration per layer instead: measure each candidate on each
+                       layer alone, pick per layer the lowest summed KL within --budget, verify
+                       it on all layers and compare it with the best uniform configuration
+  --budget B           average bits per value the advice may use, all counted (default: 4)
   --synthetic          run the synthetic mode (no model needed)
   --distortion         print the scalar-quantizer distortion table on synthetic head vectors
                        (affine, NormalFloat, Lloyd-Max, Hadamard; no model needed)
@@ -81,7 +87,8 @@ stores it; attention reads them in fp32; bits/value counts the format's scales):
 
 struct EvalOptions {
   std::filesystem::path model, text, tokens, out = "kvq-eval-results";
-  bool model_given = false, text_given = false, synthetic = false, distortion = false, help = false;
+  bool model_given = false, text_given = false, synthetic = false, distortion = false, help = false, advise = false;
+  double budget = 4.0;  // --advise: average bits per value
   std::string set = "default", attention = "exact";
   std::vector<std::string> configs;
   std::size_t stories = 0, metric_stories = 3;
@@ -122,6 +129,15 @@ inline std::size_t parse_count(std::string_view flag, const std::string& text) {
   return value;
 }
 
+/// A positive, finite number of bits per value ("4", "3.5"), the whole text a number.
+inline double parse_bits(std::string_view flag, const std::string& text) {
+  double value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size() || !(value > 0) || !std::isfinite(value))
+    throw Error(ErrorCode::invalid_argument, std::string(flag) + " needs a positive number of bits per value, got '" + text + "'");
+  return value;
+}
+
 inline EvalOptions parse_options(const std::vector<std::string>& args) {
   EvalOptions o;
   o.model = llama::default_model_path();
@@ -154,6 +170,8 @@ inline EvalOptions parse_options(const std::vector<std::string>& args) {
     }
     else if (a == "--metric-stories") o.metric_stories = parse_count(a, value());
     else if (a == "--synthetic") o.synthetic = true;
+    else if (a == "--advise") o.advise = true;
+    else if (a == "--budget") o.budget = parse_bits(a, value());
     else if (a == "--distortion") o.distortion = true;
     else if (a == "--help" || a == "-h") o.help = true;
     else if (a == "--configs") {
@@ -164,6 +182,12 @@ inline EvalOptions parse_options(const std::vector<std::string>& args) {
       throw Error(ErrorCode::invalid_argument, "unknown option '" + a + "' (see --help)");
     }
   }
+  const bool budget_given = std::find(args.begin(), args.end(), "--budget") != args.end();
+  if (budget_given && !o.advise) throw Error(ErrorCode::invalid_argument, "--budget applies to --advise only");
+  if (o.advise && (!o.configs.empty() || o.set != "default" || o.generate > 0 || o.synthetic || o.distortion))
+    throw Error(ErrorCode::invalid_argument,
+                "--advise chooses among its own candidates: it does not combine with --configs, --set, --generate, "
+                "--synthetic or --distortion");
   if (o.text_given && !o.tokens.empty())
     throw Error(ErrorCode::invalid_argument, "give --text or --tokens, not both");
   if (o.set != "default" && o.set != "axes" && o.set != "full" && o.set != "engines")
@@ -328,25 +352,19 @@ inline int run_synthetic(std::ostream& out) {
   return 0;
 }
 
-/// Evaluates configurations on all cores (the model and the baseline are read-only).
-inline std::vector<ConfigResult> evaluate_all(const ModelEvaluation& evaluation, const std::vector<Candidate>& configs,
-                                              std::ostream& progress, const GenerationEvaluation* generation = nullptr) {
-  std::vector<ConfigResult> results(configs.size());
-  std::vector<std::exception_ptr> errors(configs.size());
-  std::atomic<std::size_t> next{0}, done{0};
-  std::mutex print;
+/// Runs job(0) .. job(n - 1) on all cores (at most 8 threads); the first error is rethrown
+/// once every job has finished.
+template <class Job>
+void run_jobs(std::size_t n, Job job) {
+  std::vector<std::exception_ptr> errors(n);
+  std::atomic<std::size_t> next{0};
   auto worker = [&] {
-    for (std::size_t i; (i = next++) < configs.size();) {
+    for (std::size_t i; (i = next++) < n;) {
       try {
-        results[i] = evaluation.evaluate(configs[i]);
-        // Engine formats are simulated on the fp32 backend, which does not generate: no row for them.
-        if (const auto* config = std::get_if<CacheConfig>(&configs[i]); generation != nullptr && config != nullptr)
-          results[i].generation = generation->evaluate(*config);
+        job(i);
       } catch (...) {
         errors[i] = std::current_exception();
       }
-      const std::lock_guard lock(print);
-      progress << fmt::format("[{}/{}] {}\n", ++done, configs.size(), name_of(configs[i])) << std::flush;
     }
   };
   std::vector<std::thread> threads(std::max(1u, std::min(std::thread::hardware_concurrency(), 8u)) - 1);
@@ -355,6 +373,22 @@ inline std::vector<ConfigResult> evaluate_all(const ModelEvaluation& evaluation,
   for (auto& t : threads) t.join();
   for (const auto& e : errors)
     if (e) std::rethrow_exception(e);
+}
+
+/// Evaluates configurations on all cores (the model and the baseline are read-only).
+inline std::vector<ConfigResult> evaluate_all(const ModelEvaluation& evaluation, const std::vector<Candidate>& configs,
+                                              std::ostream& progress, const GenerationEvaluation* generation = nullptr) {
+  std::vector<ConfigResult> results(configs.size());
+  std::atomic<std::size_t> done{0};
+  std::mutex print;
+  run_jobs(configs.size(), [&](std::size_t i) {
+    results[i] = evaluation.evaluate(configs[i]);
+    // Engine formats are simulated on the fp32 backend, which does not generate: no row for them.
+    if (const auto* config = std::get_if<CacheConfig>(&configs[i]); generation != nullptr && config != nullptr)
+      results[i].generation = generation->evaluate(*config);
+    const std::lock_guard lock(print);
+    progress << fmt::format("[{}/{}] {}\n", ++done, configs.size(), name_of(configs[i])) << std::flush;
+  });
   return results;
 }
 
@@ -402,6 +436,12 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
                 ? std::string("stories fed one token at a time: each token is stored, quantized, before it attends to itself\n\n")
                 : fmt::format("stories fed in prefill chunks of {} tokens: a chunk attends to its own keys and values exactly, "
                               "then the cache stores them\n\n", o.prefill_chunk));
+    if (o.advise) {
+      const Advice advice = advise(evaluation, model.config().layers, advisor_candidates(model.config().head_dim), o.budget,
+                                   [](std::size_t n, auto job) { run_jobs(n, job); });
+      print_advice(out, advice);
+      return 0;
+    }
     const std::vector<ConfigResult> results = evaluate_all(evaluation, configs, err, generation ? &*generation : nullptr);
     std::size_t longest = 0;
     for (const auto& s : stories) longest = std::max(longest, s.size());

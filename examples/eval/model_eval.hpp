@@ -98,18 +98,64 @@ class ModelEvaluation {
   }
 
   ConfigResult evaluate(const CacheConfig& config) const {
+    ConfigResult r = evaluate_layers(std::vector<CacheConfig>(model_.config().layers, config));
+    if (metric_stories_ > 0) attention_metrics(config, r);
+    return r;
+  }
+
+  /// One configuration per layer (a LayeredKVCache): NLL, KL, top-1 and bits, without the
+  /// per-layer attention metrics. `config` of the result is layer 0's.
+  ConfigResult evaluate_layers(const std::vector<CacheConfig>& configs) const {
     ConfigResult r;
-    r.config = config;
+    r.config = configs.at(0);
     score(r, [&](const std::vector<int>& tokens, std::size_t& bytes, std::size_t& values) {
-      CacheBackend kv(model_, config, tokens.size(), attention_);
+      CacheBackend kv(model_, configs, tokens.size(), attention_);
       std::vector<float> log_probs = forward_all(kv, tokens);
       const MemoryUsage m = kv.cache().memory();
       bytes += m.total_bytes();
       values += m.values;
       return log_probs;
     });
-    if (metric_stories_ > 0) attention_metrics(config, r);
     return r;
+  }
+
+  /// What each layer's keys and values look like in the full-precision run (pre-RoPE, all
+  /// stories): why one layer tolerates fewer bits than another.
+  struct LayerGeometry {
+    double key_norm = 0;       // mean L2 norm of a head's key row
+    double value_norm = 0;     // mean L2 norm of a head's value row
+    double key_outliers = 0;   // largest channel's mean |k| over the median channel's, mean over KV heads
+  };
+  std::vector<LayerGeometry> layer_geometry() const {
+    const llama::LlamaConfig& m = model_.config();
+    const std::size_t d = m.head_dim;
+    std::vector<LayerGeometry> out(m.layers);
+    for (std::size_t l = 0; l < m.layers; ++l) {
+      std::size_t rows = 0;
+      std::vector<double> channel(m.kv_heads * d, 0.0);
+      for (const Run& run : exact_) {
+        const std::vector<float>&k = run.k[l], &v = run.v[l];
+        for (std::size_t r = 0; r * d < k.size(); ++r, ++rows) {
+          double kk = 0, vv = 0;
+          for (std::size_t c = 0; c < d; ++c) {
+            kk += double(k[r * d + c]) * k[r * d + c];
+            vv += double(v[r * d + c]) * v[r * d + c];
+            channel[(r % m.kv_heads) * d + c] += std::abs(double(k[r * d + c]));
+          }
+          out[l].key_norm += std::sqrt(kk);
+          out[l].value_norm += std::sqrt(vv);
+        }
+      }
+      out[l].key_norm /= double(rows);
+      out[l].value_norm /= double(rows);
+      for (std::size_t h = 0; h < m.kv_heads; ++h) {
+        std::vector<double> c(channel.begin() + std::ptrdiff_t(h * d), channel.begin() + std::ptrdiff_t((h + 1) * d));
+        std::nth_element(c.begin(), c.begin() + std::ptrdiff_t(d / 2), c.end());
+        const double median = c[d / 2], largest = *std::max_element(c.begin(), c.end());
+        out[l].key_outliers += (median > 0 ? largest / median : 0.0) / double(m.kv_heads);
+      }
+    }
+    return out;
   }
 
   /// An engine format, simulated: the fp32 backend storing each row as the engine would. Its

@@ -21,6 +21,7 @@
 #include "kvq/cache/block_store.hpp"
 #include "kvq/cache/cache_config.hpp"
 #include "kvq/cache/kv_cache.hpp"
+#include "kvq/cache/layered_kv_cache.hpp"
 #include "kvq/cache/memory.hpp"
 #include "kvq/cache/serialize.hpp"
 #include "kvq/pool/kv_pool.hpp"

@@ -3,8 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <random>
+#include <span>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -511,6 +515,93 @@ TEST(EvalCli, ShortContextFlagsTheWindowEndToEnd) {
   EXPECT_NE(out.str().find("k2c32-v2t8-r64-s0*"), std::string::npos) << out.str();
   EXPECT_EQ(out.str().find("k2c32-v2t8-r16-s0*"), std::string::npos) << out.str();
   EXPECT_NE(out.str().find("longest story (48 tokens)"), std::string::npos) << out.str();
+}
+
+// The advisor: its choice is exact under its additive model, within the budget, never worse
+// than the best uniform configuration it measured, and written in a form the library loads.
+
+TEST(EvalAdvisor, ChoiceMatchesExhaustiveSearch) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> kl(0.0, 1.0), b(2.0, 9.0);
+  for (int trial = 0; trial < 50; ++trial) {
+    const std::size_t layers = 1 + trial % 4, n = 2 + trial % 5;
+    std::vector<double> bits(n);
+    for (double& x : bits) x = b(rng);
+    std::vector<std::vector<double>> alone(layers, std::vector<double>(n));
+    for (auto& row : alone)
+      for (double& x : row) x = kl(rng);
+    const double budget = b(rng);
+    double best = std::numeric_limits<double>::infinity();
+    std::vector<std::size_t> pick(layers, 0);
+    for (std::size_t code = 0, total = std::size_t(std::pow(double(n), double(layers))); code < total; ++code) {
+      double sum_bits = 0, sum_kl = 0;
+      for (std::size_t l = 0, c = code; l < layers; ++l, c /= n) sum_bits += bits[c % n], sum_kl += alone[l][c % n];
+      if (sum_bits <= budget * double(layers)) best = std::min(best, sum_kl);
+    }
+    const auto choices = kvq::eval::choose_layers(alone, bits, budget, 3);
+    if (!std::isfinite(best)) {
+      EXPECT_TRUE(choices.empty()) << "trial " << trial;
+      continue;
+    }
+    ASSERT_FALSE(choices.empty()) << "trial " << trial;
+    double sum_bits = 0, sum_kl = 0;
+    for (std::size_t l = 0; l < layers; ++l) sum_bits += bits[choices[0][l]], sum_kl += alone[l][choices[0][l]];
+    EXPECT_LE(sum_bits, budget * double(layers) * (1 + 1e-9)) << "trial " << trial;
+    EXPECT_NEAR(sum_kl, best, 1e-12) << "trial " << trial;
+  }
+}
+
+TEST_F(EvalModel, AdvisorBeatsOrMatchesTheBestUniformConfigurationWithinItsBudget) {
+  std::vector<kvq::CacheConfig> candidates;
+  for (const char* c : {"k16-v16-r0-s0", "k2c32-v2c32-r0-s0", "k3c32-v2c32-r0-s0", "k4c32-v2c32-r0-s0", "k2c32-v4c32-r0-s0",
+                        "k4c32-v4c32-r0-s0", "k8c32-v8c32-r0-s0", "k2t8-v2t8-r0-s0"})
+    candidates.push_back(kvq::parse_cache_config(c));
+  const std::size_t layers = model_->config().layers;
+  const auto serial = [](std::size_t n, auto job) {
+    for (std::size_t i = 0; i < n; ++i) job(i);
+  };
+  // Two stories of 96 tokens: three whole key groups each, so 2-bit keys and values cost 3 bits.
+  const std::vector<std::vector<int>> stories(eval_stories_.begin(), eval_stories_.begin() + 2);
+  std::vector<std::vector<int>> short_stories;
+  for (const auto& s : stories) short_stories.emplace_back(s.begin(), s.begin() + std::min<std::ptrdiff_t>(96, std::ssize(s)));
+  const kvq::eval::ModelEvaluation evaluation(*model_, short_stories, 0);
+  const double budget = 3.4;
+  const kvq::eval::Advice a = kvq::eval::advise(evaluation, layers, candidates, budget, serial);
+  ASSERT_EQ(a.choice.size(), layers);
+  EXPECT_LE(a.advised.bits_per_value, budget + 1e-9);
+  ASSERT_TRUE(a.best_uniform.has_value());
+  EXPECT_LE(a.advised.mean_kl, a.uniform[*a.best_uniform].mean_kl);
+  // A layer alone costs less than every layer at once, and fp16 alone next to nothing.
+  for (std::size_t l = 0; l < layers; ++l) {
+    EXPECT_LT(a.alone[l][0], 1e-4) << "layer " << l;
+    EXPECT_LT(a.alone[l][1], a.uniform[1].mean_kl) << "layer " << l;
+  }
+  // The printed configuration is what the library loads, and loads back as the choice.
+  std::ostringstream out;
+  kvq::eval::print_advice(out, a);
+  const std::string text = kvq::to_string(std::span<const kvq::CacheConfig>(a.configs()));
+  EXPECT_NE(out.str().find(text), std::string::npos) << out.str();
+  EXPECT_EQ(kvq::parse_layer_configs(text, layers), a.configs());
+  // The advised bits are the mean of the chosen layers' uniform bits: layers have one shape.
+  double mean_bits = 0;
+  for (const std::size_t c : a.choice) mean_bits += a.uniform[c].bits_per_value / double(layers);
+  EXPECT_NEAR(a.advised.bits_per_value, mean_bits, 1e-9);
+}
+
+TEST(EvalCli, AdviseOptions) {
+  std::string msg;
+  EXPECT_EQ(run_cli({"--budget", "4"}, msg), 1);
+  EXPECT_NE(msg.find("--budget applies to --advise only"), std::string::npos) << msg;
+  for (const char* bad : {"0", "-1", "abc", "4x", "nan", "inf", ""}) {
+    EXPECT_EQ(run_cli({"--advise", "--budget", bad}, msg), 1) << bad;
+    EXPECT_NE(msg.find("--budget needs a positive number"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(run_cli({"--advise", "--configs", "k4c32-v2t8-r0-s0"}, msg), 1);
+  EXPECT_NE(msg.find("does not combine"), std::string::npos) << msg;
+  if (std::filesystem::exists(kvq::llama::default_model_path())) {
+    EXPECT_EQ(run_cli({"--advise", "--budget", "1.5", "--stories", "1", "--context", "16"}, msg), 1);
+    EXPECT_NE(msg.find("below the smallest configuration"), std::string::npos) << msg;
+  }
 }
 
 }  // namespace

@@ -1,8 +1,10 @@
 // libFuzzer target: configuration strings. Whatever parses must print back as itself (one
 // spelling per configuration) and either build, fill and attend a small cache or be refused
-// with a kvq::Error; nothing may crash, leak or hit undefined behaviour.
+// with a kvq::Error; per-layer texts must parse to configurations that print and parse back as
+// the same; nothing may crash, leak or hit undefined behaviour.
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -11,6 +13,11 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);
+  try {
+    const std::vector<kvq::CacheConfig> layers = kvq::parse_layer_configs(text);
+    if (kvq::parse_layer_configs(kvq::to_string(std::span<const kvq::CacheConfig>(layers))) != layers) __builtin_trap();
+  } catch (const kvq::Error&) {
+  }
   kvq::CacheConfig config;
   try {
     config = kvq::parse_cache_config(text);

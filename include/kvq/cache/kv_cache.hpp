@@ -309,6 +309,18 @@ class BasicKVCache {
     }
   }
 
+  /// The checks of truncate(length), without changing anything; `why` receives the reason
+  /// (the error's message) when the cut is out of reach.
+  bool can_truncate(std::size_t length, std::string* why = nullptr) const {
+    try {
+      check_truncate(length);
+      return true;
+    } catch (const Error& e) {
+      if (why != nullptr) *why = e.message();
+      return false;
+    }
+  }
+
   /// Drops tokens from `length` on in every layer (a no-op for layers holding no more), e.g. to
   /// roll back rejected speculative tokens. Quantized groups and tokens that a cache of `length`
   /// tokens would not have quantized yet are re-opened from their full-precision rows, and tokens

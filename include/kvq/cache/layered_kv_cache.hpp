@@ -1,0 +1,178 @@
+#pragma once
+// LayeredKVCache: one configuration per layer. Layers differ in how much quantization they
+// tolerate (kvq-eval --advise measures it), so a cache may keep more bits, a longer window or
+// no quantization at all in the layers that need it, and fewer bits elsewhere.
+//
+// Each layer is a one-layer BasicKVCache of its own configuration; all share one RoPE table.
+// Attention, metrics and save() take layer(l) with layer index 0, exactly as they take a
+// KVCache: a layer's bytes, and so its attention, are those of a KVCache of that configuration
+// that received the same tokens.
+//
+// Per-layer configuration text (parse_layer_configs / to_string): the layers' configuration
+// strings in layer order, separated by ';', a run of equal layers written once as "<config>*<n>":
+//   "k8c32-v4t32-r32-s4;k4c32-v2t32-r32-s4*14;k16-v16-r0-s0"
+
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kvq/cache/cache_config.hpp"
+#include "kvq/cache/kv_cache.hpp"
+#include "kvq/cache/memory.hpp"
+#include "kvq/error.hpp"
+#include "kvq/rope/rope.hpp"
+
+namespace kvq::inline v0 {
+
+/// "a;b*3;c" -> {a, b, b, b, c}. Throws kvq::Error (invalid_argument) naming the item that is
+/// wrong, or the count when `layers` is given (non-zero) and the text names another number.
+inline std::vector<CacheConfig> parse_layer_configs(std::string_view text, std::size_t layers = 0) {
+  const std::string original(text);
+  auto fail = [&](const std::string& why) {
+    throw Error(ErrorCode::invalid_argument, "per-layer configuration '" + original + "': " + why +
+                                                 " (expected e.g. k8c32-v4t32-r32-s0;k4c32-v2t32-r32-s0*3)");
+  };
+  constexpr std::size_t max_repeat = 4096;  // layers: far beyond any model
+  std::vector<CacheConfig> configs;
+  std::size_t item = 0;
+  while (true) {
+    ++item;
+    const std::size_t end = text.find(';');
+    std::string_view part = text.substr(0, end);
+    std::size_t repeat = 1;
+    if (const std::size_t star = part.find('*'); star != std::string_view::npos) {
+      const std::string_view count = part.substr(star + 1);
+      repeat = 0;
+      for (const char c : count) {
+        if (c < '0' || c > '9' || repeat > max_repeat) fail("item " + std::to_string(item) + ": '*' needs a count in plain digits");
+        repeat = repeat * 10 + std::size_t(c - '0');
+      }
+      if (count.empty() || count.front() == '0' || repeat > max_repeat)
+        fail("item " + std::to_string(item) + ": '*' needs a count from 1 to " + std::to_string(max_repeat));
+      part = part.substr(0, star);
+    }
+    if (part.empty()) fail("item " + std::to_string(item) + " is empty");
+    CacheConfig config;
+    try {
+      config = parse_cache_config(part);
+    } catch (const Error& e) {
+      fail("item " + std::to_string(item) + ": " + e.message());
+    }
+    if (configs.size() + repeat > max_repeat) fail("more than " + std::to_string(max_repeat) + " layers");
+    configs.insert(configs.end(), repeat, config);
+    if (end == std::string_view::npos) break;
+    text.remove_prefix(end + 1);
+  }
+  if (layers != 0 && configs.size() != layers)
+    fail("names " + std::to_string(configs.size()) + " layers; the model has " + std::to_string(layers));
+  return configs;
+}
+
+/// The text parse_layer_configs reads back as `configs`, runs of equal layers joined.
+inline std::string to_string(std::span<const CacheConfig> configs) {
+  std::string s;
+  for (std::size_t i = 0; i < configs.size();) {
+    std::size_t run = 1;
+    while (i + run < configs.size() && configs[i + run] == configs[i]) ++run;
+    if (!s.empty()) s += ';';
+    s += to_string(configs[i]);
+    if (run > 1) s += '*' + std::to_string(run);
+    i += run;
+  }
+  return s;
+}
+
+class LayeredKVCache {
+ public:
+  /// configs: one per layer of `shape` (shape.layers of them). Validates every layer's
+  /// configuration against the shape before anything is allocated.
+  LayeredKVCache(const CacheShape& shape, std::vector<CacheConfig> configs) : shape_(shape) {
+    if (configs.size() != shape.layers)
+      throw Error(ErrorCode::shape_mismatch, "layered cache: " + std::to_string(configs.size()) + " configurations for " +
+                                                 std::to_string(shape.layers) + " layers");
+    CacheShape one = shape;
+    one.layers = 1;
+    for (std::size_t l = 0; l < configs.size(); ++l) {
+      try {
+        validate(one, configs[l]);
+      } catch (const Error& e) {
+        throw Error(e.code(), relabel(e.message(), l));
+      }
+    }
+    const auto rope = std::make_shared<const RopeTable>(shape.rope(), shape.capacity);
+    layers_.reserve(configs.size());
+    for (const CacheConfig& c : configs) layers_.emplace_back(one, c, nullptr, rope);
+  }
+  /// Every layer with the same configuration.
+  LayeredKVCache(const CacheShape& shape, const CacheConfig& config)
+      : LayeredKVCache(shape, std::vector<CacheConfig>(shape.layers, config)) {}
+
+  const CacheShape& shape() const noexcept { return shape_; }
+  std::size_t layers() const noexcept { return layers_.size(); }
+  const CacheConfig& config(std::size_t layer) const { return at(layer, "config").config(); }
+  std::vector<CacheConfig> configs() const {
+    std::vector<CacheConfig> out;
+    for (const BasicKVCache& c : layers_) out.push_back(c.config());
+    return out;
+  }
+  const RopeTable& rope() const noexcept { return layers_.front().rope(); }
+
+  /// Layer `layer` as a one-layer cache: attention and metrics read it with layer index 0.
+  const BasicKVCache& layer(std::size_t layer) const { return at(layer, "layer"); }
+  std::size_t length(std::size_t layer) const { return at(layer, "length").length(0); }
+
+  /// BasicKVCache::append on one layer: keys pre-RoPE unless that layer's configuration says
+  /// post. All-or-nothing; errors name the layer.
+  void append(std::size_t layer, std::size_t position, std::span<const float> keys, std::span<const float> values) {
+    BasicKVCache& c = at(layer, "append");
+    try {
+      c.append(0, position, keys, values);
+    } catch (const Error& e) {
+      throw Error(e.code(), relabel(e.message(), layer));
+    }
+  }
+
+  /// BasicKVCache::truncate in every layer. Checked in every layer before any changes: when
+  /// one layer cannot reach `length` exactly, kvq::Error (unsupported) names it and nothing changes.
+  void truncate(std::size_t length) {
+    for (std::size_t l = 0; l < layers_.size(); ++l)
+      if (std::string why; !layers_[l].can_truncate(length, &why))
+        throw Error(ErrorCode::unsupported, relabel(why, l));
+    for (BasicKVCache& c : layers_) c.truncate(length);  // checked above; no block is shared
+  }
+
+  /// Bytes held, summed over the layers.
+  MemoryUsage memory() const noexcept {
+    MemoryUsage total;
+    for (const BasicKVCache& c : layers_) total += c.memory();
+    return total;
+  }
+
+ private:
+  /// A one-layer cache's message names its layer 0: name the layer it is here.
+  static std::string relabel(const std::string& message, std::size_t layer) {
+    const std::string here = "layer " + std::to_string(layer);
+    if (message.starts_with("layer 0") && (message.size() == 7 || message[7] < '0' || message[7] > '9'))
+      return here + message.substr(7);
+    return here + ": " + message;
+  }
+
+  BasicKVCache& at(std::size_t layer, const char* operation) {
+    return const_cast<BasicKVCache&>(std::as_const(*this).at(layer, operation));
+  }
+  const BasicKVCache& at(std::size_t layer, const char* operation) const {
+    if (layer >= layers_.size())
+      throw Error(ErrorCode::invalid_argument, std::string("layered cache ") + operation + ": layer " +
+                                                   std::to_string(layer) + " of " + std::to_string(layers_.size()));
+    return layers_[layer];
+  }
+
+  CacheShape shape_;
+  std::vector<BasicKVCache> layers_;
+};
+
+}  // namespace kvq::inline v0

@@ -1,0 +1,163 @@
+// LayeredKVCache: one configuration per layer. Each layer holds exactly what a cache of its
+// configuration holds after the same tokens; errors name the layer; truncate is all-or-nothing;
+// the per-layer text reads back as itself and names what is wrong.
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvq/cache/layered_kv_cache.hpp"
+
+namespace {
+
+kvq::CacheShape shape(std::size_t layers) {
+  return kvq::CacheShape{.layers = layers, .kv_heads = 2, .head_dim = 24, .capacity = 200};
+}
+
+std::vector<float> random_rows(std::size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+const std::vector<kvq::CacheConfig> mixed = kvq::parse_layer_configs(
+    "k8c32-v4t24-r16-s2;k2c32-v2t24-r0-s0;k16-v16-r0-s0-f32;k4c32-v2t24-r32-s0-post", 4);
+
+TEST(LayeredKVCache, EachLayerHoldsWhatACacheOfItsConfigurationHolds) {
+  kvq::LayeredKVCache layered(shape(4), mixed);
+  std::vector<kvq::BasicKVCache> alone;
+  for (const kvq::CacheConfig& c : mixed) alone.emplace_back(shape(1), c);
+  std::mt19937 rng(3);
+  const std::size_t row = 2 * 24;
+  for (std::size_t position = 0; position < 150;) {
+    const std::size_t tokens = 1 + rng() % 9;
+    for (std::size_t l = 0; l < 4; ++l) {
+      const auto k = random_rows(tokens * row, rng), v = random_rows(tokens * row, rng);
+      layered.append(l, position, k, v);
+      alone[l].append(0, position, k, v);
+    }
+    position += tokens;
+  }
+  kvq::MemoryUsage sum;
+  for (std::size_t l = 0; l < 4; ++l) {
+    EXPECT_EQ(layered.config(l), mixed[l]);
+    EXPECT_EQ(layered.length(l), alone[l].length(0));
+    EXPECT_EQ(layered.layer(l).stored_bytes(), alone[l].stored_bytes()) << "layer " << l;
+    sum += alone[l].memory();
+  }
+  EXPECT_EQ(layered.memory().total_bytes(), sum.total_bytes());
+  EXPECT_EQ(layered.memory().values, sum.values);
+  // Layers differ: the 2-bit layer is the smallest, the f32 one the largest.
+  EXPECT_LT(alone[1].memory().total_bytes(), alone[0].memory().total_bytes());
+  EXPECT_GT(alone[2].memory().total_bytes(), alone[0].memory().total_bytes());
+
+  // A uniform configuration holds what one multi-layer cache holds, layer by layer.
+  kvq::LayeredKVCache uniform(shape(3), mixed[0]);
+  kvq::BasicKVCache together(shape(3), mixed[0]);
+  for (std::size_t l = 0; l < 3; ++l) {
+    const auto k = random_rows(40 * row, rng), v = random_rows(40 * row, rng);
+    uniform.append(l, 0, k, v);
+    together.append(l, 0, k, v);
+  }
+  EXPECT_EQ(uniform.memory().total_bytes(), together.memory().total_bytes());
+  for (std::size_t l = 0; l < 3; ++l)
+    for (std::size_t p = 0; p < 40; p += 13) {
+      std::vector<float> a(24), b(24);
+      uniform.layer(l).read_row(kvq::Tensor::keys, 0, 1, p, a.data());
+      together.read_row(kvq::Tensor::keys, l, 1, p, b.data());
+      EXPECT_EQ(a, b) << "layer " << l << " position " << p;
+    }
+}
+
+TEST(LayeredKVCache, ErrorsNameTheLayerAndChangeNothing) {
+  std::vector<kvq::CacheConfig> configs = mixed;
+  configs[3].window = 0;          // layer 3 packs every complete group at once
+  configs[3].rollback_depth = 0;  // and cannot re-open what it packed
+  kvq::LayeredKVCache cache(shape(4), configs);
+  std::mt19937 rng(5);
+  const std::size_t row = 2 * 24;
+  for (std::size_t l = 0; l < 4; ++l) cache.append(l, 0, random_rows(100 * row, rng), random_rows(100 * row, rng));
+
+  std::vector<std::vector<std::uint8_t>> before;
+  for (std::size_t l = 0; l < 4; ++l) before.push_back(cache.layer(l).stored_bytes());
+  try {
+    cache.truncate(90);  // re-opens [64, 96) in layer 3, which kept no rows to do it with
+    FAIL() << "truncate past layer 3's reach succeeded";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::unsupported);
+    EXPECT_NE(std::string(e.what()).find("layer 3"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("layer 0"), std::string::npos) << e.what();
+  }
+  for (std::size_t l = 0; l < 4; ++l) {
+    EXPECT_EQ(cache.length(l), 100u);
+    EXPECT_EQ(cache.layer(l).stored_bytes(), before[l]) << "layer " << l;
+  }
+  cache.truncate(98);  // within every layer's reach
+  for (std::size_t l = 0; l < 4; ++l) EXPECT_EQ(cache.length(l), 98u);
+
+  auto bad = random_rows(2 * row, rng);
+  bad[5] = std::numeric_limits<float>::quiet_NaN();
+  try {
+    cache.append(2, 98, bad, random_rows(2 * row, rng));
+    FAIL() << "a NaN key was accepted";
+  } catch (const kvq::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 2"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("layer 0"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cache.length(2), 98u);
+  EXPECT_THROW(cache.append(4, 98, random_rows(row, rng), random_rows(row, rng)), kvq::Error);
+  EXPECT_THROW((void)cache.layer(4), kvq::Error);
+  EXPECT_THROW(kvq::LayeredKVCache(shape(3), mixed), kvq::Error);  // four configurations, three layers
+  std::vector<kvq::CacheConfig> too_wide = mixed;
+  too_wide[1].value.group = 32;  // per-token groups wider than head_dim 24
+  try {
+    kvq::LayeredKVCache c(shape(4), too_wide);
+    FAIL() << "a group wider than the head was accepted";
+  } catch (const kvq::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 1"), std::string::npos) << e.what();
+  }
+}
+
+TEST(LayerConfigs, TextReadsBackAndNamesWhatIsWrong) {
+  const std::string text = kvq::to_string(std::span<const kvq::CacheConfig>(mixed));
+  EXPECT_EQ(text, "k8c32-v4t24-r16-s2;k2c32-v2t24-r0-s0;k16-v16-r0-s0-f32;k4c32-v2t24-r32-s0-post");
+  EXPECT_EQ(kvq::parse_layer_configs(text), mixed);
+  const auto runs = kvq::parse_layer_configs("k4c32-v2t32-r0-s0*3;k8c32-v8t32-r0-s0;k4c32-v2t32-r0-s0*2");
+  ASSERT_EQ(runs.size(), 6u);
+  EXPECT_EQ(runs[0], runs[2]);
+  EXPECT_NE(runs[2], runs[3]);
+  EXPECT_EQ(kvq::to_string(std::span<const kvq::CacheConfig>(runs)),
+            "k4c32-v2t32-r0-s0*3;k8c32-v8t32-r0-s0;k4c32-v2t32-r0-s0*2");
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"", "item 1 is empty"},
+      {"k4c32-v2t32-r0-s0;", "item 2 is empty"},
+      {"k4c32-v2t32-r0-s0*0", "'*' needs a count"},
+      {"k4c32-v2t32-r0-s0*", "'*' needs a count"},
+      {"k4c32-v2t32-r0-s0*2x", "'*' needs a count"},
+      {"k4c32-v2t32-r0-s0*99999999999999999999", "'*' needs a count"},
+      {"k4c32-v2t32-r0-s0;k4x32-v2t32-r0-s0", "item 2"},
+  };
+  for (const auto& [input, expected] : bad) {
+    try {
+      (void)kvq::parse_layer_configs(input);
+      ADD_FAILURE() << "'" << input << "' was accepted";
+    } catch (const kvq::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << input << ": " << e.what();
+    }
+  }
+  try {
+    (void)kvq::parse_layer_configs("k4c32-v2t32-r0-s0*3", 5);
+    ADD_FAILURE() << "three layers accepted for five";
+  } catch (const kvq::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("names 3 layers; the model has 5"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
