@@ -4,7 +4,14 @@
 # clang and its runtime libraries build the libFuzzer targets (the test-fuzz workflow).
 set -euo pipefail
 
+# `--aarch64` adds Debian's AArch64 cross compiler and qemu-user for the aarch64 preset.
 packages=(g++ cmake make libeigen3-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev clang libclang-rt-14-dev)
+for arg in "$@"; do
+  case "$arg" in
+    --aarch64) packages+=(g++-aarch64-linux-gnu qemu-user) ;;
+    *) echo "install-deps: unknown option '$arg' (expected --aarch64)" >&2; exit 2 ;;
+  esac
+done
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,11 +1,14 @@
 // kvq-conversations: several conversations that share a system prompt, held in one KVPool on a
 // real model. Prints the memory per conversation with the prompt's blocks shared (fork) and with
 // each conversation holding its own copy, checks that both give the same text, and rolls back
-// rejected speculative tokens exactly.
-//   kvq-conversations [--model PATH] [--config TEXT] [--conversations N] [--steps N]
+// rejected speculative tokens exactly. Prompts and drafts are fed as an engine feeds them: in
+// chunks through kvq::attend, each chunk attending to its own keys and values exactly before
+// the pool stores them; generated tokens one at a time through decode attention.
+//   kvq-conversations [--model PATH] [--config TEXT] [--conversations N] [--steps N] [--prefill-chunk N]
 
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -35,18 +38,33 @@ class PoolBackend {
   void attend(std::size_t layer, std::size_t position, std::span<const float> q, std::span<float> out) {
     kvq::decode_attention(pool_.sequence(id_), layer, position, q, out);
   }
+  /// A chunk of new positions: the stored prefix and, causally and exactly, the chunk's own
+  /// keys and values, which the model appends afterwards.
+  void attend_chunk(std::size_t layer, std::size_t first_position, std::size_t tokens, std::span<const float> q,
+                    std::span<const float> k, std::span<const float> v, std::span<float> out) {
+    kvq::attend(kvq::AttentionRequest{.cache = &pool_.sequence(id_), .layer = layer, .first_position = first_position,
+                                      .tokens = tokens, .queries = q, .new_keys = k, .new_values = v, .out = out});
+  }
 
  private:
   kvq::KVPool& pool_;
   kvq::SequenceId id_;
 };
-static_assert(kvq::llama::KVBackend<PoolBackend>);
+static_assert(kvq::llama::ChunkedKVBackend<PoolBackend>);
 
-/// Feeds tokens[from, size) at their positions, then generates `steps` greedy tokens.
+/// Feeds tokens[from, size): with `chunk` > 0 all but the last in chunks of that many tokens,
+/// then one token at a time (the last for its logits); then generates `steps` greedy tokens.
 std::vector<int> continue_greedy(const kvq::llama::Model& model, PoolBackend kv, std::vector<int> tokens, std::size_t from,
-                                 std::size_t steps) {
-  std::vector<float> logits(model.config().vocab);
-  for (std::size_t pos = from; pos < tokens.size(); ++pos) model.forward(tokens[pos], pos, kv, logits);
+                                 std::size_t steps, std::size_t chunk) {
+  const std::size_t vocab = model.config().vocab;
+  std::vector<float> logits(vocab), chunk_logits(chunk * vocab);
+  std::size_t pos = from;
+  while (chunk > 0 && pos + 1 < tokens.size()) {
+    const std::size_t n = std::min(chunk, tokens.size() - 1 - pos);
+    model.forward_chunk(std::span<const int>(tokens).subspan(pos, n), pos, kv, std::span<float>(chunk_logits).first(n * vocab));
+    pos += n;
+  }
+  for (; pos < tokens.size(); ++pos) model.forward(tokens[pos], pos, kv, logits);
   for (std::size_t i = 0; i < steps; ++i) {
     tokens.push_back(kvq::llama::argmax(logits));
     model.forward(tokens.back(), tokens.size() - 1, kv, logits);
@@ -68,7 +86,7 @@ std::size_t parse_count(std::string_view flag, const std::string& v) {
 
 int run(int argc, char** argv) {
   std::string model_path = kvq::llama::default_model_path().string(), config_text = "k4c32-v2t8-r32-s1";
-  std::size_t conversations = 6, steps = 32;
+  std::size_t conversations = 6, steps = 32, chunk = 64;
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
     const auto value = [&]() -> std::string {
@@ -79,8 +97,10 @@ int run(int argc, char** argv) {
     else if (arg == "--config") config_text = value();
     else if (arg == "--conversations") conversations = parse_count(arg, value());
     else if (arg == "--steps") steps = parse_count(arg, value());
+    else if (arg == "--prefill-chunk") chunk = parse_count(arg, value());
     else if (arg == "--help" || arg == "-h") {
-      fmt::print("usage: kvq-conversations [--model PATH] [--config TEXT] [--conversations N] [--steps N]\n");
+      fmt::print("usage: kvq-conversations [--model PATH] [--config TEXT] [--conversations N] [--steps N] "
+                 "[--prefill-chunk N (default 64)]\n");
       return 0;
     } else {
       throw kvq::Error(kvq::ErrorCode::invalid_argument, "unknown argument '" + std::string(arg) + "' (try --help)");
@@ -126,7 +146,7 @@ int run(int argc, char** argv) {
   kvq::KVPool shared(shape, config), separate(shape, config);
 
   const kvq::SequenceId base = shared.add_sequence();
-  (void)continue_greedy(model, PoolBackend(shared, base), prompt, 0, 0);
+  (void)continue_greedy(model, PoolBackend(shared, base), prompt, 0, 0, chunk);
   std::vector<std::vector<int>> texts(conversations);
   bool same_text = true;
   std::vector<kvq::SequenceId> ids;
@@ -137,14 +157,19 @@ int run(int argc, char** argv) {
       throw kvq::Error(kvq::ErrorCode::invalid_argument, "--steps " + std::to_string(steps) + " runs past the model's " +
                                                              std::to_string(m.context_length) + " positions");
     ids.push_back(shared.fork(base, prompt.size()));
-    texts[c] = continue_greedy(model, PoolBackend(shared, ids.back()), start, prompt.size(), steps);
-    const std::vector<int> alone = continue_greedy(model, PoolBackend(separate, separate.add_sequence()), start, 0, steps);
+    texts[c] = continue_greedy(model, PoolBackend(shared, ids.back()), start, prompt.size(), steps, chunk);
+    // Its own copy of the prompt, fed in the same pieces: chunk boundaries change the keys and
+    // values a model computes (a chunk sees its own exact, the rest quantized).
+    const kvq::SequenceId own = separate.add_sequence();
+    (void)continue_greedy(model, PoolBackend(separate, own), prompt, 0, 0, chunk);
+    const std::vector<int> alone = continue_greedy(model, PoolBackend(separate, own), start, prompt.size(), steps, chunk);
     same_text = same_text && alone == texts[c];
   }
 
   const kvq::PoolMemory with = shared.memory(), without = separate.memory();
   const double kib = 1024.0;
-  fmt::print("{} conversations: a {}-token prompt, an opening, {} tokens generated\n", conversations, prompt.size(), steps);
+  fmt::print("{} conversations: a {}-token prompt, an opening, {} tokens generated; prompts in chunks of {}\n",
+             conversations, prompt.size(), steps, chunk);
   fmt::print("{} ({} layers, {} KV heads x {}), {}, blocks of {} positions\n",
              std::filesystem::path(model_path).filename().string(), m.layers, m.kv_heads, m.head_dim, config_text,
              shape.block_tokens);
@@ -161,11 +186,14 @@ int run(int argc, char** argv) {
   const std::size_t length = shared.sequence(id).length(0);
   std::vector<int> drafted = texts.front();
   for (const int t : tokenizer.encode(" and the and the and the", false)) drafted.push_back(t);
-  (void)continue_greedy(model, PoolBackend(shared, id), drafted, length, 0);
+  (void)continue_greedy(model, PoolBackend(shared, id), drafted, length, 0, chunk);  // verified in one chunk
   shared.truncate(id, length - 1);  // the drafts and the last token, which runs again for its logits
-  const std::vector<int> after = continue_greedy(model, PoolBackend(shared, id), texts.front(), length - 1, 16);
+  const std::vector<int> after = continue_greedy(model, PoolBackend(shared, id), texts.front(), length - 1, 16, chunk);
+  // Never drafting: the opening fed as conversation 0 fed it, its generated tokens one at a time.
   const kvq::SequenceId plain = shared.fork(base, prompt.size());
-  const std::vector<int> reference = continue_greedy(model, PoolBackend(shared, plain), texts.front(), prompt.size(), 16);
+  const std::vector<int> opened(texts.front().begin(), texts.front().end() - std::ptrdiff_t(steps));
+  (void)continue_greedy(model, PoolBackend(shared, plain), opened, prompt.size(), 0, chunk);
+  const std::vector<int> reference = continue_greedy(model, PoolBackend(shared, plain), texts.front(), opened.size(), 16, 0);
   fmt::print("  rollback of {} drafts:    {}\n", drafted.size() - texts.front().size(),
              after == reference ? "exact (same tokens as never drafting)" : "DIFFERS");
   fmt::print("\nconversation 0 after the prompt:{}\n",

@@ -102,6 +102,18 @@ TEST(LayeredKVCache, ErrorsNameTheLayerAndChangeNothing) {
   cache.truncate(98);  // within every layer's reach
   for (std::size_t l = 0; l < 4; ++l) EXPECT_EQ(cache.length(l), 98u);
 
+  // A context shift that layer 3 refuses (its post-RoPE keys would keep their old rotation):
+  // named, nothing erased in any layer.
+  for (std::size_t l = 0; l < 4; ++l) before[l] = cache.layer(l).stored_bytes();
+  try {
+    cache.erase(96, 1);  // past every packed group, so only the post-RoPE rule can refuse it
+    FAIL() << "layer 3 shifted post-RoPE keys";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::unsupported);
+    EXPECT_NE(std::string(e.what()).find("layer 3"), std::string::npos) << e.what();
+  }
+  for (std::size_t l = 0; l < 4; ++l) EXPECT_EQ(cache.layer(l).stored_bytes(), before[l]) << "layer " << l;
+
   auto bad = random_rows(2 * row, rng);
   bad[5] = std::numeric_limits<float>::quiet_NaN();
   try {

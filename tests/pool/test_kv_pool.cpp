@@ -5,11 +5,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <limits>
 #include <map>
 #include <random>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "kvq/kvq.hpp"
 #include "support/cache_state.hpp"
@@ -444,6 +449,52 @@ TEST(KVPool, SavedPoolLoadsBackWithItsSharing) {
   }
 }
 
+// Pool files on disk: written beside the target and renamed into place, so a save that fails
+// leaves the file that was there; a missing file is an io error naming it.
+TEST(KVPool, PoolFilesReplaceTheOldFileOnlyWhenWrittenWhole) {
+  const CacheConfig config = config_of("k4c32-v2t32-r20-s3");
+  KVPool pool(small_pool(), config);
+  const PoolModel model = fill_pool(pool, 200, 4);
+  const auto dir = std::filesystem::temp_directory_path() / ("kvq_test_pool_files_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const auto path = dir / "session.kvqpool";
+  pool.save_file(path);
+  KVPool copy(small_pool(), config);
+  copy.load_file(path);
+  for (const auto& [id, tokens] : model)
+    kvq::test::expect_same_state(copy.sequence(id), pool.sequence(id), "sequence " + std::to_string(id));
+  EXPECT_FALSE(std::filesystem::exists(dir / "session.kvqpool.partial"));
+
+  // A save that cannot be written (its partial file's name is taken by a directory) fails and
+  // leaves the old file whole.
+  const auto old_size = std::filesystem::file_size(path);
+  (void)pool.add_sequence();  // the pool changed since the file was written
+  std::filesystem::create_directory(dir / "session.kvqpool.partial");
+  try {
+    pool.save_file(path);
+    ADD_FAILURE() << "saving over a blocked partial file succeeded";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::io);
+    EXPECT_NE(std::string(e.what()).find("session.kvqpool.partial"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(std::filesystem::file_size(path), old_size);
+  EXPECT_TRUE(std::filesystem::is_directory(dir / "session.kvqpool.partial")) << "what the save did not make stays";
+  KVPool again(small_pool(), config);
+  again.load_file(path);
+  EXPECT_EQ(again.sequence_count(), model.size());
+
+  try {
+    KVPool empty(small_pool(), config);
+    empty.load_file(dir / "missing.kvqpool");
+    ADD_FAILURE() << "no error for a missing file";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::io);
+    EXPECT_NE(std::string(e.what()).find("missing.kvqpool"), std::string::npos) << e.what();
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // Files for another pool, or a pool that cannot take one: named errors, nothing changed.
 TEST(KVPool, PoolFileForAnotherPoolIsRefused) {
   const CacheConfig config = config_of("k4c32-v2t32-r20-s3");
@@ -742,6 +793,151 @@ TEST(KVPool, RandomOperationsMatchFreshCaches) {
     for (const auto& [id, tokens] : model) pool.remove_sequence(id);
     EXPECT_EQ(pool.blocks().counts().in_use, 0u) << text;
   }
+}
+
+// A configuration per layer: layers of one configuration share a block store, and every layer
+// holds what a cache of its configuration fed the same tokens holds, through forks, appends and
+// rollbacks; the operations stay all-or-nothing across the layer groups, and errors name the
+// pool's layer.
+std::vector<CacheConfig> per_layer_configs() {
+  return kvq::parse_layer_configs("k4c32-v2t32-r20-s3;k16-v16-r0-s1-f32;k4c32-v2t32-r20-s3;k2c16-v4t32-r0-s0", 4);
+}
+
+PoolShape per_layer_pool(std::size_t blocks = 4096) {
+  PoolShape p = small_pool(blocks);
+  p.layers = 4;
+  return p;
+}
+
+TEST(KVPoolPerLayer, EveryLayerHoldsWhatACacheOfItsConfigurationHolds) {
+  const std::vector<CacheConfig> configs = per_layer_configs();
+  KVPool pool(per_layer_pool(), configs);
+  EXPECT_FALSE(pool.uniform());
+  EXPECT_EQ(pool.configs(), configs);
+  const std::size_t row = row_of(pool.shape().sequence_shape());
+  std::map<SequenceId, Tokens> model;
+  std::mt19937 rng(23);
+  const SequenceId a = pool.add_sequence();
+  auto extend = [&](SequenceId id, std::size_t n) {
+    Tokens& t = model[id];
+    const std::size_t from = t.size(row);
+    t.add(n, row, rng);
+    for (std::size_t l = 0; l < 4; ++l) pool.append(id, l, from, t.k(from, from + n, row), t.v(from, from + n, row));
+  };
+  extend(a, 150);
+  const SequenceId b = pool.fork(a, 150);
+  model[b] = model[a];
+  extend(b, 45);
+  const SequenceId c = pool.fork(a, 150);
+  model[c] = model[a];
+  extend(c, 8);
+  pool.truncate(c, 155);  // within every layer's reach
+  model[c].cut(155, row);
+  extend(c, 30);
+  EXPECT_GT(pool.memory().shared, 0u);
+  for (const auto& [id, tokens] : model)
+    for (std::size_t l = 0; l < 4; ++l) {
+      const KVPool::LayerView v = pool.layer(id, l);
+      EXPECT_EQ(v.cache.config(), configs[l]);
+      EXPECT_EQ(pool.length(id, l), tokens.size(row));
+      const BasicKVCache fresh = fresh_cache(v.cache.shape(), configs[l], tokens);
+      ASSERT_TRUE(v.cache.stored_bytes() == fresh.stored_bytes()) << "sequence " << id << " layer " << l;
+      EXPECT_EQ(decode_outputs(v.cache), decode_outputs(fresh)) << "sequence " << id << " layer " << l;
+    }
+  // The forks share the prefix block by block in every layer.
+  for (std::size_t l = 0; l < 4; ++l) {
+    const auto ha = pool.block_hashes(a, l), hb = pool.block_hashes(b, l);
+    ASSERT_FALSE(ha.empty()) << "layer " << l;
+    EXPECT_EQ(ha.front(), hb.front()) << "layer " << l;
+  }
+  // Used memory is every group's blocks in use and the sequences' own rows.
+  std::size_t blocks = 0, own = 0;
+  for (const auto& [id, tokens] : model)
+    for (std::size_t l = 0; l < 4; l += 1) {
+      const KVPool::LayerView v = pool.layer(id, l);
+      if (v.layer == 0) own += v.cache.own_bytes();
+    }
+  for (const std::size_t l : {0u, 1u, 3u}) blocks += pool.blocks(l).counts().in_use * pool.block_bytes(l);
+  EXPECT_EQ(pool.memory().used, blocks + own);
+  EXPECT_EQ(&pool.blocks(0), &pool.blocks(2)) << "one configuration, one store";
+  EXPECT_NE(&pool.blocks(0), &pool.blocks(1));
+  for (const auto& [id, tokens] : model) pool.remove_sequence(id);
+  for (const std::size_t l : {0u, 1u, 3u}) EXPECT_EQ(pool.blocks(l).counts().in_use, 0u) << "layer " << l;
+}
+
+TEST(KVPoolPerLayer, FailuresNameThePoolLayerAndChangeNothing) {
+  std::vector<CacheConfig> configs = per_layer_configs();
+  configs[3].rollback_depth = 0;  // layer 3 keeps no rows to re-open packed ones with
+  KVPool pool(per_layer_pool(), configs);
+  const std::size_t row = row_of(pool.shape().sequence_shape());
+  std::mt19937 rng(29);
+  Tokens t;
+  t.add(100, row, rng);
+  const SequenceId id = pool.add_sequence();
+  for (std::size_t l = 0; l < 4; ++l) pool.append(id, l, 0, t.k(0, 100, row), t.v(0, 100, row));
+  auto bytes = [&] {
+    std::vector<std::vector<std::uint8_t>> all;
+    for (std::size_t l = 0; l < 4; ++l) all.push_back(pool.layer(id, l).cache.stored_bytes());
+    return all;
+  };
+  const auto before = bytes();
+  const kvq::PoolMemory memory_before = pool.memory();
+  try {
+    pool.truncate(id, 90);  // re-opens packed groups in layer 3
+    FAIL() << "a rollback past layer 3's reach succeeded";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::unsupported);
+    EXPECT_NE(std::string(e.what()).find("layer 3"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(bytes() == before);
+  EXPECT_EQ(pool.length(id, 0), 100u);
+  try {
+    pool.erase(id, 1, 32);  // inside layers 0 and 2's sinks
+    FAIL() << "erasing sink positions succeeded";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::invalid_argument);
+  }
+  EXPECT_TRUE(bytes() == before);
+  std::vector<float> k(row, std::numeric_limits<float>::infinity()), v(row, 0.0f);
+  try {
+    pool.append(id, 3, 100, k, v);
+    FAIL() << "an infinite key was accepted";
+  } catch (const kvq::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sequence " + std::to_string(id) + ": layer 3"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(bytes() == before);
+  EXPECT_EQ(pool.memory().used, memory_before.used);
+
+  // What needs one configuration says so, and names the way to read a per-layer pool.
+  for (const auto& call : std::vector<std::function<void()>>{
+           [&] { (void)pool.sequence(id); }, [&] { (void)pool.config(); }, [&] { (void)pool.block_bytes(); },
+           [&] { std::ostringstream out; pool.save(out); }}) {
+    try {
+      call();
+      ADD_FAILURE() << "a per-layer pool answered a uniform pool's call";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::unsupported);
+      EXPECT_NE(std::string(e.what()).find("layer(id, l)"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW((void)pool.layer(id, 4), kvq::Error);
+  EXPECT_THROW(KVPool(per_layer_pool(), std::vector<CacheConfig>(3, per_layer_configs()[0])), kvq::Error);
+
+  // A full store: capacity_exceeded naming the pool layer, nothing changed. Each store gets the
+  // limit's share of its layers: 2 of 4 layers, 6 of 12 blocks of 64 positions.
+  KVPool tight(per_layer_pool(12), per_layer_configs());
+  const SequenceId s = tight.add_sequence();
+  Tokens long_tokens;
+  long_tokens.add(500, row, rng);
+  tight.append(s, 0, 0, long_tokens.k(0, 300, row), long_tokens.v(0, 300, row));
+  try {
+    tight.append(s, 2, 0, long_tokens.k(0, 500, row), long_tokens.v(0, 500, row));
+    FAIL() << "a full store took more blocks";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::capacity_exceeded);
+    EXPECT_NE(std::string(e.what()).find("layer 2"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(tight.length(s, 2), 0u);
 }
 
 TEST(KVPool, BadArgumentsAreNamed) {

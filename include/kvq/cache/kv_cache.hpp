@@ -38,6 +38,7 @@
 #include <vector>
 
 #include <memory>
+#include <optional>
 
 #include "kvq/cache/block_store.hpp"
 #include "kvq/cache/cache_config.hpp"
@@ -309,15 +310,24 @@ class BasicKVCache {
     }
   }
 
-  /// The checks of truncate(length), without changing anything; `why` receives the reason
-  /// (the error's message) when the cut is out of reach.
-  bool can_truncate(std::size_t length, std::string* why = nullptr) const {
+  /// The error truncate(length) would throw, or none: its checks without the change (a caller
+  /// holding several caches checks them all before truncating any).
+  std::optional<Error> truncate_error(std::size_t length) const {
     try {
       check_truncate(length);
-      return true;
+      return std::nullopt;
     } catch (const Error& e) {
-      if (why != nullptr) *why = e.message();
-      return false;
+      return e;
+    }
+  }
+
+  /// The error erase(first, count) would throw, or none, as truncate_error.
+  std::optional<Error> erase_error(std::size_t first, std::size_t count) const {
+    try {
+      if (count != 0) check_erase(first, count);
+      return std::nullopt;
+    } catch (const Error& e) {
+      return e;
     }
   }
 
@@ -331,13 +341,7 @@ class BasicKVCache {
   /// are then exact, but ring slots whose old rows are gone stay zero. Otherwise throws
   /// kvq::Error (unsupported) and changes nothing.
   void truncate(std::size_t length) {
-    check_truncate(length);
-    // Shared blocks the cut writes to are copied first: that can fail, and changes nothing visible.
-    for (std::size_t l = 0; l < shape_.layers; ++l)
-      if (length < lengths_[l]) {
-        const std::size_t k_end = truncated_end(Tensor::keys, l, length), v_end = truncated_end(Tensor::values, l, length);
-        prepare_blocks(l, first_block_row(length, k_end, v_end), blocks_for(length, k_end, v_end));
-      }
+    prepare_truncate(length);
     for (std::size_t l = 0; l < shape_.layers; ++l) {
       if (length >= lengths_[l]) continue;
       release_blocks(l, blocks_for(length, truncated_end(Tensor::keys, l, length), truncated_end(Tensor::values, l, length)));
@@ -365,11 +369,10 @@ class BasicKVCache {
   /// Throws kvq::Error and leaves the cache unchanged when the range or the layout forbids it.
   void erase(std::size_t first, std::size_t count) {
     if (count == 0) return;
-    check_erase(first, count);
     // Pending rows that move are staged here: allocated before anything changes.
     std::vector<std::uint8_t> staged(std::max(layouts_[0].ring_rows * row_size(layouts_[0]),
                                               layouts_[1].ring_rows * row_size(layouts_[1])));
-    for (std::size_t l = 0; l < shape_.layers; ++l) prepare_blocks(l, first - config_.sinks, tables_[l].size());
+    prepare_erase(first, count);
     for (std::size_t l = 0; l < shape_.layers; ++l) {
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         std::size_t& end = quantized_ends_[l * 2 + index(t)];
@@ -828,6 +831,23 @@ class BasicKVCache {
       if (lay.spec.has_zero_point()) std::memset(zeros, 0, param_bytes);
       r += n;
     }
+  }
+
+  // The first half of truncate and erase: the checks, then a private copy of every shared block
+  // the change would write to. That can fail (capacity_exceeded) and changes nothing visible, so
+  // a caller holding several caches (KVPool's layer groups) prepares them all before changing any.
+  void prepare_truncate(std::size_t length) {
+    check_truncate(length);
+    for (std::size_t l = 0; l < shape_.layers; ++l)
+      if (length < lengths_[l]) {
+        const std::size_t k_end = truncated_end(Tensor::keys, l, length), v_end = truncated_end(Tensor::values, l, length);
+        prepare_blocks(l, first_block_row(length, k_end, v_end), blocks_for(length, k_end, v_end));
+      }
+  }
+  void prepare_erase(std::size_t first, std::size_t count) {
+    if (count == 0) return;
+    check_erase(first, count);
+    for (std::size_t l = 0; l < shape_.layers; ++l) prepare_blocks(l, first - config_.sinks, tables_[l].size());
   }
 
   /// Validates erase(first, count) completely.

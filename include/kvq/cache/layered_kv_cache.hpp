@@ -137,12 +137,18 @@ class LayeredKVCache {
   }
 
   /// BasicKVCache::truncate in every layer. Checked in every layer before any changes: when
-  /// one layer cannot reach `length` exactly, kvq::Error (unsupported) names it and nothing changes.
+  /// one layer cannot reach `length` exactly, its kvq::Error names it and nothing changes.
   void truncate(std::size_t length) {
     for (std::size_t l = 0; l < layers_.size(); ++l)
-      if (std::string why; !layers_[l].can_truncate(length, &why))
-        throw Error(ErrorCode::unsupported, relabel(why, l));
+      if (const auto e = layers_[l].truncate_error(length)) throw Error(e->code(), relabel(e->message(), l));
     for (BasicKVCache& c : layers_) c.truncate(length);  // checked above; no block is shared
+  }
+
+  /// BasicKVCache::erase in every layer (context shift), checked in every layer first as truncate.
+  void erase(std::size_t first, std::size_t count) {
+    for (std::size_t l = 0; l < layers_.size(); ++l)
+      if (const auto e = layers_[l].erase_error(first, count)) throw Error(e->code(), relabel(e->message(), l));
+    for (BasicKVCache& c : layers_) c.erase(first, count);  // checked above; no block is shared
   }
 
   /// Bytes held, summed over the layers.

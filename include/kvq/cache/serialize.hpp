@@ -42,6 +42,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <system_error>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -153,6 +154,10 @@ struct CacheAccess {
     c.store_->release(mine);
     mine = other;
   }
+
+  /// truncate's and erase's checks and copies of shared blocks, without the change itself.
+  static void prepare_truncate(BasicKVCache& c, std::size_t length) { c.prepare_truncate(length); }
+  static void prepare_erase(BasicKVCache& c, std::size_t first, std::size_t count) { c.prepare_erase(first, count); }
 
   /// Blocks a layer in state `s` refers to.
   static std::size_t blocks_for(const BasicKVCache& c, const LayerState& s) {
@@ -638,23 +643,53 @@ inline BasicKVCache load(std::istream& in) {
   return std::move(*cache);
 }
 
+namespace detail {
+/// Runs write(stream) into "<path>.partial", then renames it to `path`: a failed or interrupted
+/// save leaves the file that was there intact.
+template <class Write>
+void write_file_atomically(const std::filesystem::path& path, Write write) {
+  std::filesystem::path partial = path;
+  partial += ".partial";
+  bool created = false;  // only a partial file this call made is removed on failure
+  try {
+    {
+      std::ofstream out(partial, std::ios::binary | std::ios::trunc);
+      if (!out) throw Error(ErrorCode::io, "cannot open '" + partial.string() + "' for writing");
+      created = true;
+      write(out);
+      out.close();
+      if (!out) throw Error(ErrorCode::io, "writing '" + partial.string() + "' failed");
+    }
+    std::error_code ec;
+    std::filesystem::rename(partial, path, ec);
+    if (ec) throw Error(ErrorCode::io, "cannot rename '" + partial.string() + "' to '" + path.string() + "': " + ec.message());
+  } catch (...) {
+    std::error_code ignored;
+    if (created) std::filesystem::remove(partial, ignored);
+    throw;
+  }
+}
+
+inline std::ifstream open_for_reading(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(ErrorCode::io, "cannot open '" + path.string() + "' for reading");
+  return in;
+}
+}  // namespace detail
+
+/// save() into a file, written beside it first and renamed over it: a failed save leaves any
+/// file already at `path` as it was.
 inline void save_file(const BasicKVCache& cache, const std::filesystem::path& path) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw Error(ErrorCode::io, "cannot open '" + path.string() + "' for writing");
-  save(cache, out);
-  out.close();
-  if (!out) throw Error(ErrorCode::io, "writing '" + path.string() + "' failed");
+  detail::write_file_atomically(path, [&](std::ostream& out) { save(cache, out); });
 }
 
 inline void load_file(BasicKVCache& cache, const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(ErrorCode::io, "cannot open '" + path.string() + "' for reading");
+  std::ifstream in = detail::open_for_reading(path);
   load(cache, in);
 }
 
 inline BasicKVCache load_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(ErrorCode::io, "cannot open '" + path.string() + "' for reading");
+  std::ifstream in = detail::open_for_reading(path);
   return load(in);
 }
 

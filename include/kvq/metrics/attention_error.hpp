@@ -28,11 +28,13 @@ class AttentionErrorAccumulator {
   /// them; exact and quantized keys and values (n, d), keys rotated.
   void add(const MatrixD& queries, const MatrixD& keys, const MatrixD& values, const MatrixD& keys_hat,
            const MatrixD& values_hat, std::size_t first_position) {
-    MatrixD a, a_hat;
-    const MatrixD exact = attend(queries, keys, values, first_position, &a);
-    const MatrixD both = attend(queries, keys_hat, values_hat, first_position, &a_hat);
-    const MatrixD keys_only = a_hat * values;  // attention weights are zero beyond each position
-    const MatrixD values_only = a * values_hat;
+    MatrixD a, a_hat;  // attention weights, zero beyond each position
+    (void)attend(queries, keys, values, first_position, &a);
+    (void)attend(queries, keys_hat, values_hat, first_position, &a_hat);
+    // The four outputs as one kind of product each, so a tensor left unchanged contributes exactly
+    // zero on every architecture: attend's row-by-row products round differently from a matrix
+    // product where the compiler fuses multiply-adds (AArch64).
+    const MatrixD exact = a * values, both = a_hat * values_hat, keys_only = a_hat * values, values_only = a * values_hat;
     key_diff_ += (keys - keys_hat).squaredNorm();
     key_norm_ += keys.squaredNorm();
     value_diff_ += (values - values_hat).squaredNorm();

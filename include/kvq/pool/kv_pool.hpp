@@ -3,18 +3,26 @@
 //
 //   add_sequence / fork / load_sequence -> SequenceId
 //   append, truncate, erase             -> the sequence's BasicKVCache rules, all-or-nothing
-//   sequence(id)                        -> a BasicKVCache: decode_attention, reference_attention,
-//                                          metrics and save() take it as they take a KVCache
-//   save(out) / load(in)                -> every sequence of the pool, blocks shared as they were
+//   layer(id, l)                        -> one layer as attention reads it: {cache, layer}
+//   sequence(id)                        -> (one configuration) a BasicKVCache: decode_attention,
+//                                          reference_attention, metrics and save() take it as
+//                                          they take a KVCache
+//   save(out) / load(in)                -> (one configuration) every sequence of the pool,
+//   save_file(path) / load_file(path)      blocks shared as they were; files are written beside
+//                                          and renamed into place
 //   block_hashes / share_prefixes       -> find and share a common prompt prefix across sequences
 //
 // Memory is committed as sequences reach new positions (in slabs of about 2 MiB of blocks), up
-// to the pool's limit of blocks; every sequence shares one RoPE table. fork(id, length) shares the parent's blocks by reference
-// count and copies only its own rows (sinks, ring, rollback copies): a block is copied only when
-// a sequence holding a shared one writes to it, so a shared prompt costs its packed bytes once.
-// A sequence's bytes do not depend on how its tokens arrived, so attention over a pool sequence
-// is bit-identical to attention over a KVCache of the same shape, configuration and block length
-// that received the same tokens.
+// to the pool's limit of blocks; every sequence shares one RoPE table. fork(id, length) shares
+// the parent's blocks by reference count and copies only its own rows (sinks, ring, rollback
+// copies): a block is copied only when a sequence holding a shared one writes to it, so a shared
+// prompt costs its packed bytes once. A sequence's bytes do not depend on how its tokens
+// arrived, so attention over a pool sequence is bit-identical to attention over a KVCache of the
+// same shape, configuration and block length that received the same tokens.
+//
+// A pool may hold a configuration per layer (kvq-eval --advise chooses one): the layers of one
+// configuration share a block store, and a sequence is one cache per such group. Truncate and
+// erase check, and copy the shared blocks they write to, in every group before changing any.
 //
 // Thread safety: const operations may run concurrently with each other and with append,
 // truncate and erase of other sequences; append, truncate and erase of different sequences may
@@ -39,20 +47,26 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <istream>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <ostream>
 #include <shared_mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "kvq/cache/block_store.hpp"
 #include "kvq/cache/kv_cache.hpp"
+#include "kvq/cache/layered_kv_cache.hpp"
 #include "kvq/cache/serialize.hpp"
 #include "kvq/core/checked.hpp"
 #include "kvq/error.hpp"
@@ -68,7 +82,8 @@ struct PoolShape {
   // these steps, and decode attention sets up once per block (256: about 1.45x the time of one
   // block per step at 32K; 4096: about 1.05x; bench/RESULTS.md).
   std::size_t block_tokens = 256;
-  std::size_t memory_blocks = 1024; // the most blocks the pool commits (block_bytes() each)
+  std::size_t memory_blocks = 1024; // the most blocks the pool commits (split between the stores
+                                    // of a pool with a configuration per layer by their layers)
   RopeStyle rope_style = RopeStyle::adjacent_pairs;
   float rope_theta = 10000.0f;
   std::size_t rope_dims = 0;  // channels RoPE rotates from the start of each head; 0 = head_dim
@@ -116,31 +131,77 @@ struct PoolMemory {
 
 class KVPool {
  public:
-  KVPool(const PoolShape& shape, const CacheConfig& config) : shape_(shape), config_(config) {
-    const CacheShape cache = shape.sequence_shape();
+  /// Every layer in one configuration.
+  KVPool(const PoolShape& shape, const CacheConfig& config) : KVPool(shape, std::vector<CacheConfig>(shape.layers, config)) {}
+
+  /// A configuration per layer (parse_layer_configs; kvq-eval --advise prints one). Layers of one
+  /// configuration share a block store; shape.memory_blocks is split between the stores by their
+  /// share of the layers (every layer of a sequence holds the same number of blocks), and
+  /// block_tokens must be a multiple of every configuration's block_unit.
+  KVPool(const PoolShape& shape, const std::vector<CacheConfig>& configs) : shape_(shape) {
+    if (configs.size() != shape.layers)
+      throw Error(ErrorCode::shape_mismatch, "pool: " + std::to_string(configs.size()) + " configurations for " +
+                                                 std::to_string(shape.layers) + " layers");
+    if (shape.layers == 0) throw Error(ErrorCode::invalid_argument, "pool shape needs at least one layer");
+    check_limit(shape.memory_blocks, BlockStore::max_blocks_limit, "pool shape: memory_blocks");
     if (shape.block_tokens == 0)
       throw Error(ErrorCode::invalid_argument, "pool shape: block_tokens must be a positive multiple of " +
-                                                   std::to_string(block_unit(config)));
-    block_bytes_ = BasicKVCache::block_bytes(cache, config);  // validates shape and config
-    check_limit(shape.memory_blocks, BlockStore::max_blocks_limit, "pool shape: memory_blocks");
-    store_ = std::make_shared<BlockStore>(block_bytes_, shape.memory_blocks);
+                                                   std::to_string(block_unit(configs[0])));
+    const CacheShape cache = shape.sequence_shape();  // validated with each configuration below
+    where_.resize(shape.layers);
+    for (std::size_t l = 0; l < shape.layers; ++l) {
+      const CacheConfig& config = configs[l];
+      const std::string where = "pool, layer " + std::to_string(l) + ": ";
+      try {
+        validate(cache, config);
+      } catch (const Error& e) {
+        throw Error(e.code(), where + e.message());
+      }
+      std::size_t g = 0;
+      while (g < groups_.size() && !(groups_[g].config == config)) ++g;
+      if (g == groups_.size()) groups_.push_back(LayerGroup{config, {}, 0, nullptr});
+      where_[l] = {g, groups_[g].layers.size()};
+      groups_[g].layers.push_back(l);
+    }
+    for (LayerGroup& group : groups_) {
+      CacheShape one = cache;
+      one.layers = group.layers.size();
+      group.block_bytes = BasicKVCache::block_bytes(one, group.config);
+      const std::size_t share = checked_mul(shape.memory_blocks, group.layers.size(), "pool shape: memory_blocks x layers");
+      const std::size_t blocks = share / shape.layers + (share % shape.layers != 0);
+      group.store = std::make_shared<BlockStore>(group.block_bytes, blocks);
+    }
     rope_ = std::make_shared<const RopeTable>(cache.rope(), shape.max_tokens);
   }
   KVPool(const KVPool&) = delete;
   KVPool& operator=(const KVPool&) = delete;
 
   const PoolShape& shape() const noexcept { return shape_; }
-  const CacheConfig& config() const noexcept { return config_; }
-  /// Bytes of one block (all layers' blocks have this size; a block holds one layer).
-  std::size_t block_bytes() const noexcept { return block_bytes_; }
-  const BlockStore& blocks() const noexcept { return *store_; }
+  /// True when every layer has one configuration: sequence(id), config(), block_bytes(), blocks(),
+  /// save, load and load_sequence need that.
+  bool uniform() const noexcept { return groups_.size() == 1; }
+  const CacheConfig& config() const { return uniform_group("config()").config; }
+  const CacheConfig& config(std::size_t layer) const { return groups_[locate(layer, "config").group].config; }
+  std::vector<CacheConfig> configs() const {
+    std::vector<CacheConfig> out;
+    for (const Place& p : where_) out.push_back(groups_[p.group].config);
+    return out;
+  }
+  /// Bytes of one block (a block holds one layer's positions).
+  std::size_t block_bytes() const { return uniform_group("block_bytes()").block_bytes; }
+  std::size_t block_bytes(std::size_t layer) const { return groups_[locate(layer, "block_bytes").group].block_bytes; }
+  const BlockStore& blocks() const { return *uniform_group("blocks()").store; }
+  /// The store holding `layer`'s blocks (shared with the layers of the same configuration).
+  const BlockStore& blocks(std::size_t layer) const { return *groups_[locate(layer, "blocks").group].store; }
   const RopeTable& rope() const noexcept { return *rope_; }
 
   /// A new, empty sequence. Its own rows (sinks, ring, rollback copies) are allocated now.
   SequenceId add_sequence() {
-    auto cache = std::make_unique<BasicKVCache>(shape_.sequence_shape(), config_, store_, rope_);
+    Sequence seq;
+    for (std::size_t g = 0; g < groups_.size(); ++g)
+      seq.push_back(std::make_unique<BasicKVCache>(group_shape(g), groups_[g].config, groups_[g].store, rope_));
     std::unique_lock lock(mutex_);
-    return insert(std::move(cache));
+    return insert(std::move(seq));
   }
 
   /// A new sequence holding the first `length` tokens of `parent` (every layer), sharing its
@@ -148,7 +209,9 @@ class KVPool {
   /// otherwise throws kvq::Error and nothing changes.
   SequenceId fork(SequenceId parent, std::size_t length) {
     std::unique_lock lock(mutex_);
-    auto child = std::make_unique<BasicKVCache>(find(parent, "fork"), length);
+    const Sequence& from = find(parent, "fork");
+    Sequence child;
+    for (std::size_t g = 0; g < groups_.size(); ++g) child.push_back(std::make_unique<BasicKVCache>(*from[g], length));
     return insert(std::move(child));
   }
 
@@ -168,49 +231,84 @@ class KVPool {
     return sequences_.size();
   }
 
-  /// BasicKVCache::append on one sequence; capacity_exceeded names the blocks needed and free
-  /// when the pool is full. All-or-nothing.
+  /// BasicKVCache::append on one layer of one sequence; capacity_exceeded names the blocks needed
+  /// and free when the pool is full. All-or-nothing.
   void append(SequenceId id, std::size_t layer, std::size_t position, std::span<const float> keys,
               std::span<const float> values) {
     std::shared_lock lock(mutex_);
-    with_context(id, [&](BasicKVCache& c) { c.append(layer, position, keys, values); });
+    const Place p = locate(layer, "append");
+    with_context(id, p, [&](Sequence& s) { s[p.group]->append(p.index, position, keys, values); });
   }
   /// The same from rows in the engine's layout and type (TokenRows: f16/bf16 with strides).
   void append(SequenceId id, std::size_t layer, std::size_t position, const TokenRows& keys, const TokenRows& values) {
     std::shared_lock lock(mutex_);
-    with_context(id, [&](BasicKVCache& c) { c.append(layer, position, keys, values); });
+    const Place p = locate(layer, "append");
+    with_context(id, p, [&](Sequence& s) { s[p.group]->append(p.index, position, keys, values); });
   }
-  /// BasicKVCache::truncate on one sequence (rolling back speculative tokens).
+  /// BasicKVCache::truncate on one sequence (rolling back speculative tokens), every layer
+  /// checked, and its shared blocks copied, before any changes.
   void truncate(SequenceId id, std::size_t length) {
+    using Access = detail::CacheAccess;
     std::shared_lock lock(mutex_);
-    with_context(id, [&](BasicKVCache& c) { c.truncate(length); });
+    with_context(id, std::nullopt, [&](Sequence& s) {
+      for (std::size_t g = 0; g < s.size(); ++g) in_group(g, [&] { Access::prepare_truncate(*s[g], length); });
+      for (auto& cache : s) cache->truncate(length);  // prepared: cannot fail
+    });
   }
-  /// BasicKVCache::erase on one sequence (context shift).
+  /// BasicKVCache::erase on one sequence (context shift), all-or-nothing as truncate.
   void erase(SequenceId id, std::size_t first, std::size_t count) {
+    using Access = detail::CacheAccess;
     std::shared_lock lock(mutex_);
-    with_context(id, [&](BasicKVCache& c) { c.erase(first, count); });
+    with_context(id, std::nullopt, [&](Sequence& s) {
+      for (std::size_t g = 0; g < s.size(); ++g) in_group(g, [&] { Access::prepare_erase(*s[g], first, count); });
+      for (auto& cache : s) cache->erase(first, count);
+    });
   }
 
-  /// The sequence's cache, for attention, metrics and save(). Valid until the sequence is removed.
+  /// The sequence's cache, for attention, metrics and save(), in a uniform pool (else kvq::Error
+  /// unsupported: a per-layer pool is read through layer(id, l)). Valid until the sequence is removed.
   const BasicKVCache& sequence(SequenceId id) const {
     std::shared_lock lock(mutex_);
-    return find(id, "sequence");
+    (void)uniform_group("sequence(id)");
+    return *find(id, "sequence")[0];
+  }
+  /// One layer of a sequence as attention reads it, in any pool: the cache holding it and its
+  /// index there (decode_attention(v.cache, v.layer, ...), AttentionRequest{.cache = &v.cache,
+  /// .layer = v.layer}). Valid until the sequence is removed.
+  struct LayerView {
+    const BasicKVCache& cache;
+    std::size_t layer;
+  };
+  LayerView layer(SequenceId id, std::size_t layer) const {
+    std::shared_lock lock(mutex_);
+    const Place p = locate(layer, "layer");
+    return {*find(id, "layer")[p.group], p.index};
+  }
+  /// Tokens `layer` of the sequence holds.
+  std::size_t length(SequenceId id, std::size_t layer) const {
+    const LayerView v = this->layer(id, layer);
+    return v.cache.length(v.layer);
   }
 
   /// A new sequence read from a cache file (save(pool.sequence(id), out) writes one) of this
-  /// pool's shape and configuration. On any error (kvq::Error io, shape_mismatch,
-  /// capacity_exceeded) the pool is unchanged.
+  /// uniform pool's shape and configuration. On any error (kvq::Error io, shape_mismatch,
+  /// capacity_exceeded, unsupported for a per-layer pool) the pool is unchanged.
   SequenceId load_sequence(std::istream& in) {
-    auto cache = std::make_unique<BasicKVCache>(shape_.sequence_shape(), config_, store_, rope_);
+    const LayerGroup& group = uniform_group("load_sequence");
+    auto cache = std::make_unique<BasicKVCache>(shape_.sequence_shape(), group.config, group.store, rope_);
     kvq::load(*cache, in);
+    Sequence seq;
+    seq.push_back(std::move(cache));
     std::unique_lock lock(mutex_);
-    return insert(std::move(cache));
+    return insert(std::move(seq));
   }
 
   /// Writes every sequence (ids, tokens, rollback reach) and every block they refer to, once
-  /// each, to `out` (binary). Throws kvq::Error(io) when the stream fails.
+  /// each, to `out` (binary). Throws kvq::Error(io) when the stream fails, unsupported for a
+  /// pool with a configuration per layer (its file format is not written yet).
   void save(std::ostream& out) const {
     using Access = detail::CacheAccess;
+    const LayerGroup& group = uniform_group("save");
     std::unique_lock lock(mutex_);  // appends hold the lock shared: none runs while the pool is read
     const std::vector<std::pair<SequenceId, const BasicKVCache*>> seqs = ordered();
     // Each block once, numbered in order of first reference.
@@ -222,7 +320,7 @@ class KVPool {
           if (index.emplace(b, blocks.size()).second) blocks.push_back(b);
 
     detail::write_preamble(out, detail::pool_file_magic, detail::pool_file_version);
-    detail::write_header(out, shape_.sequence_shape(), to_string(config_));
+    detail::write_header(out, shape_.sequence_shape(), to_string(group.config));
     std::uint64_t table_bytes = 5 * 8;
     for (const auto& [id, cache] : seqs) {
       table_bytes += 8;
@@ -245,8 +343,8 @@ class KVPool {
       w.finish();
     }
     for (const BlockId b : blocks) {
-      detail::SectionWriter w(out, detail::tag_block, block_bytes_);
-      w.put(store_->data(b), block_bytes_);
+      detail::SectionWriter w(out, detail::tag_block, group.block_bytes);
+      w.put(group.store->data(b), group.block_bytes);
       w.finish();
     }
     for (const auto& [id, cache] : seqs)
@@ -259,14 +357,26 @@ class KVPool {
     if (!out) throw Error(ErrorCode::io, "saving a kvq pool: the output stream failed");
   }
 
+  /// save() into a file, written beside it and renamed over it: a failed save leaves any file
+  /// already at `path` as it was.
+  void save_file(const std::filesystem::path& path) const {
+    detail::write_file_atomically(path, [&](std::ostream& out) { save(out); });
+  }
+  /// load() from a file; kvq::Error(io) names the file when it cannot be opened.
+  void load_file(const std::filesystem::path& path) {
+    std::ifstream in = detail::open_for_reading(path);
+    load(in);
+  }
+
   /// Restores a pool saved by save() into this pool, which must hold no sequence (else
   /// kvq::Error invalid_argument) and have the saved shape (block_tokens included), RoPE and
   /// configuration (else shape_mismatch); it may have another memory limit, and throws
   /// capacity_exceeded when the saved blocks do not fit it. Sequence ids are kept, and blocks
   /// shared when saved are shared again. A damaged file throws io naming the section and offset.
-  /// On any error the pool is left exactly as it was.
+  /// On any error the pool is left exactly as it was. Uniform pools only, as save.
   void load(std::istream& in) {
     using Access = detail::CacheAccess;
+    const LayerGroup& group = uniform_group("load");
     expect_empty();
     detail::FileReader file(in, "kvq pool file");
     const std::uint32_t version = detail::read_preamble(file, detail::pool_file_magic, detail::pool_file_version, "kvq pool file");
@@ -276,9 +386,9 @@ class KVPool {
     if (!detail::same_shape(h.shape, mine))
       throw Error(ErrorCode::shape_mismatch, "kvq pool file holds sequences of " + detail::describe(h.shape) +
                                                  "; this pool's are " + detail::describe(mine));
-    if (h.config_text != to_string(config_))
+    if (h.config_text != to_string(group.config))
       throw Error(ErrorCode::shape_mismatch, "kvq pool file holds a pool configured '" + h.config_text +
-                                                 "'; this pool is configured '" + to_string(config_) + "'");
+                                                 "'; this pool is configured '" + to_string(group.config) + "'");
 
     // The table: every sequence's layer states and block references, checked before any block is taken.
     const std::uint64_t table_start = file.offset();
@@ -292,7 +402,7 @@ class KVPool {
                                                  " positions; this pool's blocks hold " + std::to_string(shape_.block_tokens));
     const std::uint64_t entry = 8 + shape_.layers * (Access::table_entry_bytes + 8);
     if (count > t.remaining() / entry) file.fail("table", table_start, std::to_string(count) + " sequences do not fit the section");
-    const BasicKVCache layout(mine, config_, store_, rope_);  // the layouts every sequence has
+    const BasicKVCache layout(mine, group.config, group.store, rope_);  // the layouts every sequence has
     struct Saved {
       SequenceId id;
       std::vector<Access::LayerState> states;
@@ -330,7 +440,7 @@ class KVPool {
     if (referenced.size() != block_count) file.fail("table", table_start, std::to_string(block_count) + " blocks do not fit the file");
     if (const auto unused = std::find(referenced.begin(), referenced.end(), false); unused != referenced.end())
       file.fail("table", table_start, "block " + std::to_string(unused - referenced.begin()) + " belongs to no sequence");
-    if (const std::size_t free = store_->available(); free < block_count)
+    if (const std::size_t free = group.store->available(); free < block_count)
       throw Error(ErrorCode::capacity_exceeded, "kvq pool file holds " + std::to_string(block_count) + " blocks; this pool has " +
                                                     std::to_string(free) + " free");
 
@@ -341,16 +451,16 @@ class KVPool {
       ~Held() {
         for (const BlockId id : ids) store.release(id);
       }
-    } held{*store_, {}};
+    } held{*group.store, {}};
     held.ids.reserve(std::size_t(block_count));
     for (std::size_t b = 0; b < block_count; ++b) {
-      held.ids.push_back(store_->acquire("a pool being loaded"));
-      file.section_into(detail::tag_block, block_bytes_, "block " + std::to_string(b), store_->data(held.ids.back()));
+      held.ids.push_back(group.store->acquire("a pool being loaded"));
+      file.section_into(detail::tag_block, group.block_bytes, "block " + std::to_string(b), group.store->data(held.ids.back()));
     }
-    std::vector<std::pair<SequenceId, std::unique_ptr<BasicKVCache>>> loaded;
+    std::vector<std::pair<SequenceId, Sequence>> loaded;
     loaded.reserve(saved.size());
     for (const Saved& q : saved) {
-      auto cache = std::make_unique<BasicKVCache>(mine, config_, store_, rope_);
+      auto cache = std::make_unique<BasicKVCache>(mine, group.config, group.store, rope_);
       std::vector<std::vector<std::uint8_t>> payloads(shape_.layers);
       for (std::size_t l = 0; l < shape_.layers; ++l)
         payloads[l] = file.section(detail::tag_own, Access::layer_bytes(*cache, q.states[l], Access::Pieces::own),
@@ -359,18 +469,19 @@ class KVPool {
       for (std::size_t l = 0; l < shape_.layers; ++l) {
         tables[l].reserve(q.blocks[l].size());
         for (const std::uint64_t b : q.blocks[l]) {
-          store_->retain(held.ids[std::size_t(b)]);
+          group.store->retain(held.ids[std::size_t(b)]);
           tables[l].push_back(held.ids[std::size_t(b)]);
         }
       }
       Access::restore(*cache, q.states, payloads, std::move(tables), Access::Pieces::own);
-      loaded.emplace_back(q.id, std::move(cache));
+      loaded.emplace_back(q.id, Sequence{});
+      loaded.back().second.push_back(std::move(cache));
     }
     file.expect_end();
     std::unique_lock lock(mutex_);
     expect_empty_locked();
     sequences_.reserve(loaded.size());
-    for (auto& [id, cache] : loaded) sequences_.emplace(id, std::move(cache));
+    for (auto& [id, seq] : loaded) sequences_.emplace(id, std::move(seq));
     next_id_ = next_id;
   }
 
@@ -382,11 +493,8 @@ class KVPool {
   /// chunked. An engine can keep them to find a request's longest cached prefix.
   std::vector<std::uint64_t> block_hashes(SequenceId id, std::size_t layer) const {
     std::shared_lock lock(mutex_);
-    const BasicKVCache& cache = find(id, "block_hashes");
-    if (layer >= shape_.layers)
-      throw Error(ErrorCode::invalid_argument, "pool block_hashes: layer " + std::to_string(layer) + " of " +
-                                                   std::to_string(shape_.layers));
-    return chained_hashes(cache, layer);
+    const Place p = locate(layer, "block_hashes");
+    return chained_hashes(*find(id, "block_hashes")[p.group], layer);
   }
 
   /// Makes sequence `id` share, layer by layer, each of its sealed blocks whose content and
@@ -398,21 +506,25 @@ class KVPool {
   std::size_t share_prefixes(SequenceId id) {
     using Access = detail::CacheAccess;
     std::unique_lock lock(mutex_);
-    BasicKVCache& target = find(id, "share_prefixes");
-    const std::size_t in_use = store_->counts().in_use;
+    Sequence& target = find(id, "share_prefixes");
+    const PoolMemory before = memory_locked();
     for (std::size_t l = 0; l < shape_.layers; ++l) {
-      const std::vector<std::uint64_t> mine = chained_hashes(target, l);
+      const Place p = where_[l];
+      const BlockStore& store = *groups_[p.group].store;
+      BasicKVCache& mine_cache = *target[p.group];
+      const std::vector<std::uint64_t> mine = chained_hashes(mine_cache, l);
       if (mine.empty()) continue;
       std::unordered_map<std::uint64_t, BlockId> others;  // hash -> a block of another sequence
       for (const auto& [other_id, other] : sequences_) {
         if (other_id == id) continue;
-        const std::vector<std::uint64_t> theirs = chained_hashes(*other, l);
+        const BasicKVCache& theirs_cache = *other[p.group];
+        const std::vector<std::uint64_t> theirs = chained_hashes(theirs_cache, l);
         for (std::size_t k = 0; k < theirs.size(); ++k) {
           // Of equal copies, the one most sequences refer to (then the lowest id): repeated calls
           // leave one copy, whatever order the sequences come in.
-          const BlockId b = Access::table(*other, l)[k];
+          const BlockId b = Access::table(theirs_cache, p.index)[k];
           const auto [it, added] = others.emplace(theirs[k], b);
-          const unsigned have = store_->references(it->second), offered = store_->references(b);
+          const unsigned have = store.references(it->second), offered = store.references(b);
           if (!added && (offered > have || (offered == have && b < it->second))) it->second = b;
         }
       }
@@ -420,51 +532,125 @@ class KVPool {
       for (std::size_t k = 0; k < mine.size(); ++k) {
         const auto it = others.find(mine[k]);
         if (it == others.end()) break;  // the prefixes part here, and the chain with them
-        const BlockId own = Access::table(target, l)[k];
-        if (it->second != own && std::memcmp(store_->data(it->second), store_->data(own), block_bytes_) == 0)
-          Access::share_block(target, l, k, it->second);
+        const BlockId own = Access::table(mine_cache, p.index)[k];
+        if (it->second != own && std::memcmp(store.data(it->second), store.data(own), groups_[p.group].block_bytes) == 0)
+          Access::share_block(mine_cache, p.index, k, it->second);
       }
     }
-    return (in_use - store_->counts().in_use) * block_bytes_;
+    return before.used - memory_locked().used;
   }
 
   PoolMemory memory() const {
     std::shared_lock lock(mutex_);
-    PoolMemory m;
-    for (const auto& [id, cache] : sequences_) m.own += cache->own_bytes();  // not the tables: appends may run
-    const BlockCounts n = store_->counts();
-    m.committed = n.committed * block_bytes_ + m.own;
-    m.used = n.in_use * block_bytes_ + m.own;
-    m.shared = n.shared * block_bytes_;
-    return m;
+    return memory_locked();
   }
 
  private:
-  SequenceId insert(std::unique_ptr<BasicKVCache> cache) {
+  /// Layers of one configuration: one block store, and one cache per sequence holding them.
+  struct LayerGroup {
+    CacheConfig config;
+    std::vector<std::size_t> layers;  // the pool's layer indices, ascending
+    std::size_t block_bytes = 0;
+    std::shared_ptr<BlockStore> store;
+  };
+  /// Where a pool layer lives: its group, and its index in that group's caches.
+  struct Place {
+    std::size_t group = 0, index = 0;
+  };
+  /// A sequence: one cache per layer group (a uniform pool's sequence is one cache).
+  using Sequence = std::vector<std::unique_ptr<BasicKVCache>>;
+
+  CacheShape group_shape(std::size_t g) const {
+    CacheShape s = shape_.sequence_shape();
+    s.layers = groups_[g].layers.size();
+    return s;
+  }
+
+  Place locate(std::size_t layer, const char* operation) const {
+    if (layer >= where_.size())
+      throw Error(ErrorCode::invalid_argument, std::string("pool ") + operation + ": layer " + std::to_string(layer) +
+                                                   " of " + std::to_string(where_.size()));
+    return where_[layer];
+  }
+
+  const LayerGroup& uniform_group(const char* operation) const {
+    if (groups_.size() != 1)
+      throw Error(ErrorCode::unsupported, std::string("pool ") + operation + ": this pool has a configuration per layer (" +
+                                              to_string(std::span<const CacheConfig>(configs())) +
+                                              "); read its layers through layer(id, l)");
+    return groups_[0];
+  }
+
+  /// A group cache's error names its own layer numbers: name the pool's.
+  std::string relabel(const std::string& message, std::size_t g) const {
+    const std::vector<std::size_t>& layers = groups_[g].layers;
+    if (groups_.size() == 1) return message;
+    constexpr std::string_view word = "layer ";
+    std::string out;
+    std::size_t i = 0;
+    for (std::size_t at; (at = message.find(word, i)) != std::string::npos;) {
+      const std::size_t digits = at + word.size();
+      std::size_t end = digits, n = 0;
+      while (end < message.size() && message[end] >= '0' && message[end] <= '9' && n <= layers.size())
+        n = n * 10 + std::size_t(message[end++] - '0');
+      out.append(message, i, digits - i);
+      if (end > digits && n < layers.size()) out += std::to_string(layers[n]);
+      else out.append(message, digits, end - digits);
+      i = end;
+    }
+    return out + message.substr(i);
+  }
+
+  template <class Op>
+  void in_group(std::size_t g, Op&& op) const {
+    try {
+      op();
+    } catch (const Error& e) {
+      throw Error(e.code(), relabel(e.message(), g));
+    }
+  }
+
+  SequenceId insert(Sequence seq) {
     const SequenceId id = next_id_++;
-    sequences_.emplace(id, std::move(cache));
+    sequences_.emplace(id, std::move(seq));
     return id;
   }
 
-  /// block_hashes of a sequence the caller has found.
+  /// block_hashes of pool layer `layer`, read from a sequence's cache of that layer's group.
   std::vector<std::uint64_t> chained_hashes(const BasicKVCache& cache, std::size_t layer) const {
     using Access = detail::CacheAccess;
+    const Place p = where_[layer];
+    const LayerGroup& group = groups_[p.group];
     std::uint64_t h = detail::hash_bytes(&layer, sizeof layer, 0x6B7671u);
     for (std::size_t head = 0; head < shape_.kv_heads; ++head)
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
-        const auto [rows, bytes] = Access::sink_rows(cache, t, layer, head);
+        const auto [rows, bytes] = Access::sink_rows(cache, t, p.index, head);
         h = detail::hash_bytes(rows, bytes, h);
       }
-    std::vector<std::uint64_t> hashes(Access::sealed_blocks(cache, layer));
+    std::vector<std::uint64_t> hashes(Access::sealed_blocks(cache, p.index));
     for (std::size_t k = 0; k < hashes.size(); ++k)
-      hashes[k] = h = detail::hash_bytes(store_->data(Access::table(cache, layer)[k]), block_bytes_, h);
+      hashes[k] = h = detail::hash_bytes(group.store->data(Access::table(cache, p.index)[k]), group.block_bytes, h);
     return hashes;
   }
 
-  /// The sequences in id order.
+  PoolMemory memory_locked() const {
+    PoolMemory m;
+    for (const auto& [id, seq] : sequences_)
+      for (const auto& cache : seq) m.own += cache->own_bytes();  // not the tables: appends may run
+    m.committed = m.used = m.own;
+    for (const LayerGroup& group : groups_) {
+      const BlockCounts n = group.store->counts();
+      m.committed += n.committed * group.block_bytes;
+      m.used += n.in_use * group.block_bytes;
+      m.shared += n.shared * group.block_bytes;
+    }
+    return m;
+  }
+
+  /// The sequences of a uniform pool in id order.
   std::vector<std::pair<SequenceId, const BasicKVCache*>> ordered() const {
     std::vector<std::pair<SequenceId, const BasicKVCache*>> seqs;
-    for (const auto& [id, cache] : sequences_) seqs.emplace_back(id, cache.get());
+    for (const auto& [id, seq] : sequences_) seqs.emplace_back(id, seq[0].get());
     std::sort(seqs.begin(), seqs.end());
     return seqs;
   }
@@ -479,31 +665,34 @@ class KVPool {
                                                    " sequences; a pool is loaded into an empty one");
   }
 
-  BasicKVCache& find(SequenceId id, const char* operation) const {
+  Sequence& find(SequenceId id, const char* operation) {
+    return const_cast<Sequence&>(std::as_const(*this).find(id, operation));
+  }
+  const Sequence& find(SequenceId id, const char* operation) const {
     const auto it = sequences_.find(id);
     if (it == sequences_.end())
       throw Error(ErrorCode::invalid_argument, std::string("pool ") + operation + ": no sequence " + std::to_string(id));
-    return *it->second;
+    return it->second;
   }
 
-  /// Runs op on the sequence; errors gain the sequence's id.
+  /// Runs op on the sequence; errors gain the sequence's id (and, from one layer's group, the
+  /// pool's layer numbers).
   template <class Op>
-  void with_context(SequenceId id, Op&& op) {
-    BasicKVCache& cache = find(id, "operation");
+  void with_context(SequenceId id, std::optional<Place> place, Op&& op) {
+    Sequence& seq = find(id, "operation");
     try {
-      op(cache);
+      op(seq);
     } catch (const Error& e) {
-      throw Error(e.code(), "sequence " + std::to_string(id) + ": " + e.message());
+      throw Error(e.code(), "sequence " + std::to_string(id) + ": " + (place ? relabel(e.message(), place->group) : e.message()));
     }
   }
 
   PoolShape shape_;
-  CacheConfig config_;
-  std::size_t block_bytes_ = 0;
-  std::shared_ptr<BlockStore> store_;
+  std::vector<LayerGroup> groups_;
+  std::vector<Place> where_;  // per pool layer
   std::shared_ptr<const RopeTable> rope_;
   mutable std::shared_mutex mutex_;  // guards the map, not the sequences
-  std::unordered_map<SequenceId, std::unique_ptr<BasicKVCache>> sequences_;
+  std::unordered_map<SequenceId, Sequence> sequences_;
   SequenceId next_id_ = 0;
 };
 
