@@ -8,8 +8,9 @@
 //   2. every candidate on all layers (the uniform configurations): their bits per value;
 //   3. the per-layer choice minimising the summed sensitivities with the layers' average bits
 //      per value within the budget (exact, over the Pareto frontier of partial choices);
-//   4. that choice on all layers at once, which is what it is judged by, against the best
-//      uniform configuration within the same budget.
+//   4. the few best such choices on all layers at once, which is what they are judged by; the
+//      best of them, or the best uniform configuration within the budget where that measures
+//      better, is the advice.
 // Layers of one model have one shape, so a layer's bits under a configuration are the uniform
 // run's bits per value: codes, scales, zero points and full-precision tokens all counted.
 
