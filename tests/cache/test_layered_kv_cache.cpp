@@ -127,6 +127,7 @@ TEST(LayeredKVCache, ErrorsNameTheLayerAndChangeNothing) {
   EXPECT_THROW(cache.append(4, 98, random_rows(row, rng), random_rows(row, rng)), kvq::Error);
   EXPECT_THROW((void)cache.layer(4), kvq::Error);
   EXPECT_THROW(kvq::LayeredKVCache(shape(3), mixed), kvq::Error);  // four configurations, three layers
+  EXPECT_THROW(kvq::LayeredKVCache(shape(0), std::vector<kvq::CacheConfig>{}), kvq::Error);  // no layer at all
   std::vector<kvq::CacheConfig> too_wide = mixed;
   too_wide[1].value.group = 32;  // per-token groups wider than head_dim 24
   try {

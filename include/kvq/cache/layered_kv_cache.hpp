@@ -28,6 +28,29 @@
 
 namespace kvq::inline v0 {
 
+namespace detail {
+/// `message` from a cache holding some of a model's layers, each "layer <i>" in it written as
+/// "layer <layers[i]>"; `renamed` says whether any was.
+inline std::string rename_layers(const std::string& message, std::span<const std::size_t> layers, bool* renamed = nullptr) {
+  constexpr std::string_view word = "layer ";
+  std::string out;
+  std::size_t i = 0;
+  for (std::size_t at; (at = message.find(word, i)) != std::string::npos;) {
+    const std::size_t digits = at + word.size();
+    std::size_t end = digits, n = 0;
+    while (end < message.size() && message[end] >= '0' && message[end] <= '9' && n <= layers.size())
+      n = n * 10 + std::size_t(message[end++] - '0');
+    out.append(message, i, digits - i);
+    const bool known = end > digits && n < layers.size() && (end == message.size() || message[end] < '0' || message[end] > '9');
+    if (known) out += std::to_string(layers[n]);
+    else out.append(message, digits, end - digits);
+    if (known && renamed != nullptr) *renamed = true;
+    i = end;
+  }
+  return out + message.substr(i);
+}
+}  // namespace detail
+
 /// "a;b*3;c" -> {a, b, b, b, c}. Throws kvq::Error (invalid_argument) naming the item that is
 /// wrong, or the count when `layers` is given (non-zero) and the text names another number.
 inline std::vector<CacheConfig> parse_layer_configs(std::string_view text, std::size_t layers = 0) {
@@ -94,6 +117,7 @@ class LayeredKVCache {
     if (configs.size() != shape.layers)
       throw Error(ErrorCode::shape_mismatch, "layered cache: " + std::to_string(configs.size()) + " configurations for " +
                                                  std::to_string(shape.layers) + " layers");
+    if (configs.empty()) throw Error(ErrorCode::invalid_argument, "layered cache: the shape needs at least one layer");
     CacheShape one = shape;
     one.layers = 1;
     for (std::size_t l = 0; l < configs.size(); ++l) {
@@ -161,10 +185,10 @@ class LayeredKVCache {
  private:
   /// A one-layer cache's message names its layer 0: name the layer it is here.
   static std::string relabel(const std::string& message, std::size_t layer) {
-    const std::string here = "layer " + std::to_string(layer);
-    if (message.starts_with("layer 0") && (message.size() == 7 || message[7] < '0' || message[7] > '9'))
-      return here + message.substr(7);
-    return here + ": " + message;
+    bool renamed = false;
+    const std::size_t here[] = {layer};
+    std::string out = detail::rename_layers(message, here, &renamed);
+    return renamed ? out : "layer " + std::to_string(layer) + ": " + message;
   }
 
   BasicKVCache& at(std::size_t layer, const char* operation) {

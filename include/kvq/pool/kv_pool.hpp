@@ -583,22 +583,7 @@ class KVPool {
 
   /// A group cache's error names its own layer numbers: name the pool's.
   std::string relabel(const std::string& message, std::size_t g) const {
-    const std::vector<std::size_t>& layers = groups_[g].layers;
-    if (groups_.size() == 1) return message;
-    constexpr std::string_view word = "layer ";
-    std::string out;
-    std::size_t i = 0;
-    for (std::size_t at; (at = message.find(word, i)) != std::string::npos;) {
-      const std::size_t digits = at + word.size();
-      std::size_t end = digits, n = 0;
-      while (end < message.size() && message[end] >= '0' && message[end] <= '9' && n <= layers.size())
-        n = n * 10 + std::size_t(message[end++] - '0');
-      out.append(message, i, digits - i);
-      if (end > digits && n < layers.size()) out += std::to_string(layers[n]);
-      else out.append(message, digits, end - digits);
-      i = end;
-    }
-    return out + message.substr(i);
+    return groups_.size() == 1 ? message : detail::rename_layers(message, groups_[g].layers);
   }
 
   template <class Op>
