@@ -1,8 +1,10 @@
 // KVPool against a KVCache of its own: appending one token at a time (8 KV heads x 128, K4V2),
 // forking a 10K-token prefix, saving and loading one sequence and a whole pool (GB/s of file
-// bytes), and the memory a 32-layer sequence commits at 1000 tokens.
+// bytes), the memory a 32-layer sequence commits at 1000 tokens, and share_prefixes for a new
+// request in a pool of 16 conversations.
 #include <benchmark/benchmark.h>
 
+#include <chrono>
 #include <memory>
 #include <random>
 #include <sstream>
@@ -182,6 +184,41 @@ void memory_at_1000(benchmark::State& state) {
   state.counters["own_rows_MiB"] = double(m.own) * mib;
 }
 
+/// A new request in a pool of 16 conversations (4 layers, 2048 tokens each, the first 1024 a
+/// system prompt they share): it is fed the prompt and 256 tokens of its own (not timed), then
+/// share_prefixes finds and shares the prompt's blocks (timed). cold_ms: the first call, which
+/// hashes every sealed block of the pool, as every call did before block hashes were kept.
+void share_prefixes(benchmark::State& state) {
+  kvq::KVPool pool(pool_shape(4), k4v2());
+  const auto prompt_k = normal_rows(1024, 7), prompt_v = normal_rows(1024, 8);
+  auto add = [&](std::size_t own, unsigned seed) {
+    const kvq::SequenceId id = pool.add_sequence();
+    const auto k = normal_rows(own, seed), v = normal_rows(own, seed + 1);
+    for (std::size_t l = 0; l < 4; ++l) {
+      pool.append(id, l, 0, prompt_k, prompt_v);
+      pool.append(id, l, 1024, k, v);
+    }
+    return id;
+  };
+  std::vector<kvq::SequenceId> ids;
+  for (unsigned s = 0; s < 16; ++s) ids.push_back(add(1024, 100 + 2 * s));
+  const auto start = std::chrono::steady_clock::now();
+  benchmark::DoNotOptimize(pool.share_prefixes(ids.back()));
+  state.counters["cold_ms"] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  for (const kvq::SequenceId id : ids) pool.share_prefixes(id);
+  std::size_t freed = 0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    const kvq::SequenceId id = add(256, 99);
+    state.ResumeTiming();
+    freed = pool.share_prefixes(id);
+    state.PauseTiming();
+    pool.remove_sequence(id);
+    state.ResumeTiming();
+  }
+  state.counters["freed_MiB"] = double(freed) / (1 << 20);
+}
+
 }  // namespace
 
 BENCHMARK(memory_at_1000)->Name("memory/K4V2/32x8x128/1000/block")->Arg(64)->Arg(256)->Arg(1024)->Iterations(1)
@@ -193,5 +230,6 @@ BENCHMARK(save_sequence)->Name("save/K4V2/4x8x128/10000")->Unit(benchmark::kMill
 BENCHMARK(load_sequence)->Name("load/K4V2/4x8x128/10000")->Unit(benchmark::kMillisecond);
 BENCHMARK(save_pool)->Name("save_pool/K4V2/4x8x128/10000+3x1000")->Unit(benchmark::kMillisecond);
 BENCHMARK(load_pool)->Name("load_pool/K4V2/4x8x128/10000+3x1000")->Unit(benchmark::kMillisecond);
+BENCHMARK(share_prefixes)->Name("share_prefixes/K4V2/4x8x128/16x2048")->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

@@ -1,7 +1,8 @@
 // libFuzzer target: cache files and pool files (serialize.hpp, KVPool::save). Loading either
 // succeeds, after which the target reads back and attends like any cache, or throws kvq::Error
 // and leaves the target exactly as it was; nothing may crash, leak or hit undefined behaviour.
-// The seeds are a cache file and a pool file of the shapes below (partial, scaled RoPE).
+// The seeds are a cache file, a pool file and a one-sequence file of a pool with a configuration
+// per layer, of the shapes below (partial, scaled RoPE).
 #include <cstddef>
 #include <cstdint>
 #include <sstream>
@@ -27,6 +28,12 @@ kvq::PoolShape pool_shape() {
 
 const kvq::CacheConfig& config() {
   static const kvq::CacheConfig c = kvq::parse_cache_config("k4c8-v2t8-r4-s1-d6");
+  return c;
+}
+
+/// A configuration per layer: layer 1 in another one, with its own block store.
+const std::vector<kvq::CacheConfig>& layer_configs() {
+  static const std::vector<kvq::CacheConfig> c = kvq::parse_layer_configs("k4c8-v2t8-r4-s1-d6;k2c8-v4t8-r4-s0-d6", 2);
   return c;
 }
 
@@ -76,6 +83,12 @@ int main(int, char** argv) {
   std::ostringstream out(std::ios::binary);
   pool.save(out);
   std::ofstream(std::string(argv[1]) + "/pool.kvq", std::ios::binary) << out.str();
+  kvq::KVPool layered(pool_shape(), layer_configs());
+  const kvq::SequenceId b = layered.add_sequence();
+  for (std::size_t l = 0; l < 2; ++l) layered.append(b, l, 0, k, v);
+  std::ostringstream session(std::ios::binary);
+  layered.save_sequence(b, session);
+  std::ofstream(std::string(argv[1]) + "/layers.kvq", std::ios::binary) << session.str();
 }
 #else
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -98,6 +111,25 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       if (pool.contains(id)) use(pool.sequence(id));
   } catch (const kvq::Error&) {
     if (pool.sequence_count() != 0 || pool.blocks().counts().in_use != 0) __builtin_trap();
+  }
+  // A pool with a configuration per layer, as a whole pool and as one sequence (either file kind).
+  kvq::KVPool layered(pool_shape(), layer_configs());
+  for (const bool whole : {true, false}) {
+    try {
+      std::istringstream in(bytes, std::ios::binary);
+      if (whole)
+        layered.load(in);
+      else
+        (void)layered.load_sequence(in);
+      for (kvq::SequenceId id = 0; id < 8; ++id)
+        if (layered.contains(id))
+          for (std::size_t l = 0; l < 2; ++l) use(layered.layer(id, l).cache);
+    } catch (const kvq::Error&) {
+      if (layered.sequence_count() != 0 || layered.blocks(0).counts().in_use != 0 || layered.blocks(1).counts().in_use != 0)
+        __builtin_trap();
+    }
+    for (kvq::SequenceId id = 0; id < 8; ++id)
+      if (layered.contains(id)) layered.remove_sequence(id);
   }
   return 0;
 }

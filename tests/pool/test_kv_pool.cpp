@@ -496,22 +496,28 @@ TEST(KVPool, PoolFilesReplaceTheOldFileOnlyWhenWrittenWhole) {
 }
 
 // Files for another pool, or a pool that cannot take one: named errors, nothing changed.
+/// load() throws kvq::Error of `code` naming `needle`, and `target` keeps its sequences and memory.
+template <class Load>
+void expect_load_refused(const KVPool& target, Load&& load, kvq::ErrorCode code, const std::string& needle) {
+  const std::size_t count = target.sequence_count(), used = target.memory().used;
+  try {
+    load();
+    ADD_FAILURE() << needle << ": loaded";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(target.sequence_count(), count) << needle;
+  EXPECT_EQ(target.memory().used, used) << needle;
+}
+
 TEST(KVPool, PoolFileForAnotherPoolIsRefused) {
   const CacheConfig config = config_of("k4c32-v2t32-r20-s3");
   KVPool pool(small_pool(), config);
   (void)fill_pool(pool, 200, 3);
   const std::string bytes = saved_pool(pool);
   auto expect_refused = [&](KVPool& target, kvq::ErrorCode code, const std::string& needle) {
-    const std::size_t count = target.sequence_count(), used = target.memory().used;
-    try {
-      load_pool(target, bytes);
-      ADD_FAILURE() << needle << ": loaded";
-    } catch (const kvq::Error& e) {
-      EXPECT_EQ(e.code(), code) << e.what();
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-    EXPECT_EQ(target.sequence_count(), count) << needle;
-    EXPECT_EQ(target.memory().used, used) << needle;
+    expect_load_refused(target, [&] { load_pool(target, bytes); }, code, needle);
   };
   PoolShape shape = small_pool();
   shape.block_tokens = 128;
@@ -708,6 +714,44 @@ TEST(KVPool, SharePrefixesFindsACommonPromptFedInOtherChunks) {
     EXPECT_THROW((void)pool.block_hashes(a, 0), kvq::Error);
     EXPECT_THROW((void)pool.share_prefixes(a), kvq::Error);
   }
+}
+
+// Block hashes are kept between calls and read again only for blocks written since: a sequence
+// that rolls back into its sealed blocks and takes other tokens hashes as a fresh sequence fed
+// its final tokens, and share_prefixes then shares only what is equal.
+TEST(KVPool, BlockHashesFollowRollbacksIntoSealedBlocks) {
+  const CacheConfig config = config_of("k4c32-v2t32-r4-s1");
+  const PoolShape shape = small_pool();
+  KVPool pool(shape, config);
+  const std::size_t row = row_of(shape.sequence_shape());
+  std::mt19937 rng(43);
+  Tokens tokens;
+  const SequenceId a = pool.add_sequence();
+  std::size_t reopened = 0;
+  for (int step = 0; step < 80; ++step) {
+    const std::size_t from = tokens.size(row), n = std::uniform_int_distribution<std::size_t>(1, 40)(rng);
+    tokens.add(n, row, rng);
+    feed(pool, a, tokens, from, from + n, n);
+    const std::vector<std::uint64_t> sealed = pool.block_hashes(a, 1);
+    const std::size_t back = std::uniform_int_distribution<std::size_t>(1, 16)(rng);
+    if (step % 2 == 0 && tokens.size(row) > back) {
+      pool.truncate(a, tokens.size(row) - back);
+      tokens.cut(tokens.size(row) - back, row);
+      reopened += pool.block_hashes(a, 1).size() < sealed.size();
+    }
+    Tokens fresh_tokens = tokens;
+    const SequenceId b = pool.add_sequence();
+    feed(pool, b, fresh_tokens, 0, fresh_tokens.size(row), 1000);
+    for (std::size_t l = 0; l < 2; ++l) ASSERT_EQ(pool.block_hashes(a, l), pool.block_hashes(b, l)) << "step " << step;
+    if (step % 8 == 0) {
+      const std::vector<std::uint8_t> before = pool.sequence(a).stored_bytes();
+      EXPECT_EQ(pool.share_prefixes(a), 2 * pool.block_hashes(a, 0).size() * pool.block_bytes()) << "step " << step;
+      ASSERT_TRUE(pool.sequence(a).stored_bytes() == before) << "step " << step;
+    }
+    pool.remove_sequence(b);
+  }
+  EXPECT_GT(reopened, 5u) << "rollbacks re-opened sealed blocks";
+  EXPECT_TRUE(pool.sequence(a).stored_bytes() == fresh_cache(shape.sequence_shape(), config, tokens).stored_bytes());
 }
 
 // What an engine sees of memory: committed blocks follow the tokens held.
@@ -910,8 +954,7 @@ TEST(KVPoolPerLayer, FailuresNameThePoolLayerAndChangeNothing) {
 
   // What needs one configuration says so, and names the way to read a per-layer pool.
   for (const auto& call : std::vector<std::function<void()>>{
-           [&] { (void)pool.sequence(id); }, [&] { (void)pool.config(); }, [&] { (void)pool.block_bytes(); },
-           [&] { std::ostringstream out; pool.save(out); }}) {
+           [&] { (void)pool.sequence(id); }, [&] { (void)pool.config(); }, [&] { (void)pool.block_bytes(); }}) {
     try {
       call();
       ADD_FAILURE() << "a per-layer pool answered a uniform pool's call";
@@ -938,6 +981,110 @@ TEST(KVPoolPerLayer, FailuresNameThePoolLayerAndChangeNothing) {
     EXPECT_NE(std::string(e.what()).find("layer 2"), std::string::npos) << e.what();
   }
   EXPECT_EQ(tight.length(s, 2), 0u);
+}
+
+/// Every layer of sequence ia of `a` holds what layer l of sequence ib of `b` holds: bytes, rollback
+/// reach, attention.
+void expect_same_layers(const KVPool& a, SequenceId ia, const KVPool& b, SequenceId ib, const std::string& what) {
+  for (std::size_t l = 0; l < a.shape().layers; ++l) {
+    const KVPool::LayerView x = a.layer(ia, l), y = b.layer(ib, l);
+    ASSERT_EQ(x.layer, y.layer) << what;
+    kvq::test::expect_same_state(x.cache, y.cache, what + ", layer " + std::to_string(l));
+    EXPECT_EQ(decode_outputs(x.cache), decode_outputs(y.cache)) << what << ", layer " << l;
+  }
+}
+
+// A pool with a configuration per layer saves and loads as a uniform one does: every layer's
+// bytes and attention, the blocks shared, the ids. One sequence saved alone (a session file)
+// comes back under a new id, in this pool or another of its configurations; a damaged or
+// mismatched file, a whole pool given to load_sequence, or too few free blocks change nothing.
+TEST(KVPoolPerLayer, PoolAndSequenceFilesKeepEveryLayer) {
+  const std::vector<CacheConfig> configs = per_layer_configs();
+  KVPool pool(per_layer_pool(), configs);
+  const PoolModel model = fill_pool(pool, 300, 37);
+  const std::size_t row = row_of(pool.shape().sequence_shape());
+  const std::string bytes = saved_pool(pool);
+  KVPool copy(per_layer_pool(8192), configs);
+  load_pool(copy, bytes);
+  ASSERT_EQ(copy.sequence_count(), pool.sequence_count());
+  for (const auto& [id, tokens] : model) {
+    ASSERT_TRUE(copy.contains(id)) << "sequence " << id;
+    expect_same_layers(copy, id, pool, id, "sequence " + std::to_string(id));
+    for (std::size_t l = 0; l < 4; ++l) {
+      const KVPool::LayerView v = copy.layer(id, l);
+      EXPECT_TRUE(v.cache.stored_bytes() == fresh_cache(v.cache.shape(), configs[l], tokens).stored_bytes())
+          << "sequence " << id << " layer " << l;
+    }
+  }
+  EXPECT_GT(pool.memory().shared, 0u);
+  EXPECT_EQ(copy.memory().used, pool.memory().used);
+  EXPECT_EQ(copy.memory().shared, pool.memory().shared) << "shared blocks stay shared";
+  KVPool same_limit(per_layer_pool(), configs);
+  load_pool(same_limit, bytes);
+  EXPECT_TRUE(saved_pool(same_limit) == bytes) << "saving the loaded pool writes the same file";
+
+  // Session files: each sequence alone, into another pool and back into this one.
+  KVPool other(per_layer_pool(), configs);
+  std::string session;
+  for (const auto& [id, tokens] : model) {
+    std::stringstream file;
+    pool.save_sequence(id, file);
+    session = file.str();
+    const SequenceId there = other.load_sequence(file);
+    expect_same_layers(other, there, pool, id, "sequence " + std::to_string(id) + " in another pool");
+    std::stringstream again(session);
+    const SequenceId here = pool.load_sequence(again);
+    EXPECT_GT(here, id);
+    expect_same_layers(pool, here, pool, id, "sequence " + std::to_string(id) + " loaded beside itself");
+    pool.remove_sequence(here);
+  }
+  EXPECT_LT(session.size(), bytes.size()) << "a session file holds its own sequence's blocks only";
+  const std::size_t last = model.rbegin()->first;
+  Tokens more = model.rbegin()->second;
+  std::mt19937 rng(3);
+  const std::size_t from = more.size(row);
+  more.add(70, row, rng);
+  const SequenceId restored = other.sequence_count() - 1;  // ids in `other` follow the model's order
+  for (std::size_t l = 0; l < 4; ++l) {
+    pool.append(last, l, from, more.k(from, from + 70, row), more.v(from, from + 70, row));
+    other.append(restored, l, from, more.k(from, from + 70, row), more.v(from, from + 70, row));
+  }
+  expect_same_layers(other, restored, pool, last, "after more tokens");
+
+  // Refused, nothing changed.
+  auto expect_refused = [&](KVPool& target, const std::string& file, kvq::ErrorCode code, const std::string& needle) {
+    expect_load_refused(
+        target,
+        [&] {
+          std::istringstream in(file, std::ios::binary);
+          (void)target.load_sequence(in);
+        },
+        code, needle);
+  };
+  expect_refused(other, bytes, kvq::ErrorCode::invalid_argument, "holds " + std::to_string(model.size()) + " sequences");
+  KVPool uniform(per_layer_pool(), configs[0]);
+  expect_refused(uniform, session, kvq::ErrorCode::shape_mismatch, "configured '" + kvq::to_string(std::span(configs)) + "'");
+  Tokens t;
+  std::ostringstream cache_file(std::ios::binary);
+  kvq::save(uniform.sequence(add_tokens(uniform, t, 90, 8)), cache_file);
+  expect_refused(other, cache_file.str(), kvq::ErrorCode::shape_mismatch, "kvq cache file holds a cache configured");
+  KVPool tight(per_layer_pool(8), configs);
+  expect_refused(tight, session, kvq::ErrorCode::capacity_exceeded, "blocks of the layers configured");
+  for (std::size_t cut = 0; cut < session.size(); cut += 1 + cut / 8)
+    expect_refused(other, session.substr(0, cut), kvq::ErrorCode::io, "kvq ");
+  for (std::size_t i = 0; i < session.size(); i += 1 + i / 16) {
+    std::string flipped = session;
+    flipped[i] = char(flipped[i] ^ (1 << (i % 8)));
+    expect_refused(other, flipped, kvq::ErrorCode::io, "kvq ");
+  }
+
+  // A uniform pool writes session files too, and still reads cache files.
+  std::stringstream uniform_session;
+  const SequenceId s = uniform.sequence_count() - 1;
+  uniform.save_sequence(s, uniform_session);
+  kvq::test::expect_same_state(uniform.sequence(uniform.load_sequence(uniform_session)), uniform.sequence(s), "uniform session");
+  std::istringstream cache_in(cache_file.str(), std::ios::binary);
+  kvq::test::expect_same_state(uniform.sequence(uniform.load_sequence(cache_in)), uniform.sequence(s), "cache file");
 }
 
 TEST(KVPool, BadArgumentsAreNamed) {

@@ -83,6 +83,7 @@ class BlockStore {
     std::memset(slots_[id].data.load(std::memory_order_relaxed), 0, block_bytes_);
     free_.pop_back();
     slots_[id].refs.store(1, std::memory_order_relaxed);
+    slots_[id].version.fetch_add(1, std::memory_order_relaxed);
     ++in_use_;
     return id;
   }
@@ -111,6 +112,11 @@ class BlockStore {
   /// True when more than one cache refers to the block: it must be copied before a write.
   bool shared(BlockId id) const noexcept { return slots_[id].refs.load(std::memory_order_relaxed) > 1; }
 
+  /// Changes whenever the block's bytes may have changed: on acquire, and when its sole holder
+  /// is about to write to it (written()). Hashes of a block's bytes stay valid while it holds.
+  std::uint64_t version(BlockId id) const noexcept { return slots_[id].version.load(std::memory_order_relaxed); }
+  void written(BlockId id) noexcept { slots_[id].version.fetch_add(1, std::memory_order_relaxed); }
+
   std::uint8_t* data(BlockId id) noexcept { return slots_[id].data.load(std::memory_order_acquire); }
   const std::uint8_t* data(BlockId id) const noexcept { return slots_[id].data.load(std::memory_order_acquire); }
 
@@ -123,6 +129,7 @@ class BlockStore {
   struct Slot {
     std::atomic<std::uint8_t*> data{nullptr};
     std::atomic<unsigned> refs{0};
+    std::atomic<std::uint64_t> version{0};
   };
 
   std::size_t block_bytes_, max_blocks_;

@@ -633,13 +633,15 @@ class BasicKVCache {
     std::size_t copies = 0;
     for (std::size_t k = first_row / block_rows_; k < std::min(needed, table.size()); ++k) copies += store_->shared(table[k]);
     const std::size_t wanted = copies + (needed > table.size() ? needed - table.size() : 0);
-    if (wanted == 0) return;
-    if (const std::size_t free = store_->available(); free < wanted)
+    if (const std::size_t free = wanted == 0 ? 0 : store_->available(); free < wanted)
       throw Error(ErrorCode::capacity_exceeded, "layer " + std::to_string(layer) + ": needs " + std::to_string(wanted) +
                                                     " more blocks of " + std::to_string(block_rows_) + " positions, " +
                                                     std::to_string(free) + " free");
     for (std::size_t k = first_row / block_rows_; k < std::min(needed, table.size()); ++k) {
-      if (!store_->shared(table[k])) continue;
+      if (!store_->shared(table[k])) {
+        store_->written(table[k]);  // hashes of its bytes (KVPool::block_hashes) are due again
+        continue;
+      }
       const BlockId copy = store_->acquire("a cache");
       std::memcpy(store_->data(copy), store_->data(table[k]), store_->block_bytes());
       store_->release(table[k]);

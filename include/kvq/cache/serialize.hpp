@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "kvq/cache/kv_cache.hpp"
+#include "kvq/cache/layered_kv_cache.hpp"
 #include "kvq/core/crc32c.hpp"
 #include "kvq/error.hpp"
 #include "kvq/version.hpp"
@@ -65,6 +66,7 @@ inline constexpr char pool_file_magic[8] = {'K', 'V', 'Q', '_', 'P', 'O', 'O', '
 inline constexpr std::uint32_t pool_file_version = 1;
 inline constexpr std::uint32_t tag_block = 0x4B4F4C42, tag_own = 0x524E574F;  // "BLOK" "OWNR"
 inline constexpr std::size_t max_config_text = 256;
+inline constexpr std::size_t max_layer_config_text = std::size_t(1) << 18;  // a pool's text per layer
 // The header's fixed fields: kvq version, shape, RoPE style and theta, config text length; and
 // those of the RoPE extension of version 2, without its frequency divisors.
 inline constexpr std::uint64_t header_fixed_bytes = 3 * 4 + 4 * 8 + 4 + 4 + 4, rope_extension_bytes = 8 + 4 + 4 + 8 + 5 * 4 + 4;
@@ -309,6 +311,8 @@ class FileReader {
   FileReader(std::istream& in, std::string kind = "kvq cache file") : in_(in), kind_(std::move(kind)) {}
 
   std::uint64_t offset() const noexcept { return offset_; }
+  /// Renames the file in later errors, once its magic has said what it is.
+  void set_kind(std::string kind) { kind_ = std::move(kind); }
 
   [[noreturn]] void fail(const std::string& section, std::uint64_t at, const std::string& why) const {
     throw Error(ErrorCode::io, kind_ + ", section '" + section + "' at offset " + std::to_string(at) + ": " + why);
@@ -416,14 +420,25 @@ class PayloadReader {
 struct FileHeader {
   CacheShape shape;
   std::string config_text;
-  CacheConfig config;
+  CacheConfig config;                  // a cache file's
+  std::vector<CacheConfig> per_layer;  // a pool file's (parse_layer_configs; one item when uniform)
 };
 
-/// Checks the magic, format version (one of 1..newest) and byte order; returns the version.
-inline std::uint32_t read_preamble(FileReader& file, const char (&magic)[8], std::uint32_t newest, const char* what) {
-  char found[8];
-  file.read(found, sizeof found, "preamble");
-  if (std::memcmp(found, magic, sizeof found) != 0) file.fail("preamble", 0, std::string("not a ") + what + " (wrong magic)");
+/// What a header's configuration text holds: one configuration (cache files) or one per layer
+/// (pool files).
+enum class ConfigText { one, per_layer };
+
+/// The file's first 8 bytes: which kind of file it is.
+inline std::string read_magic(FileReader& file) {
+  std::string found(8, '\0');
+  file.read(found.data(), found.size(), "preamble");
+  return found;
+}
+inline bool is_magic(const std::string& found, const char (&magic)[8]) { return std::memcmp(found.data(), magic, 8) == 0; }
+
+/// The preamble after the magic: checks the format version (one of 1..newest) and byte order;
+/// returns the version.
+inline std::uint32_t read_version(FileReader& file, std::uint32_t newest) {
   const auto version = file.read_value<std::uint32_t>("preamble");
   if (version == 0 || version > newest)
     file.fail("preamble", 8, "format version " + std::to_string(version) + "; this kvq reads versions 1 to " +
@@ -434,6 +449,12 @@ inline std::uint32_t read_preamble(FileReader& file, const char (&magic)[8], std
                                   ? std::string("written on a machine of the other byte order")
                                   : "byte-order marker " + hex(marker) + " is neither order");
   return version;
+}
+
+/// Checks the magic, format version (one of 1..newest) and byte order; returns the version.
+inline std::uint32_t read_preamble(FileReader& file, const char (&magic)[8], std::uint32_t newest, const char* what) {
+  if (!is_magic(read_magic(file), magic)) file.fail("preamble", 0, std::string("not a ") + what + " (wrong magic)");
+  return read_version(file, newest);
 }
 
 inline void write_preamble(std::ostream& out, const char (&magic)[8], std::uint32_t version) {
@@ -463,10 +484,11 @@ inline void write_header(std::ostream& out, const CacheShape& s, const std::stri
 }
 
 /// Reads the header section of a file of format `version`.
-inline FileHeader read_header(FileReader& file, std::uint32_t version) {
+inline FileHeader read_header(FileReader& file, std::uint32_t version, ConfigText text = ConfigText::one) {
+  const std::size_t most_text = text == ConfigText::one ? max_config_text : max_layer_config_text;
   const std::uint64_t start = file.offset();
   const std::uint64_t fixed = header_fixed_bytes + (version >= 2 ? rope_extension_bytes : 0);
-  const auto payload = file.section(tag_header, fixed, fixed + (version >= 2 ? 4 * max_frequency_divisors : 0) + max_config_text, "header");
+  const auto payload = file.section(tag_header, fixed, fixed + (version >= 2 ? 4 * max_frequency_divisors : 0) + most_text, "header");
   PayloadReader in(payload, file, "header", start);
   FileHeader h;
   for (int i = 0; i < 3; ++i) (void)in.value<std::uint32_t>();  // the writing kvq's version: for people, not checked
@@ -509,7 +531,10 @@ inline FileHeader read_header(FileReader& file, std::uint32_t version) {
     file.fail("header", start, std::string("the RoPE it records is invalid: ") + e.what());
   }
   try {
-    h.config = parse_cache_config(h.config_text);
+    if (text == ConfigText::one)
+      h.config = parse_cache_config(h.config_text);
+    else
+      h.per_layer = parse_layer_configs(h.config_text);
   } catch (const Error& e) {
     file.fail("header", start, std::string("configuration is unreadable: ") + e.what());
   }

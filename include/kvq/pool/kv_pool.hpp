@@ -7,9 +7,10 @@
 //   sequence(id)                        -> (one configuration) a BasicKVCache: decode_attention,
 //                                          reference_attention, metrics and save() take it as
 //                                          they take a KVCache
-//   save(out) / load(in)                -> (one configuration) every sequence of the pool,
-//   save_file(path) / load_file(path)      blocks shared as they were; files are written beside
-//                                          and renamed into place
+//   save_sequence(id, out)              -> one sequence and its blocks (a session file);
+//                                          load_sequence(in) restores it under a new id
+//   save(out) / load(in)                -> every sequence of the pool, blocks shared as they
+//   save_file(path) / load_file(path)      were; files are written beside and renamed into place
 //   block_hashes / share_prefixes       -> find and share a common prompt prefix across sequences
 //
 // Memory is committed as sequences reach new positions (in slabs of about 2 MiB of blocks), up
@@ -33,11 +34,13 @@
 // Pool file (format version 1), in the writer's byte order and with the sections of a cache file
 // (serialize.hpp: u32 tag | u64 size | payload | u32 CRC-32C):
 //   "KVQ_POOL"  u32 format version  u32 byte-order marker 0x01020304
-//   section "header": as a cache file's (version 2) for sequence_shape(): shape, RoPE, config
+//   section "header": as a cache file's (version 2) for sequence_shape(): shape, RoPE, and the
+//                     configuration text: one configuration, or one per layer (parse_layer_configs)
 //   section "table":  u64 block_tokens, memory_blocks, next sequence id, sequences S, blocks N |
 //                     per sequence: u64 id | per layer: its cache-file table entry, u64 n, n u64
 //                     indices of the blocks it refers to (position order)
-//   N sections "block": block_bytes() bytes each, stored once however many sequences share it
+//   N sections "block": block_bytes(layer) bytes each (the layers that refer to a block have one
+//                     configuration), stored once however many sequences share it
 //   per sequence, per layer, a section "own rows": its sinks, ring and rollback rows (as in a
 //                     cache file's layer section, without what lives in blocks)
 // Shared prefixes stay shared: after load, sequences refer to one copy of each block as they did,
@@ -290,71 +293,45 @@ class KVPool {
     return v.cache.length(v.layer);
   }
 
-  /// A new sequence read from a cache file (save(pool.sequence(id), out) writes one) of this
-  /// uniform pool's shape and configuration. On any error (kvq::Error io, shape_mismatch,
-  /// capacity_exceeded, unsupported for a per-layer pool) the pool is unchanged.
+  /// A new sequence, with a new id, read from a file save_sequence() wrote (of a pool with this
+  /// one's shape, block length and configurations) or, in a uniform pool, from a cache file
+  /// (save(pool.sequence(id), out)). On any error (kvq::Error io, shape_mismatch,
+  /// capacity_exceeded) the pool is unchanged.
   SequenceId load_sequence(std::istream& in) {
-    const LayerGroup& group = uniform_group("load_sequence");
-    auto cache = std::make_unique<BasicKVCache>(shape_.sequence_shape(), group.config, group.store, rope_);
-    kvq::load(*cache, in);
+    detail::FileReader file(in, "kvq sequence file");
+    const std::string magic = detail::read_magic(file);
     Sequence seq;
-    seq.push_back(std::move(cache));
+    if (detail::is_magic(magic, detail::pool_file_magic)) {
+      file.set_kind("kvq pool file");
+      LoadedPool loaded = read_pool_file(file);
+      if (loaded.sequences.size() != 1)
+        throw Error(ErrorCode::invalid_argument, "kvq pool file holds " + std::to_string(loaded.sequences.size()) +
+                                                     " sequences; load_sequence reads one (save_sequence), load() a whole pool");
+      seq = std::move(loaded.sequences.front().second);
+    } else if (detail::is_magic(magic, detail::cache_file_magic)) {
+      file.set_kind("kvq cache file");
+      seq.push_back(read_cache_file(file));
+    } else {
+      file.fail("preamble", 0, "neither a kvq pool file nor a kvq cache file (wrong magic)");
+    }
     std::unique_lock lock(mutex_);
     return insert(std::move(seq));
   }
 
-  /// Writes every sequence (ids, tokens, rollback reach) and every block they refer to, once
-  /// each, to `out` (binary). Throws kvq::Error(io) when the stream fails, unsupported for a
-  /// pool with a configuration per layer (its file format is not written yet).
-  void save(std::ostream& out) const {
-    using Access = detail::CacheAccess;
-    const LayerGroup& group = uniform_group("save");
-    std::unique_lock lock(mutex_);  // appends hold the lock shared: none runs while the pool is read
-    const std::vector<std::pair<SequenceId, const BasicKVCache*>> seqs = ordered();
-    // Each block once, numbered in order of first reference.
-    std::map<BlockId, std::uint64_t> index;
-    std::vector<BlockId> blocks;
-    for (const auto& [id, cache] : seqs)
-      for (std::size_t l = 0; l < shape_.layers; ++l)
-        for (const BlockId b : Access::table(*cache, l))
-          if (index.emplace(b, blocks.size()).second) blocks.push_back(b);
+  /// Writes one sequence (tokens, rollback reach, every layer) and the blocks it refers to, as a
+  /// pool file holding that sequence alone: load_sequence() restores it under a new id, in any
+  /// pool of this one's shape and configurations. Throws kvq::Error(io) when the stream fails.
+  void save_sequence(SequenceId id, std::ostream& out) const {
+    std::unique_lock lock(mutex_);  // appends hold the lock shared: none runs while blocks are read
+    const Sequence& seq = find(id, "save_sequence");
+    write_pool_file(out, {{id, &seq}}, id + 1);
+  }
 
-    detail::write_preamble(out, detail::pool_file_magic, detail::pool_file_version);
-    detail::write_header(out, shape_.sequence_shape(), to_string(group.config));
-    std::uint64_t table_bytes = 5 * 8;
-    for (const auto& [id, cache] : seqs) {
-      table_bytes += 8;
-      for (std::size_t l = 0; l < shape_.layers; ++l)
-        table_bytes += Access::table_entry_bytes + 8 + 8 * Access::table(*cache, l).size();
-    }
-    {
-      detail::SectionWriter w(out, detail::tag_table, table_bytes);
-      for (const std::size_t v : {shape_.block_tokens, shape_.memory_blocks, std::size_t(next_id_), seqs.size(), blocks.size()})
-        w.put_value(std::uint64_t(v));
-      for (const auto& [id, cache] : seqs) {
-        w.put_value(std::uint64_t(id));
-        for (std::size_t l = 0; l < shape_.layers; ++l) {
-          detail::write_table_entry(w, Access::state(*cache, l));
-          const std::vector<BlockId>& table = Access::table(*cache, l);
-          w.put_value(std::uint64_t(table.size()));
-          for (const BlockId b : table) w.put_value(index.at(b));
-        }
-      }
-      w.finish();
-    }
-    for (const BlockId b : blocks) {
-      detail::SectionWriter w(out, detail::tag_block, group.block_bytes);
-      w.put(group.store->data(b), group.block_bytes);
-      w.finish();
-    }
-    for (const auto& [id, cache] : seqs)
-      for (std::size_t l = 0; l < shape_.layers; ++l) {
-        const Access::LayerState st = Access::state(*cache, l);
-        detail::SectionWriter w(out, detail::tag_own, Access::layer_bytes(*cache, st, Access::Pieces::own));
-        Access::visit_pieces(*cache, l, st, [&](const void* data, std::size_t n) { w.put(data, n); }, Access::Pieces::own);
-        w.finish();
-      }
-    if (!out) throw Error(ErrorCode::io, "saving a kvq pool: the output stream failed");
+  /// Writes every sequence (ids, tokens, rollback reach) and every block they refer to, once
+  /// each, to `out` (binary). Throws kvq::Error(io) when the stream fails.
+  void save(std::ostream& out) const {
+    std::unique_lock lock(mutex_);
+    write_pool_file(out, ordered(), next_id_);
   }
 
   /// save() into a file, written beside it and renamed over it: a failed save leaves any file
@@ -370,119 +347,21 @@ class KVPool {
 
   /// Restores a pool saved by save() into this pool, which must hold no sequence (else
   /// kvq::Error invalid_argument) and have the saved shape (block_tokens included), RoPE and
-  /// configuration (else shape_mismatch); it may have another memory limit, and throws
+  /// configurations (else shape_mismatch); it may have another memory limit, and throws
   /// capacity_exceeded when the saved blocks do not fit it. Sequence ids are kept, and blocks
   /// shared when saved are shared again. A damaged file throws io naming the section and offset.
-  /// On any error the pool is left exactly as it was. Uniform pools only, as save.
+  /// On any error the pool is left exactly as it was.
   void load(std::istream& in) {
-    using Access = detail::CacheAccess;
-    const LayerGroup& group = uniform_group("load");
     expect_empty();
     detail::FileReader file(in, "kvq pool file");
-    const std::uint32_t version = detail::read_preamble(file, detail::pool_file_magic, detail::pool_file_version, "kvq pool file");
-    (void)version;  // version 1 is the only one yet
-    const detail::FileHeader h = detail::read_header(file, 2);
-    const CacheShape mine = shape_.sequence_shape();
-    if (!detail::same_shape(h.shape, mine))
-      throw Error(ErrorCode::shape_mismatch, "kvq pool file holds sequences of " + detail::describe(h.shape) +
-                                                 "; this pool's are " + detail::describe(mine));
-    if (h.config_text != to_string(group.config))
-      throw Error(ErrorCode::shape_mismatch, "kvq pool file holds a pool configured '" + h.config_text +
-                                                 "'; this pool is configured '" + to_string(group.config) + "'");
-
-    // The table: every sequence's layer states and block references, checked before any block is taken.
-    const std::uint64_t table_start = file.offset();
-    const auto table = file.section(detail::tag_table, 5 * 8, std::uint64_t(1) << 48, "table");
-    detail::PayloadReader t(table, file, "table", table_start);
-    const auto block_tokens = t.value<std::uint64_t>();
-    (void)t.value<std::uint64_t>();  // the saved pool's memory limit: for people
-    const auto next_id = t.value<std::uint64_t>(), count = t.value<std::uint64_t>(), block_count = t.value<std::uint64_t>();
-    if (block_tokens != shape_.block_tokens)
-      throw Error(ErrorCode::shape_mismatch, "kvq pool file holds blocks of " + std::to_string(block_tokens) +
-                                                 " positions; this pool's blocks hold " + std::to_string(shape_.block_tokens));
-    const std::uint64_t entry = 8 + shape_.layers * (Access::table_entry_bytes + 8);
-    if (count > t.remaining() / entry) file.fail("table", table_start, std::to_string(count) + " sequences do not fit the section");
-    const BasicKVCache layout(mine, group.config, group.store, rope_);  // the layouts every sequence has
-    struct Saved {
-      SequenceId id;
-      std::vector<Access::LayerState> states;
-      std::vector<std::vector<std::uint64_t>> blocks;
-    };
-    std::vector<Saved> saved(count);
-    std::unordered_set<SequenceId> ids;
-    std::vector<bool> referenced(std::size_t(std::min<std::uint64_t>(block_count, t.remaining() / 8)), false);
-    for (std::size_t i = 0; i < saved.size(); ++i) {
-      Saved& q = saved[i];
-      q.id = t.value<std::uint64_t>();
-      const std::string who = "sequence " + std::to_string(q.id);
-      if (q.id >= next_id) file.fail("table", table_start, who + " is not below the next id " + std::to_string(next_id));
-      if (!ids.insert(q.id).second) file.fail("table", table_start, who + " appears twice");
-      q.states.resize(shape_.layers);
-      q.blocks.resize(shape_.layers);
-      for (std::size_t l = 0; l < shape_.layers; ++l) {
-        Access::LayerState& s = q.states[l];
-        s = detail::read_table_entry(t);
-        const std::string where = who + ", layer " + std::to_string(l) + ": ";
-        if (const std::string why = Access::check(layout, s); !why.empty()) file.fail("table", table_start, where + why);
-        const auto n = t.value<std::uint64_t>();
-        if (n != Access::blocks_for(layout, s))
-          file.fail("table", table_start, where + std::to_string(n) + " blocks where its length needs " +
-                                              std::to_string(Access::blocks_for(layout, s)));
-        q.blocks[l].resize(std::size_t(n));
-        for (std::uint64_t& b : q.blocks[l]) {
-          b = t.value<std::uint64_t>();
-          if (b >= referenced.size()) file.fail("table", table_start, where + "block " + std::to_string(b) + " of " + std::to_string(block_count));
-          referenced[std::size_t(b)] = true;
-        }
-      }
-    }
-    if (t.remaining() != 0) file.fail("table", table_start, std::to_string(t.remaining()) + " bytes after the last sequence");
-    if (referenced.size() != block_count) file.fail("table", table_start, std::to_string(block_count) + " blocks do not fit the file");
-    if (const auto unused = std::find(referenced.begin(), referenced.end(), false); unused != referenced.end())
-      file.fail("table", table_start, "block " + std::to_string(unused - referenced.begin()) + " belongs to no sequence");
-    if (const std::size_t free = group.store->available(); free < block_count)
-      throw Error(ErrorCode::capacity_exceeded, "kvq pool file holds " + std::to_string(block_count) + " blocks; this pool has " +
-                                                    std::to_string(free) + " free");
-
-    // The blocks, read straight into blocks no sequence refers to yet; let go of on any error.
-    struct Held {
-      BlockStore& store;
-      std::vector<BlockId> ids;
-      ~Held() {
-        for (const BlockId id : ids) store.release(id);
-      }
-    } held{*group.store, {}};
-    held.ids.reserve(std::size_t(block_count));
-    for (std::size_t b = 0; b < block_count; ++b) {
-      held.ids.push_back(group.store->acquire("a pool being loaded"));
-      file.section_into(detail::tag_block, group.block_bytes, "block " + std::to_string(b), group.store->data(held.ids.back()));
-    }
-    std::vector<std::pair<SequenceId, Sequence>> loaded;
-    loaded.reserve(saved.size());
-    for (const Saved& q : saved) {
-      auto cache = std::make_unique<BasicKVCache>(mine, group.config, group.store, rope_);
-      std::vector<std::vector<std::uint8_t>> payloads(shape_.layers);
-      for (std::size_t l = 0; l < shape_.layers; ++l)
-        payloads[l] = file.section(detail::tag_own, Access::layer_bytes(*cache, q.states[l], Access::Pieces::own),
-                                   "sequence " + std::to_string(q.id) + " layer " + std::to_string(l));
-      std::vector<std::vector<BlockId>> tables(shape_.layers);
-      for (std::size_t l = 0; l < shape_.layers; ++l) {
-        tables[l].reserve(q.blocks[l].size());
-        for (const std::uint64_t b : q.blocks[l]) {
-          group.store->retain(held.ids[std::size_t(b)]);
-          tables[l].push_back(held.ids[std::size_t(b)]);
-        }
-      }
-      Access::restore(*cache, q.states, payloads, std::move(tables), Access::Pieces::own);
-      loaded.emplace_back(q.id, Sequence{});
-      loaded.back().second.push_back(std::move(cache));
-    }
-    file.expect_end();
+    if (!detail::is_magic(detail::read_magic(file), detail::pool_file_magic))
+      file.fail("preamble", 0, "not a kvq pool file (wrong magic)");
+    LoadedPool loaded = read_pool_file(file);
     std::unique_lock lock(mutex_);
     expect_empty_locked();
-    sequences_.reserve(loaded.size());
-    for (auto& [id, seq] : loaded) sequences_.emplace(id, std::move(seq));
-    next_id_ = next_id;
+    sequences_.reserve(loaded.sequences.size());
+    for (auto& [id, seq] : loaded.sequences) sequences_.emplace(id, std::move(seq));
+    next_id_ = loaded.next_id;
   }
 
   /// Content hashes of the sealed blocks of one layer of a sequence (blocks no append writes
@@ -500,9 +379,10 @@ class KVPool {
   /// Makes sequence `id` share, layer by layer, each of its sealed blocks whose content and
   /// whole prefix equal those of a block another sequence holds (block_hashes, then the bytes
   /// compared): its own copy is let go of and the other's referenced, as a fork would (of several
-  /// equal copies, the one most sequences already refer to). Exact: the
-  /// sequence's bytes, views and attention are unchanged. Returns the bytes memory().used fell
-  /// by. Reads every sealed block of the pool; waits for the operations in flight and runs alone.
+  /// equal copies, the one most sequences already refer to). Exact: the sequence's bytes, views
+  /// and attention are unchanged. Returns the bytes memory().used fell by. Reads the bytes of the
+  /// blocks sealed or written since the last call (the others' hashes are kept) and of the
+  /// matches; waits for the operations in flight and runs alone.
   std::size_t share_prefixes(SequenceId id) {
     using Access = detail::CacheAccess;
     std::unique_lock lock(mutex_);
@@ -613,9 +493,234 @@ class KVPool {
         h = detail::hash_bytes(rows, bytes, h);
       }
     std::vector<std::uint64_t> hashes(Access::sealed_blocks(cache, p.index));
-    for (std::size_t k = 0; k < hashes.size(); ++k)
-      hashes[k] = h = detail::hash_bytes(group.store->data(Access::table(cache, p.index)[k]), group.block_bytes, h);
+    for (std::size_t k = 0; k < hashes.size(); ++k) {
+      const std::uint64_t content = block_hash(p.group, Access::table(cache, p.index)[k]);
+      hashes[k] = h = detail::hash_bytes(&content, sizeof content, h);
+    }
     return hashes;
+  }
+
+  /// The hash of one block's bytes, read again only when the block's version has moved since it
+  /// was last hashed: a block is written only by its sole holder (after BlockStore::written), so
+  /// share_prefixes reads the bytes of blocks sealed since the last call, not the whole pool.
+  std::uint64_t block_hash(std::size_t group, BlockId id) const {
+    const BlockStore& store = *groups_[group].store;
+    const std::uint64_t key = std::uint64_t(group) << 32 | id, version = store.version(id);
+    {
+      std::lock_guard lock(hash_mutex_);
+      if (const auto it = block_hashes_.find(key); it != block_hashes_.end() && it->second.version == version)
+        return it->second.hash;
+    }
+    const std::uint64_t hash = detail::hash_bytes(store.data(id), groups_[group].block_bytes, 0x626C6F636Bu);
+    std::lock_guard lock(hash_mutex_);
+    block_hashes_[key] = {version, hash};
+    return hash;
+  }
+
+  /// The configuration text of pool files: one configuration, or parse_layer_configs' text.
+  std::string config_text() const {
+    return uniform() ? to_string(groups_[0].config) : to_string(std::span<const CacheConfig>(configs()));
+  }
+
+  /// The cache holding pool layer `l` of a sequence, and the layer's index there.
+  std::pair<const BasicKVCache*, std::size_t> layer_of(const Sequence& seq, std::size_t l) const {
+    return {seq[where_[l].group].get(), where_[l].index};
+  }
+
+  /// The pool file format (top of this header) for `seqs`, each block once.
+  void write_pool_file(std::ostream& out, const std::vector<std::pair<SequenceId, const Sequence*>>& seqs,
+                       SequenceId next_id) const {
+    using Access = detail::CacheAccess;
+    // Each block once, numbered in order of first reference; a block is its group's.
+    std::map<std::pair<std::size_t, BlockId>, std::uint64_t> index;
+    std::vector<std::pair<std::size_t, BlockId>> blocks;
+    std::uint64_t table_bytes = 5 * 8;
+    for (const auto& [id, seq] : seqs) {
+      table_bytes += 8;
+      for (std::size_t l = 0; l < shape_.layers; ++l) {
+        const auto [cache, at] = layer_of(*seq, l);
+        table_bytes += Access::table_entry_bytes + 8 + 8 * Access::table(*cache, at).size();
+        for (const BlockId b : Access::table(*cache, at))
+          if (index.emplace(std::pair(where_[l].group, b), blocks.size()).second) blocks.emplace_back(where_[l].group, b);
+      }
+    }
+    detail::write_preamble(out, detail::pool_file_magic, detail::pool_file_version);
+    detail::write_header(out, shape_.sequence_shape(), config_text());
+    {
+      detail::SectionWriter w(out, detail::tag_table, table_bytes);
+      for (const std::size_t v : {shape_.block_tokens, shape_.memory_blocks, std::size_t(next_id), seqs.size(), blocks.size()})
+        w.put_value(std::uint64_t(v));
+      for (const auto& [id, seq] : seqs) {
+        w.put_value(std::uint64_t(id));
+        for (std::size_t l = 0; l < shape_.layers; ++l) {
+          const auto [cache, at] = layer_of(*seq, l);
+          detail::write_table_entry(w, Access::state(*cache, at));
+          const std::vector<BlockId>& table = Access::table(*cache, at);
+          w.put_value(std::uint64_t(table.size()));
+          for (const BlockId b : table) w.put_value(index.at({where_[l].group, b}));
+        }
+      }
+      w.finish();
+    }
+    for (const auto& [g, b] : blocks) {
+      detail::SectionWriter w(out, detail::tag_block, groups_[g].block_bytes);
+      w.put(groups_[g].store->data(b), groups_[g].block_bytes);
+      w.finish();
+    }
+    for (const auto& [id, seq] : seqs)
+      for (std::size_t l = 0; l < shape_.layers; ++l) {
+        const auto [cache, at] = layer_of(*seq, l);
+        const Access::LayerState st = Access::state(*cache, at);
+        detail::SectionWriter w(out, detail::tag_own, Access::layer_bytes(*cache, st, Access::Pieces::own));
+        Access::visit_pieces(*cache, at, st, [&](const void* data, std::size_t n) { w.put(data, n); }, Access::Pieces::own);
+        w.finish();
+      }
+    if (!out) throw Error(ErrorCode::io, "saving a kvq pool: the output stream failed");
+  }
+
+  /// What a pool file holds, read and checked; its sequences hold their blocks.
+  struct LoadedPool {
+    SequenceId next_id = 0;
+    std::vector<std::pair<SequenceId, Sequence>> sequences;
+  };
+
+  /// The rest of a pool file after its magic, all read and checked before anything is returned;
+  /// on any error every block taken is let go of. Blocks are read straight into their stores.
+  LoadedPool read_pool_file(detail::FileReader& file) const {
+    using Access = detail::CacheAccess;
+    (void)detail::read_version(file, detail::pool_file_version);  // version 1 is the only one yet
+    const detail::FileHeader h = detail::read_header(file, 2, detail::ConfigText::per_layer);
+    expect_header(h, "kvq pool file holds a pool");
+
+    // The table: every sequence's layer states and block references, checked before any block is taken.
+    const std::uint64_t table_start = file.offset();
+    const auto table = file.section(detail::tag_table, 5 * 8, std::uint64_t(1) << 48, "table");
+    detail::PayloadReader t(table, file, "table", table_start);
+    const auto block_tokens = t.value<std::uint64_t>();
+    (void)t.value<std::uint64_t>();  // the saved pool's memory limit: for people
+    const auto next_id = t.value<std::uint64_t>(), count = t.value<std::uint64_t>(), block_count = t.value<std::uint64_t>();
+    if (block_tokens != shape_.block_tokens)
+      throw Error(ErrorCode::shape_mismatch, "kvq pool file holds blocks of " + std::to_string(block_tokens) +
+                                                 " positions; this pool's blocks hold " + std::to_string(shape_.block_tokens));
+    const std::uint64_t entry = 8 + shape_.layers * (Access::table_entry_bytes + 8);
+    if (count > t.remaining() / entry) file.fail("table", table_start, std::to_string(count) + " sequences do not fit the section");
+    std::vector<std::unique_ptr<BasicKVCache>> layouts;  // the layouts every sequence has, per group
+    for (std::size_t g = 0; g < groups_.size(); ++g)
+      layouts.push_back(std::make_unique<BasicKVCache>(group_shape(g), groups_[g].config, groups_[g].store, rope_));
+    struct Saved {
+      SequenceId id;
+      std::vector<Access::LayerState> states;  // per pool layer
+      std::vector<std::vector<std::uint64_t>> blocks;
+    };
+    std::vector<Saved> saved(static_cast<std::size_t>(count));
+    std::unordered_set<SequenceId> ids;
+    constexpr std::size_t no_group = std::size_t(-1);
+    std::vector<std::size_t> group_of(std::size_t(std::min<std::uint64_t>(block_count, t.remaining() / 8)), no_group);
+    for (Saved& q : saved) {
+      q.id = t.value<std::uint64_t>();
+      const std::string who = "sequence " + std::to_string(q.id);
+      if (q.id >= next_id) file.fail("table", table_start, who + " is not below the next id " + std::to_string(next_id));
+      if (!ids.insert(q.id).second) file.fail("table", table_start, who + " appears twice");
+      q.states.resize(shape_.layers);
+      q.blocks.resize(shape_.layers);
+      for (std::size_t l = 0; l < shape_.layers; ++l) {
+        const std::size_t g = where_[l].group;
+        const BasicKVCache& layout = *layouts[g];
+        Access::LayerState& s = q.states[l];
+        s = detail::read_table_entry(t);
+        const std::string where = who + ", layer " + std::to_string(l) + ": ";
+        if (const std::string why = Access::check(layout, s); !why.empty()) file.fail("table", table_start, where + why);
+        const auto n = t.value<std::uint64_t>();
+        if (n != Access::blocks_for(layout, s))
+          file.fail("table", table_start, where + std::to_string(n) + " blocks where its length needs " +
+                                              std::to_string(Access::blocks_for(layout, s)));
+        q.blocks[l].resize(std::size_t(n));
+        for (std::uint64_t& b : q.blocks[l]) {
+          b = t.value<std::uint64_t>();
+          if (b >= group_of.size()) file.fail("table", table_start, where + "block " + std::to_string(b) + " of " + std::to_string(block_count));
+          std::size_t& owner = group_of[std::size_t(b)];
+          if (owner != no_group && owner != g)
+            file.fail("table", table_start, where + "block " + std::to_string(b) + " is also a block of layers of another configuration");
+          owner = g;
+        }
+      }
+    }
+    if (t.remaining() != 0) file.fail("table", table_start, std::to_string(t.remaining()) + " bytes after the last sequence");
+    if (group_of.size() != block_count) file.fail("table", table_start, std::to_string(block_count) + " blocks do not fit the file");
+    if (const auto unused = std::find(group_of.begin(), group_of.end(), no_group); unused != group_of.end())
+      file.fail("table", table_start, "block " + std::to_string(unused - group_of.begin()) + " belongs to no sequence");
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      const auto needed = std::size_t(std::count(group_of.begin(), group_of.end(), g));
+      if (const std::size_t free = groups_[g].store->available(); free < needed)
+        throw Error(ErrorCode::capacity_exceeded, "kvq pool file holds " + std::to_string(needed) + " blocks" +
+                                                      (uniform() ? "" : " of the layers configured " + to_string(groups_[g].config)) +
+                                                      "; this pool has " + std::to_string(free) + " free");
+    }
+
+    // The blocks, read straight into blocks no sequence refers to yet; let go of on any error
+    // (the sequences built below hold references of their own).
+    struct Held {
+      std::vector<std::pair<BlockStore*, BlockId>> blocks;
+      ~Held() {
+        for (const auto& [store, id] : blocks) store->release(id);
+      }
+    } held;
+    held.blocks.reserve(group_of.size());
+    for (std::size_t b = 0; b < group_of.size(); ++b) {
+      BlockStore& store = *groups_[group_of[b]].store;
+      held.blocks.emplace_back(&store, store.acquire("a pool being loaded"));
+      file.section_into(detail::tag_block, groups_[group_of[b]].block_bytes, "block " + std::to_string(b), store.data(held.blocks.back().second));
+    }
+    LoadedPool loaded{next_id, {}};
+    loaded.sequences.reserve(saved.size());
+    for (const Saved& q : saved) {
+      Sequence seq;
+      for (std::size_t g = 0; g < groups_.size(); ++g)
+        seq.push_back(std::make_unique<BasicKVCache>(group_shape(g), groups_[g].config, groups_[g].store, rope_));
+      std::vector<std::vector<std::uint8_t>> payloads(shape_.layers);
+      for (std::size_t l = 0; l < shape_.layers; ++l)
+        payloads[l] = file.section(detail::tag_own, Access::layer_bytes(*seq[where_[l].group], q.states[l], Access::Pieces::own),
+                                   "sequence " + std::to_string(q.id) + " layer " + std::to_string(l));
+      for (std::size_t g = 0; g < groups_.size(); ++g) {
+        std::vector<Access::LayerState> states;
+        std::vector<std::vector<std::uint8_t>> group_payloads;
+        std::vector<std::vector<BlockId>> tables;
+        for (const std::size_t l : groups_[g].layers) {
+          states.push_back(q.states[l]);
+          group_payloads.push_back(std::move(payloads[l]));
+          tables.emplace_back();
+          for (const std::uint64_t b : q.blocks[l]) {
+            const BlockId id = held.blocks[std::size_t(b)].second;
+            groups_[g].store->retain(id);
+            tables.back().push_back(id);
+          }
+        }
+        Access::restore(*seq[g], states, group_payloads, std::move(tables), Access::Pieces::own);
+      }
+      loaded.sequences.emplace_back(q.id, std::move(seq));
+    }
+    file.expect_end();
+    return loaded;
+  }
+
+  /// Throws shape_mismatch unless a file's header (`holds`: what the file holds, for the message)
+  /// names this pool's sequence shape and configuration text.
+  void expect_header(const detail::FileHeader& h, const std::string& holds) const {
+    const CacheShape mine = shape_.sequence_shape();
+    if (!detail::same_shape(h.shape, mine))
+      throw Error(ErrorCode::shape_mismatch, holds + " of " + detail::describe(h.shape) + "; this pool's sequences are " +
+                                                 detail::describe(mine));
+    if (const std::string text = config_text(); h.config_text != text)
+      throw Error(ErrorCode::shape_mismatch, holds + " configured '" + h.config_text + "'; this pool is configured '" + text + "'");
+  }
+
+  /// A sequence of a uniform pool from a cache file, after its magic.
+  std::unique_ptr<BasicKVCache> read_cache_file(detail::FileReader& file) const {
+    const detail::FileHeader h = detail::read_header(file, detail::read_version(file, detail::cache_file_version));
+    expect_header(h, "kvq cache file holds a cache");
+    auto cache = std::make_unique<BasicKVCache>(shape_.sequence_shape(), groups_[0].config, groups_[0].store, rope_);
+    detail::read_body(file, *cache);
+    return cache;
   }
 
   PoolMemory memory_locked() const {
@@ -632,10 +737,10 @@ class KVPool {
     return m;
   }
 
-  /// The sequences of a uniform pool in id order.
-  std::vector<std::pair<SequenceId, const BasicKVCache*>> ordered() const {
-    std::vector<std::pair<SequenceId, const BasicKVCache*>> seqs;
-    for (const auto& [id, seq] : sequences_) seqs.emplace_back(id, seq[0].get());
+  /// The sequences in id order.
+  std::vector<std::pair<SequenceId, const Sequence*>> ordered() const {
+    std::vector<std::pair<SequenceId, const Sequence*>> seqs;
+    for (const auto& [id, seq] : sequences_) seqs.emplace_back(id, &seq);
     std::sort(seqs.begin(), seqs.end());
     return seqs;
   }
@@ -677,6 +782,11 @@ class KVPool {
   std::vector<Place> where_;  // per pool layer
   std::shared_ptr<const RopeTable> rope_;
   mutable std::shared_mutex mutex_;  // guards the map, not the sequences
+  struct VersionedHash {
+    std::uint64_t version = 0, hash = 0;
+  };
+  mutable std::mutex hash_mutex_;  // guards block_hashes_ (block_hashes runs beside appends)
+  mutable std::unordered_map<std::uint64_t, VersionedHash> block_hashes_;  // (group, block) -> its bytes' hash
   std::unordered_map<SequenceId, Sequence> sequences_;
   SequenceId next_id_ = 0;
 };
