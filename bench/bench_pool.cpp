@@ -181,6 +181,7 @@ void memory_at_1000(benchmark::State& state) {
   state.counters["held_MiB"] = held * mib;
   state.counters["committed_MiB"] = double(m.committed) * mib;
   state.counters["committed_over_held"] = double(m.committed) / held;
+  state.counters["committed_over_used"] = double(m.committed) / double(m.used);
   state.counters["own_rows_MiB"] = double(m.own) * mib;
 }
 

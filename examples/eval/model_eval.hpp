@@ -159,7 +159,8 @@ class ModelEvaluation {
   }
 
   /// An engine format, simulated: the fp32 backend storing each row as the engine would. Its
-  /// bytes are the format's blocks (fp8: a 4-byte scale per layer for K and for V besides);
+  /// bytes are the format's blocks or codes and scales (fp8: a 4-byte scale per layer for K and
+  /// for V besides);
   /// the per-layer attention metrics are not measured for these.
   ConfigResult evaluate(const EngineFormat& format) const {
     ConfigResult r;
@@ -170,7 +171,7 @@ class ModelEvaluation {
       std::vector<float> log_probs = forward_all(kv, tokens);
       const std::size_t n = 2 * m.layers * tokens.size() * m.kv_dim();
       values += n;
-      bytes += std::size_t(double(n) * format.bits_per_value() / 8.0) + (format.block ? 0 : 2 * m.layers * 4);
+      bytes += std::size_t(double(n) * format.bits_per_value(m.head_dim) / 8.0) + (format.block || format.turbo() ? 0 : 2 * m.layers * 4);
       return log_probs;
     });
     return r;

@@ -25,6 +25,7 @@ inline std::string axes_label(const CacheConfig& c) {
 /// The axes column of a result: kvq's axes, or an engine format's storage granularity.
 inline std::string axes_label(const ConfigResult& r) {
   if (!r.engine) return axes_label(r.config);
+  if (r.engine->turbo()) return "heads + RH";  // per head vector, after the random-sign rotation
   return r.engine->block ? (r.engine->hadamard ? "rows/32 + H" : "rows/32") : "per tensor";
 }
 

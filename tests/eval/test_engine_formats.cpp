@@ -2,8 +2,10 @@
 // and the fp32 backend's stored-row filter.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
 #include <vector>
 
 #include "eval/engine_formats.hpp"
@@ -24,7 +26,7 @@ TEST(EngineFormats, NamesParseAndEveryListedNameIsAccepted) {
   EXPECT_EQ(parse_engine_format("fp8-e5m2").fp8, kvq::Fp8Format::e5m2);
   EXPECT_FALSE(parse_engine_format("fp8-e4m3").block.has_value());
   const auto names = kvq::eval::engine_format_names();
-  EXPECT_EQ(names.size(), 14u);
+  EXPECT_EQ(names.size(), 17u);
   for (const auto& n : names) {
     EXPECT_TRUE(kvq::eval::is_engine_format_name(n)) << n;
     EXPECT_EQ(parse_engine_format(n).name, n);
@@ -33,6 +35,19 @@ TEST(EngineFormats, NamesParseAndEveryListedNameIsAccepted) {
   EXPECT_THROW(parse_engine_format("ggml-q4_0-hadamard-hadamard"), kvq::Error);
   EXPECT_THROW(parse_engine_format("fp8-e4m3-hadamard"), kvq::Error);
   EXPECT_FALSE(kvq::eval::is_engine_format_name("k4c32-v4t8-r0-s0"));
+  const auto turbo = parse_engine_format("turbo-k3v4");
+  EXPECT_TRUE(turbo.turbo());
+  EXPECT_EQ(turbo.key_bits, 3);
+  EXPECT_EQ(turbo.value_bits, 4);
+  EXPECT_DOUBLE_EQ(turbo.bits_per_value(128), 3.5 + 0.125);  // one fp16 scale per head vector
+  for (const char* bad : {"turbo-k5v4", "turbo-k3", "turbo-k3v4x", "turbo-v4k3", "turbo-"}) {
+    try {
+      (void)parse_engine_format(bad);
+      ADD_FAILURE() << bad << " parsed";
+    } catch (const kvq::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(EngineFormats, RowCodecIsTheCodecOnWholeRowsWithTheRotationAroundIt) {
@@ -56,6 +71,30 @@ TEST(EngineFormats, RowCodecIsTheCodecOnWholeRowsWithTheRotationAroundIt) {
     if (format.hadamard) h.inverse(expected);
     EXPECT_EQ(key, expected) << name;
     EXPECT_NE(key, k) << name << ": something was quantized";
+  }
+  // TurboQuant-style: each head rotated with the fixed random signs, then coded per head vector
+  // (Lloyd-Max levels scaled by the RMS for keys at 3 bits; int8 by absmax for values at 8).
+  {
+    const auto format = parse_engine_format("turbo-k3v8");
+    EngineRowCodec codec(format, 4, 16);
+    std::vector<float> key = k, value = v;
+    codec(key, value);
+    const kvq::HadamardTransform h(16, EngineRowCodec::turbo_sign_seed);
+    for (const auto& [x, original, bits] : {std::tuple{&key, &k, 3}, std::tuple{&value, &v, 8}}) {
+      std::vector<float> expected = *original, scales(4);
+      std::vector<std::uint8_t> codes(64);
+      h.forward(expected);
+      const kvq::LevelCodec c = EngineRowCodec::turbo_codec(bits, 16);
+      EXPECT_EQ(c.levels->size(), bits == 8 ? 255u : 8u);
+      c.encode(expected, codes, scales);
+      c.decode(codes, scales, expected);
+      h.inverse(expected);
+      EXPECT_EQ(*x, expected) << bits << " bits";
+      EXPECT_NE(*x, *original) << bits << " bits: something was quantized";
+    }
+    double key_error = 0, value_error = 0;
+    for (std::size_t i = 0; i < 64; ++i) key_error += std::pow(key[i] - k[i], 2), value_error += std::pow(value[i] - v[i], 2);
+    EXPECT_LT(value_error, key_error) << "8 bits lose less than 3";
   }
   // Rows of 24 values are not whole ggml blocks; fp8 has no blocks.
   EXPECT_THROW(EngineRowCodec(parse_engine_format("ggml-q8_0"), 3, 8), kvq::Error);

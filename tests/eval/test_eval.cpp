@@ -163,6 +163,17 @@ TEST_F(EvalModel, EngineFormatsRankAsTheirBitsSay) {
   EXPECT_LT(e4m3.bits_per_value, 8.01);
   EXPECT_TRUE(q8.layers.empty());  // no per-layer metrics for simulated formats
   EXPECT_EQ(kvq::eval::name_of(q4h), "ggml-q4_0-hadamard");
+  // TurboQuant-style rows: 8-bit keys near lossless, fewer key bits worse. Rotating heads of 8
+  // channels spreads this model's key outlier channels over every coordinate, and one scale per
+  // token cannot follow them: kvq's per-channel keys at about the same bits lose far less
+  // (measured KL 0.0038 / 0.87 / 2.02 for k8v4 / k4v2 / k3v4; k4c32-v2t8 0.024 at 5.79 bits).
+  const auto t84 = engine("turbo-k8v4"), t42 = engine("turbo-k4v2"), t34 = engine("turbo-k3v4");
+  EXPECT_LT(t84.mean_kl, 0.01);
+  EXPECT_LT(t84.mean_kl, t42.mean_kl);
+  EXPECT_LT(t42.mean_kl, t34.mean_kl);
+  EXPECT_DOUBLE_EQ(t42.bits_per_value, 3.0 + 2.0);  // an fp16 scale per head vector of 8
+  const auto kivi = eval_->evaluate(kvq::eval::parse_candidate("k4c32-v2t8-r0-s0"));
+  EXPECT_LT(10.0 * kivi.mean_kl, t42.mean_kl);
 }
 
 // Runs kvq-eval; `message` gets what it wrote to stderr.

@@ -210,6 +210,19 @@ TEST(PagedCache, AppendsStridedHalfPrecisionRows) {
   }
 }
 
+// Kernels read ahead within a segment and, past its end, into the next segment's rows; never
+// into whatever memory follows a segment.
+TEST(PagedCache, ReadAheadStaysInTheSegmentAndGoesOnIntoTheNext) {
+  using kvq::kernels::attention::read_ahead;
+  std::vector<std::uint8_t> a(1000), b(1000);
+  const std::uint8_t *begin = a.data(), *end = a.data() + a.size(), *next = b.data();
+  EXPECT_EQ(read_ahead(begin + 10, begin, end, next, 100), begin + 110);
+  EXPECT_EQ(read_ahead(begin + 950, begin, end, next, 100), next + 50);  // past the end: into the next
+  EXPECT_EQ(read_ahead(begin + 950, begin, end, nullptr, 100), nullptr);  // the last segment
+  EXPECT_EQ(read_ahead(begin + 10, begin, end, next, 1 << 20), next + 10);  // one segment ahead at most
+  EXPECT_EQ(read_ahead(begin + 10, begin, end, nullptr, 1 << 20), nullptr);
+}
+
 PoolShape small_pool(std::size_t blocks = 4096) {
   PoolShape p;
   p.layers = 2;

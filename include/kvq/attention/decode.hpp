@@ -175,9 +175,12 @@ inline void run_range(const BasicKVCache& cache, std::size_t layer, std::size_t 
   t.max = state.max;
   t.sum = state.sum;
   t.acc = state.acc;
+  auto rows_of = [](const StreamView& v) { return v.quantized ? v.codes : v.ring; };
   auto at_segment = [&](std::size_t k) {
     t.keys = cache.keys(layer, kvh, k);
     t.values = cache.values(layer, kvh, k);
+    t.next_keys = k < last ? rows_of(cache.keys(layer, kvh, k + 1)) : nullptr;
+    t.next_values = k < last ? rows_of(cache.values(layer, kvh, k + 1)) : nullptr;
     t.begin = std::max(begin, cache.segment_begin(k));
     t.end = std::min(end, sinks + (k + 1) * block);
     t.resume = k != first;

@@ -82,8 +82,8 @@ struct PoolShape {
   std::size_t head_dim = 128;
   std::size_t max_tokens = 4096;    // longest sequence: the shared RoPE table covers these positions
   // Positions per block, a multiple of block_unit(config): memory is committed and shared in
-  // these steps, and decode attention sets up once per block (256: about 1.45x the time of one
-  // block per step at 32K; 4096: about 1.05x; bench/RESULTS.md).
+  // these steps, and decode attention sets up once per block (256: 1.04x to 1.15x the time of
+  // one block per step at 32K; bench/RESULTS.md).
   std::size_t block_tokens = 256;
   std::size_t memory_blocks = 1024; // the most blocks the pool commits (split between the stores
                                     // of a pool with a configuration per layer by their layers)
@@ -485,7 +485,6 @@ class KVPool {
   std::vector<std::uint64_t> chained_hashes(const BasicKVCache& cache, std::size_t layer) const {
     using Access = detail::CacheAccess;
     const Place p = where_[layer];
-    const LayerGroup& group = groups_[p.group];
     std::uint64_t h = detail::hash_bytes(&layer, sizeof layer, 0x6B7671u);
     for (std::size_t head = 0; head < shape_.kv_heads; ++head)
       for (const Tensor t : {Tensor::keys, Tensor::values}) {

@@ -28,6 +28,15 @@ namespace kvq::inline v0::kernels::attention::avx512::detail {
 
 inline constexpr std::size_t dense_prefetch = 64 * 1024;  // software prefetch into L2, bytes ahead
 
+/// Rows [begin, end) the dense kernel reads, and the next segment's rows where reading ahead
+/// goes on past them (read_ahead); empty: no read-ahead.
+struct RowRegion {
+  const std::uint8_t *begin = nullptr, *end = nullptr, *next = nullptr;
+  const std::uint8_t* ahead(const std::uint8_t* row) const noexcept {
+    return begin == nullptr ? nullptr : kernels::attention::read_ahead(row, begin, end, next, dense_prefetch);
+  }
+};
+
 struct DenseState {
   alignas(64) float score[4][64 + 16];
   alignas(16) float mx[4], sm[4];
@@ -59,7 +68,7 @@ KVQ_DENSE_INLINE inline __m512 merge(__m512 a, __m512 b) noexcept {
 /// Scores of rows [0, n) (n <= 16) at `rows` for NH heads: out[h] lane t = q_h . row t.
 template <bool Half, int NV, int NH>
 KVQ_DENSE_INLINE inline void dense_keys16(const std::uint8_t* rows, std::size_t rb, std::size_t n, const float* q,
-                                          float (*out)[64 + 16], std::size_t off) noexcept {
+                                          float (*out)[64 + 16], std::size_t off, const RowRegion& region) noexcept {
   constexpr std::size_t dim = 16 * NV;
   __m512 l1[NH], l2[NH], l3[NH], l4[NH];
 #pragma GCC unroll 8
@@ -70,7 +79,8 @@ KVQ_DENSE_INLINE inline void dense_keys16(const std::uint8_t* rows, std::size_t 
       __m512 x[NV];
       if (t + std::size_t(u) < n) {
         const std::uint8_t* row = rows + (t + std::size_t(u)) * rb;
-        for (std::size_t i = 0; i < rb; i += 64) _mm_prefetch(reinterpret_cast<const char*>(row + dense_prefetch + i), _MM_HINT_T1);
+        if (const std::uint8_t* ahead = region.ahead(row))
+          for (std::size_t i = 0; i < rb; i += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T1);
         dense_row<Half, NV>(row, x);
       }
       else
@@ -111,7 +121,7 @@ KVQ_DENSE_INLINE inline void dense_keys16(const std::uint8_t* rows, std::size_t 
 /// acc (NH heads, natural channel order) = acc * corr + scale * sum_t p'_t * row_t over the tile.
 template <bool Half, int NV, int NH>
 KVQ_TARGET_AVX512_ATTENTION inline void dense_values(const DenseState& S, const std::uint8_t* rows, std::size_t rb,
-                                                     std::size_t n, float* acc) noexcept {
+                                                     std::size_t n, float* acc, const RowRegion& region) noexcept {
   constexpr std::size_t dim = 16 * NV;
   constexpr int NQ = NV / 4;  // 64-channel quarters
   for (int u = 0; u < NQ; ++u) {
@@ -120,8 +130,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void dense_values(const DenseState& S, const 
       for (int i = 0; i < 4; ++i) a[h][i] = _mm512_setzero_ps();
     for (std::size_t t = 0; t < n; ++t) {
       const std::uint8_t* row = rows + t * rb + (Half ? 128 : 256) * std::size_t(u);
-      for (std::size_t i = 0; i < (Half ? 128u : 256u); i += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(row + dense_prefetch + i), _MM_HINT_T1);
+      if (const std::uint8_t* ahead = region.ahead(row))
+        for (std::size_t i = 0; i < (Half ? 128u : 256u); i += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T1);
       __m512 x[4];
       dense_row<Half, 4>(row, x);
 #pragma GCC unroll 4
@@ -142,7 +152,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void dense_values(const DenseState& S, const 
 /// Rows [0, n) at krows / vrows (contiguous, rb bytes each), heads [h0, h0 + NH), tiles of 64.
 template <bool Half, int NV, int NH>
 KVQ_TARGET_AVX512_ATTENTION void dense_run(const DecodeTask& t, std::size_t h0, const std::uint8_t* krows,
-                                           const std::uint8_t* vrows, std::size_t rb, std::size_t n) noexcept {
+                                           const std::uint8_t* vrows, std::size_t rb, std::size_t n,
+                                           const RowRegion& kregion, const RowRegion& vregion) noexcept {
   constexpr std::size_t dim = 16 * NV;
   DenseState S;
   for (int h = 0; h < 4; ++h) S.mx[h] = S.sm[h] = 0.0f;
@@ -154,10 +165,10 @@ KVQ_TARGET_AVX512_ATTENTION void dense_run(const DecodeTask& t, std::size_t h0, 
     const std::size_t m = n - a < 64 ? n - a : 64, mr = (m + 15) / 16 * 16;
     for (std::size_t o = 0; o < m; o += 16) {
       const std::uint8_t* r = krows + (a + o) * rb;
-      dense_keys16<Half, NV, NH>(r, rb, m - o < 16 ? m - o : 16, t.queries + h0 * dim, S.score, o);
+      dense_keys16<Half, NV, NH>(r, rb, m - o < 16 ? m - o : 16, t.queries + h0 * dim, S.score, o, kregion);
     }
     tile_softmax<NH, true>(S, mr, t.softcap);  // partial 16-row steps pad with -inf
-    dense_values<Half, NV, NH>(S, vrows + a * rb, rb, m, t.acc + h0 * dim);
+    dense_values<Half, NV, NH>(S, vrows + a * rb, rb, m, t.acc + h0 * dim, vregion);
   }
   for (int h = 0; h < NH; ++h) {
     t.max[h0 + std::size_t(h)] = S.mx[h];
@@ -167,13 +178,14 @@ KVQ_TARGET_AVX512_ATTENTION void dense_run(const DecodeTask& t, std::size_t h0, 
 
 template <bool Half, int NV>
 KVQ_TARGET_AVX512_ATTENTION void dense_rows(const DecodeTask& t, const std::uint8_t* krows, const std::uint8_t* vrows,
-                                            std::size_t rb, std::size_t n) noexcept {
+                                            std::size_t rb, std::size_t n, const RowRegion& kregion,
+                                            const RowRegion& vregion) noexcept {
   for (std::size_t h0 = 0; h0 < t.group; h0 += 4) {
     switch (t.group - h0 < 4 ? t.group - h0 : 4) {
-      case 4: dense_run<Half, NV, 4>(t, h0, krows, vrows, rb, n); break;
-      case 3: dense_run<Half, NV, 3>(t, h0, krows, vrows, rb, n); break;
-      case 2: dense_run<Half, NV, 2>(t, h0, krows, vrows, rb, n); break;
-      default: dense_run<Half, NV, 1>(t, h0, krows, vrows, rb, n); break;
+      case 4: dense_run<Half, NV, 4>(t, h0, krows, vrows, rb, n, kregion, vregion); break;
+      case 3: dense_run<Half, NV, 3>(t, h0, krows, vrows, rb, n, kregion, vregion); break;
+      case 2: dense_run<Half, NV, 2>(t, h0, krows, vrows, rb, n, kregion, vregion); break;
+      default: dense_run<Half, NV, 1>(t, h0, krows, vrows, rb, n, kregion, vregion); break;
     }
   }
 }
@@ -192,14 +204,17 @@ KVQ_TARGET_AVX512_ATTENTION void dense_span(const DecodeTask& t, std::size_t a, 
   const StreamView &k = t.keys, &v = t.values;
   const std::size_t rb = k.residual_row_bytes();
   const bool half = k.residual == Scalar::f16;
-  auto run = [&](const std::uint8_t* kr, const std::uint8_t* vr, std::size_t n) {
-    if (half) dense_rows<true, NV>(t, kr, vr, rb, n);
-    else dense_rows<false, NV>(t, kr, vr, rb, n);
+  auto run = [&](const std::uint8_t* kr, const std::uint8_t* vr, std::size_t n, const RowRegion& kregion,
+                 const RowRegion& vregion) {
+    if (half) dense_rows<true, NV>(t, kr, vr, rb, n, kregion, vregion);
+    else dense_rows<false, NV>(t, kr, vr, rb, n, kregion, vregion);
   };
+  // Read-ahead stays within the ring and goes on into the next segment's (sinks: no read-ahead).
+  const RowRegion kring{k.ring, k.ring + k.ring_rows * rb, t.next_keys}, vring{v.ring, v.ring + v.ring_rows * rb, t.next_values};
   while (a < b) {
     if (a < k.sinks_stored) {
       const std::size_t e = b < k.sinks_stored ? b : k.sinks_stored;
-      run(k.sink_row(a), v.sink_row(a), e - a);
+      run(k.sink_row(a), v.sink_row(a), e - a, RowRegion{}, RowRegion{});
       a = e;
       continue;
     }
@@ -209,7 +224,7 @@ KVQ_TARGET_AVX512_ATTENTION void dense_span(const DecodeTask& t, std::size_t a, 
     const std::size_t off_grid = (a - k.ring_origin) % 64;
     std::size_t e = b - a < room ? b : a + room;
     if (off_grid != 0 && e - a > 64 - off_grid) e = a + (64 - off_grid);
-    run(k.pending_row(a), v.pending_row(a), e - a);
+    run(k.pending_row(a), v.pending_row(a), e - a, kring, vring);
     a = e;
   }
 }

@@ -115,8 +115,9 @@ KVQ_EXACT_INLINE inline void exact_keys16(IntState& S, const ExactState& E, std:
   const StreamView& k = S.task->keys;
   constexpr int F = 8 / KB, R = 2 * NV * KB, ND = R / 4;
   const std::uint8_t* rows = k.code_row(s0);
-  for (int i = 0; i < R / 4; ++i)  // 16 rows = 4R bytes, into L2 (see avx512_int.hpp)
-    _mm_prefetch(reinterpret_cast<const char*>(rows + prefetch_bytes + 64 * std::size_t(i)), _MM_HINT_T1);
+  if (const std::uint8_t* ahead = read_ahead(k, rows, S.task->next_keys))
+    for (int i = 0; i < R / 4; ++i)  // 16 rows = 4R bytes, into L2 (see avx512_int.hpp)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * std::size_t(i)), _MM_HINT_T1);
   // Two accumulators per head (by byte of the dword): with one, each head's chain of dependent
   // FMAs, not the ports, set the pace.
   __m512 acc[2][NH];
@@ -209,7 +210,9 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
       for (int i = 0; i < 4; ++i) acc[h][i] = _mm512_setzero_ps();
     for (std::size_t t = 0; t < n; ++t) {
       const std::uint8_t* row = base + t * v.row_bytes;
-      if (u == 0 && (t * v.row_bytes) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_bytes), _MM_HINT_T1);
+      if (u == 0 && (t * v.row_bytes) % 64 == 0)
+        if (const std::uint8_t* ahead = read_ahead(v, row, S.task->next_values))
+          _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
       __m512 x[4];
       if constexpr (VB == 8) {
         for (int i = 0; i < 4; ++i)

@@ -51,6 +51,12 @@ inline constexpr std::size_t int_heads = 4;        // query heads per pass over 
 // 12% faster than 8 KB into L1, which was no better than the hardware prefetcher alone).
 inline constexpr std::size_t prefetch_bytes = 64 * 1024;
 
+/// read_ahead over a segment's packed codes.
+KVQ_TARGET_AVX512_ATTENTION inline const std::uint8_t* read_ahead(const StreamView& v, const std::uint8_t* row,
+                                                                const std::uint8_t* next) noexcept {
+  return kernels::attention::read_ahead(row, v.codes, v.code_row(v.end_quantized), next, prefetch_bytes);
+}
+
 /// Per-task state of the integer kernel: tables, folded queries, scores, weights, accumulators.
 struct IntState {
   const DecodeTask* task = nullptr;
@@ -329,8 +335,9 @@ KVQ_INT_INLINE inline void int_keys16(IntState& S, std::size_t s0, std::size_t o
   const StreamView& k = S.task->keys;
   constexpr int F = 8 / KB, R = 2 * NV * KB, ND = R / 4;  // fields per byte, bytes and dwords per row
   const std::uint8_t* rows = k.code_row(s0);
-  for (int i = 0; i < R / 4; ++i)  // 16 rows = 4R bytes
-    _mm_prefetch(reinterpret_cast<const char*>(rows + prefetch_bytes + 64 * std::size_t(i)), _MM_HINT_T1);
+  if (const std::uint8_t* ahead = read_ahead(k, rows, S.task->next_keys))
+    for (int i = 0; i < R / 4; ++i)  // 16 rows = 4R bytes
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * std::size_t(i)), _MM_HINT_T1);
   // One accumulator per field (two for 8-bit codes, by dword parity): field f is masked in place,
   // without a shift (codes times 2^(KB f) stay within u8), and its sums are scaled back in float.
   // That is exact: the raw sums stay below 2^24, the scaled ones below 2^17 with at most 6
@@ -540,8 +547,9 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_values(IntState& S, std::size_t a, s
         for (int h = 0; h < NH; ++h)
           wq[h] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S.wb[h] + 4 * G * qd)));
       if (x0 == 0)  // the quad's 4R bytes
-        for (int i = 0; i < (4 * R + 63) / 64; ++i)
-          _mm_prefetch(reinterpret_cast<const char*>(rows + prefetch_bytes + 64 * std::size_t(i)), _MM_HINT_T1);
+        if (const std::uint8_t* ahead = read_ahead(v, rows, S.task->next_values))
+          for (int i = 0; i < (4 * R + 63) / 64; ++i)
+            _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * std::size_t(i)), _MM_HINT_T1);
 #pragma GCC unroll 8
       for (int xx = 0; xx < XP; ++xx) {
         const __m512i X = int_interleave<R>(S, rows, x0 + xx);

@@ -131,10 +131,11 @@ KVQ_ROPE_INLINE inline void rope_key_pair(const RopeKeyState& P, const RopeTable
 
 /// 16 rows at `rows` transposed into P.codes.
 template <int NV, int KB>
-KVQ_ROPE_INLINE inline void rope_load_codes(RopeKeyState& P, const std::uint8_t* rows) noexcept {
+KVQ_ROPE_INLINE inline void rope_load_codes(RopeKeyState& P, const std::uint8_t* rows, const std::uint8_t* ahead) noexcept {
   constexpr int R = 2 * NV * KB, ND = R / 4;
-  for (int i = 0; i < R / 4; ++i)  // 16 rows = 4R bytes, into L2 (see avx512_int.hpp)
-    _mm_prefetch(reinterpret_cast<const char*>(rows + prefetch_bytes + 64 * std::size_t(i)), _MM_HINT_T1);
+  if (ahead != nullptr)
+    for (int i = 0; i < R / 4; ++i)  // 16 rows = 4R bytes, into L2 (see avx512_int.hpp)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * std::size_t(i)), _MM_HINT_T1);
   for (int half = 0; half < (ND + 15) / 16; ++half) {
     __m512i r[16];
     transposed_dwords<R>(rows, half, r);
@@ -188,7 +189,7 @@ KVQ_TARGET_AVX512_ATTENTION inline void rope_keys_style(IntState& S, RopeKeyStat
         }
       rope_rotate_queries_back<NV, NH, HalfSplit>(S, P, rope, u);
     }
-    rope_load_codes<NV, KB>(P, k.code_row(s));
+    rope_load_codes<NV, KB>(P, k.code_row(s), read_ahead(k, k.code_row(s), S.task->next_keys));
     rope_keys16<NV, KB, NH, HalfSplit>(S, P, rope, t0, o);
   }
 }

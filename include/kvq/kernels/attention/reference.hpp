@@ -62,11 +62,26 @@ struct DecodeTask {
   // A cache stores a stream in segments (blocks); a range crossing several runs once per segment,
   // each continuing the state the previous one left, and gives the bits of one pass over them.
   bool resume = false;  // true: max, sum and acc already hold the state of the positions before begin
+  // The rows of the next segment the range reads (its packed codes, or its ring for a tensor kept
+  // in full; null: none), where kernels that read ahead continue once past this segment's end:
+  // the memory after a segment is another block's.
+  const std::uint8_t* next_keys = nullptr;
+  const std::uint8_t* next_values = nullptr;
   // Output: the online-softmax state over [begin, end).
   float* max = nullptr;  // (group) running maximum score (-inf if the range is empty)
   float* sum = nullptr;  // (group) sum of exp(score - max)
   float* acc = nullptr;  // (group, head_dim) sum of exp(score - max) * value
 };
+
+/// Where a kernel reading the rows [begin, end) of a segment prefetches ahead of `row`: `distance`
+/// bytes further (at most the segment's length), continuing into the next segment's rows (`next`)
+/// once past the end, or nowhere (null) after the last segment.
+inline const std::uint8_t* read_ahead(const std::uint8_t* row, const std::uint8_t* begin, const std::uint8_t* end,
+                                      const std::uint8_t* next, std::size_t distance) noexcept {
+  distance = std::min(distance, std::size_t(end - begin));
+  if (row + distance < end) return row + distance;
+  return next == nullptr ? nullptr : next + (row + distance - end);
+}
 
 /// Tile length (stream_layout.hpp). Tiles start at first_quantized and chunks are whole tiles,
 /// so tile boundaries (and with them the integer tier's per-tile weight quantization) do not
