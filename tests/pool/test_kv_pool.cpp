@@ -1,6 +1,7 @@
 // KVPool and the paged cache under it: attention over many blocks, forks that share blocks,
 // rollback, save/load, an exhausted pool, memory that follows the length, and random operation
-// sequences checked against fresh caches fed each sequence's final tokens.
+// sequences checked against fresh caches fed each sequence's final tokens, and against caches of
+// their own given the same operations (context shifts and files included).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,6 +10,8 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -850,6 +853,90 @@ TEST(KVPool, RandomOperationsMatchFreshCaches) {
     for (const auto& [id, tokens] : model) pool.remove_sequence(id);
     EXPECT_EQ(pool.blocks().counts().in_use, 0u) << text;
   }
+}
+
+// Random operations against mirrors: each pool sequence has a cache of its own (same shape,
+// configuration and block length) that receives the same operations, context shifts and files
+// included. After every step the two hold the same bytes (and, every few steps, give the same
+// attention); an operation the mirror refuses, the pool refuses too and changes nothing.
+TEST(KVPool, RandomOperationsMatchMirrorCaches) {
+  std::size_t refused = 0, erased = 0;  // over every configuration
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4t32-r8-s0-d24", "k16-v16-r0-s1-f32"}) {
+    SCOPED_TRACE(text);
+    const CacheConfig config = config_of(text);
+    auto pool = std::make_unique<KVPool>(small_pool(), config);
+    const CacheShape shape = pool->shape().sequence_shape();
+    const std::size_t row = row_of(shape);
+    std::map<SequenceId, BasicKVCache> mirror;
+    mirror.emplace(pool->add_sequence(), BasicKVCache(shape, config));
+    std::mt19937 rng(101);
+    auto uniform = [&](std::size_t lo, std::size_t hi) { return std::uniform_int_distribution<std::size_t>(lo, hi)(rng); };
+    for (int step = 0; step < 120; ++step) {
+      const std::string what = std::string(text) + ", step " + std::to_string(step);
+      auto it = mirror.begin();
+      std::advance(it, std::ptrdiff_t(uniform(0, mirror.size() - 1)));
+      const SequenceId id = it->first;
+      BasicKVCache& m = it->second;
+      const std::size_t length = m.length(0), back = uniform(0, 20);
+      // The mirror first: when it refuses, the pool must refuse and keep its bytes.
+      auto both = [&](const std::function<void()>& on_mirror, const std::function<void()>& on_pool) -> bool {
+        const std::vector<std::uint8_t> before = pool->sequence(id).stored_bytes();
+        try {
+          on_mirror();
+        } catch (const kvq::Error&) {
+          ++refused;
+          EXPECT_THROW(on_pool(), kvq::Error) << what;
+          EXPECT_TRUE(pool->sequence(id).stored_bytes() == before) << what;
+          return false;
+        }
+        on_pool();
+        return true;
+      };
+      const std::size_t op = uniform(0, 11);
+      if (op < 5) {  // append a chunk to every layer
+        const std::size_t n = uniform(1, 80);
+        if (length + n > shape.capacity) continue;
+        Tokens t;
+        t.add(n, row, rng);
+        both([&] { for (std::size_t l = 0; l < shape.layers; ++l) m.append(l, length, t.k(0, n, row), t.v(0, n, row)); },
+             [&] { for (std::size_t l = 0; l < shape.layers; ++l) pool->append(id, l, length, t.k(0, n, row), t.v(0, n, row)); });
+      } else if (op < 7) {  // roll back speculative tokens (past the rollback depth: refused)
+        const std::size_t to = length > back ? length - back : 0;
+        both([&] { m.truncate(to); }, [&] { pool->truncate(id, to); });
+      } else if (op < 8) {  // context shift (ranges that cut packed groups: refused)
+        const std::size_t first = uniform(0, length), count = uniform(1, 70);
+        erased += both([&] { m.erase(first, count); }, [&] { pool->erase(id, first, count); });
+      } else if (op < 9) {  // fork at an older length
+        const std::size_t at = length > back ? length - back : 0;
+        std::optional<BasicKVCache> child;
+        both([&] { child.emplace(m, at); }, [&] { mirror.emplace(pool->fork(id, at), std::move(*child)); });
+      } else if (op < 10) {  // a session file: the sequence alone, back under a new id
+        std::stringstream file;
+        pool->save_sequence(id, file);
+        mirror.emplace(pool->load_sequence(file), BasicKVCache(m));
+      } else if (op < 11) {  // the whole pool through a file, into a new pool
+        std::stringstream file;
+        pool->save(file);
+        auto loaded = std::make_unique<KVPool>(small_pool(), config);
+        loaded->load(file);
+        pool = std::move(loaded);
+      } else if (mirror.size() > 1) {
+        pool->remove_sequence(id);
+        mirror.erase(id);
+      }
+      ASSERT_EQ(pool->sequence_count(), mirror.size()) << what;
+      for (const auto& [sid, cache] : mirror) {
+        ASSERT_TRUE(pool->sequence(sid).stored_bytes() == cache.stored_bytes()) << what << ", sequence " << sid;
+        if (step % 15 == 14) {
+          EXPECT_EQ(decode_outputs(pool->sequence(sid)), decode_outputs(cache)) << what << ", sequence " << sid;
+        }
+      }
+    }
+    for (const auto& [sid, cache] : mirror) pool->remove_sequence(sid);
+    EXPECT_EQ(pool->blocks().counts().in_use, 0u);
+  }
+  EXPECT_GT(refused, 5u) << "some operations were refused";
+  EXPECT_GT(erased, 5u) << "some context shifts happened";
 }
 
 // A configuration per layer: layers of one configuration share a block store, and every layer
