@@ -27,9 +27,9 @@
 //
 // Thread safety: const operations may run concurrently with each other and with append,
 // truncate and erase of other sequences; append, truncate and erase of different sequences may
-// run concurrently. add_sequence, fork, load_sequence, remove_sequence, save, load and
-// share_prefixes wait for the operations in flight and run alone. Two operations on one sequence need the caller's
-// synchronisation.
+// run concurrently. add_sequence, fork, load_sequence, remove_sequence, save_sequence, save,
+// load and share_prefixes wait for the operations in flight and run alone. Two operations on one
+// sequence need the caller's synchronisation.
 //
 // Pool file (format version 1), in the writer's byte order and with the sections of a cache file
 // (serialize.hpp: u32 tag | u64 size | payload | u32 CRC-32C):
@@ -180,8 +180,8 @@ class KVPool {
   KVPool& operator=(const KVPool&) = delete;
 
   const PoolShape& shape() const noexcept { return shape_; }
-  /// True when every layer has one configuration: sequence(id), config(), block_bytes(), blocks(),
-  /// save, load and load_sequence need that.
+  /// True when every layer has one configuration: sequence(id), config(), block_bytes() and
+  /// blocks() need that, and load_sequence reads cache files only then.
   bool uniform() const noexcept { return groups_.size() == 1; }
   const CacheConfig& config() const { return uniform_group("config()").config; }
   const CacheConfig& config(std::size_t layer) const { return groups_[locate(layer, "config").group].config; }
