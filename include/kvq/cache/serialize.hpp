@@ -420,8 +420,7 @@ class PayloadReader {
 struct FileHeader {
   CacheShape shape;
   std::string config_text;
-  CacheConfig config;                  // a cache file's
-  std::vector<CacheConfig> per_layer;  // a pool file's (parse_layer_configs; one item when uniform)
+  CacheConfig config;  // a cache file's (a pool file's text is checked, and compared as text)
 };
 
 /// What a header's configuration text holds: one configuration (cache files) or one per layer
@@ -534,7 +533,7 @@ inline FileHeader read_header(FileReader& file, std::uint32_t version, ConfigTex
     if (text == ConfigText::one)
       h.config = parse_cache_config(h.config_text);
     else
-      h.per_layer = parse_layer_configs(h.config_text);
+      (void)parse_layer_configs(h.config_text);
   } catch (const Error& e) {
     file.fail("header", start, std::string("configuration is unreadable: ") + e.what());
   }

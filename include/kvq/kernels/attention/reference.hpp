@@ -78,9 +78,9 @@ struct DecodeTask {
 /// once past the end, or nowhere (null) after the last segment.
 inline const std::uint8_t* read_ahead(const std::uint8_t* row, const std::uint8_t* begin, const std::uint8_t* end,
                                       const std::uint8_t* next, std::size_t distance) noexcept {
-  distance = std::min(distance, std::size_t(end - begin));
-  if (row + distance < end) return row + distance;
-  return next == nullptr ? nullptr : next + (row + distance - end);
+  const std::size_t size = std::size_t(end - begin), ahead = std::size_t(row - begin) + std::min(distance, size);
+  if (ahead < size) return begin + ahead;
+  return next == nullptr ? nullptr : next + (ahead - size);
 }
 
 /// Tile length (stream_layout.hpp). Tiles start at first_quantized and chunks are whole tiles,
