@@ -42,7 +42,7 @@ inline std::vector<CacheConfig> advisor_candidates(std::size_t head_dim) {
       for (const int k : {2, 3, 4, 8})
         for (const int v : {2, 3, 4, 8}) {
           const std::string ka = k_axis[0] == 't' ? t : k_axis, va = v_axis[0] == 't' ? t : v_axis;
-          out.push_back(parse_cache_config("k" + std::to_string(k) + ka + "-v" + std::to_string(v) + va + "-r0-s0"));
+          out.push_back(parse_cache_config(fmt::format("k{}{}-v{}{}-r0-s0", k, ka, v, va)));
         }
   return out;
 }

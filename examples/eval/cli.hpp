@@ -66,7 +66,9 @@ usage: kvq-eval [options]
   --out DIR            where kvq-eval.csv and kvq-eval.svg go (default: kvq-eval-results)
   --advise             choose a configuration per layer instead: measure each candidate on each
                        layer alone, pick per layer the lowest summed KL within --budget, verify
-                       it on all layers and compare it with the best uniform configuration
+                       it on all layers and compare it with the best uniform configuration;
+                       the candidates are its 65, or the kvq configurations --configs lists
+                       (each costs a run per layer: a few keep a large model's advice short)
   --budget B           average bits per value the advice may use, all counted (default: 4)
   --synthetic          run the synthetic mode (no model needed)
   --distortion         print the scalar-quantizer distortion table on synthetic head vectors
@@ -184,10 +186,16 @@ inline EvalOptions parse_options(const std::vector<std::string>& args) {
   }
   const bool budget_given = std::find(args.begin(), args.end(), "--budget") != args.end();
   if (budget_given && !o.advise) throw Error(ErrorCode::invalid_argument, "--budget applies to --advise only");
-  if (o.advise && (!o.configs.empty() || o.set != "default" || o.generate > 0 || o.synthetic || o.distortion))
+  if (o.advise && (o.set != "default" || o.generate > 0 || o.synthetic || o.distortion))
     throw Error(ErrorCode::invalid_argument,
-                "--advise chooses among its own candidates: it does not combine with --configs, --set, --generate, "
-                "--synthetic or --distortion");
+                "--advise chooses among its candidates (its own, or those --configs lists): it does not combine with "
+                "--set, --generate, --synthetic or --distortion");
+  if (o.advise)
+    for (const std::string& c : o.configs)
+      if (is_engine_format_name(c))
+        throw Error(ErrorCode::invalid_argument, "--advise candidate '" + c +
+                                                     "' is an engine format, simulated for comparison; a per-layer "
+                                                     "configuration holds kvq cache configurations only");
   if (o.text_given && !o.tokens.empty())
     throw Error(ErrorCode::invalid_argument, "give --text or --tokens, not both");
   if (o.set != "default" && o.set != "axes" && o.set != "full" && o.set != "engines")
@@ -409,8 +417,8 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
       err << "kvq-eval: " << llama::data_help() << "\nrunning the synthetic mode instead.\n\n";
       return run_synthetic(out);
     }
-    const llama::GgufFile file = llama::GgufFile::load(o.model);
-    const llama::Model model(file);
+    llama::GgufFile file = llama::GgufFile::load(o.model);
+    const llama::Model model = llama::Model::take_weights(file);  // the file keeps the tokenizer's metadata
     const std::size_t context = resolve_context(o, model.config().context_length, err);
     const std::filesystem::path& source = o.tokens.empty() ? o.text : o.tokens;
     // Token ids need no tokenizer: a model whose tokenizer is not supported still runs on them.
@@ -437,7 +445,10 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
                 : fmt::format("stories fed in prefill chunks of {} tokens: a chunk attends to its own keys and values exactly, "
                               "then the cache stores them\n\n", o.prefill_chunk));
     if (o.advise) {
-      const Advice advice = advise(evaluation, model.config().layers, advisor_candidates(model.config().head_dim), o.budget,
+      std::vector<CacheConfig> candidates;
+      for (const Candidate& c : configs) candidates.push_back(std::get<CacheConfig>(c));
+      if (o.configs.empty()) candidates = advisor_candidates(model.config().head_dim);
+      const Advice advice = advise(evaluation, model.config().layers, std::move(candidates), o.budget,
                                    [](std::size_t n, auto job) { run_jobs(n, job); });
       print_advice(out, advice);
       return 0;

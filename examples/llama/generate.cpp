@@ -58,8 +58,8 @@ int run(int argc, char** argv) {
 
   if (model_path == kvq::llama::default_model_path().string() && !std::filesystem::exists(model_path))
     throw kvq::Error(kvq::ErrorCode::io, kvq::llama::data_help() + " (or pass --model PATH)");
-  const auto file = kvq::llama::GgufFile::load(model_path);
-  const kvq::llama::Model model(file);
+  auto file = kvq::llama::GgufFile::load(model_path);
+  const kvq::llama::Model model = kvq::llama::Model::take_weights(file);  // the tokenizer reads the metadata
   const kvq::llama::Tokenizer tokenizer(file);
   const std::size_t context = model.config().context_length;
   if (steps > context) steps = context;

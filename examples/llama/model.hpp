@@ -74,9 +74,22 @@ class Model {
   using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using Vector = Eigen::VectorXf;
 
-  static Model load(const std::filesystem::path& path) { return Model(GgufFile::load(path)); }
+  static Model load(const std::filesystem::path& path) {
+    GgufFile file = GgufFile::load(path);
+    return take_weights(file);
+  }
 
-  explicit Model(const GgufFile& file) {
+  /// A model of `file`'s converted weights, copied: the file stays whole.
+  explicit Model(const GgufFile& file) : Model(file, nullptr) {}
+
+  /// A model that takes `file`'s converted weights instead of copying them, so a model's
+  /// gigabytes are held once; the file keeps its metadata (a tokenizer reads it) and its tensor
+  /// list, with the taken tensors' data empty.
+  static Model take_weights(GgufFile& file) { return Model(file, &file); }
+
+ private:
+  // The model of `file`; with `take_from` (the same file) its weights are moved, not copied.
+  Model(const GgufFile& file, GgufFile* take_from) {
     const std::string arch = file.find("general.architecture") ? file.get_string("general.architecture") : "";
     if (arch != "llama" && arch != "qwen2")
       throw Error(ErrorCode::unsupported, file.source() + ": general.architecture is '" + arch +
@@ -116,30 +129,35 @@ class Model {
       validate_rope(file);
     }
 
-    embedding_ = load_matrix(file, "token_embd.weight", c.dim, c.vocab);
-    output_ = file.find_tensor("output.weight") ? load_matrix(file, "output.weight", c.dim, c.vocab) : embedding_;  // tied
+    const auto matrix = [&](const std::string& name, std::size_t ne0, std::size_t ne1) {
+      return load_matrix(file, take_from, name, ne0, ne1);
+    };
+    embedding_ = matrix("token_embd.weight", c.dim, c.vocab);
+    tied_output_ = file.find_tensor("output.weight") == nullptr;
+    if (!tied_output_) output_ = matrix("output.weight", c.dim, c.vocab);
     output_norm_ = load_vector(file, "output_norm.weight", c.dim);
     layers_.resize(c.layers);
     for (std::size_t l = 0; l < c.layers; ++l) {
       const std::string p = block_prefix(l);
       Layer& L = layers_[l];
       L.attn_norm = load_vector(file, p + "attn_norm.weight", c.dim);
-      L.wq = load_matrix(file, p + "attn_q.weight", c.dim, c.q_dim());
-      L.wk = load_matrix(file, p + "attn_k.weight", c.dim, c.kv_dim());
-      L.wv = load_matrix(file, p + "attn_v.weight", c.dim, c.kv_dim());
-      L.wo = load_matrix(file, p + "attn_output.weight", c.q_dim(), c.dim);
+      L.wq = matrix(p + "attn_q.weight", c.dim, c.q_dim());
+      L.wk = matrix(p + "attn_k.weight", c.dim, c.kv_dim());
+      L.wv = matrix(p + "attn_v.weight", c.dim, c.kv_dim());
+      L.wo = matrix(p + "attn_output.weight", c.q_dim(), c.dim);
       if (c.qkv_bias) {
         L.bq = load_vector(file, p + "attn_q.bias", c.q_dim());
         L.bk = load_vector(file, p + "attn_k.bias", c.kv_dim());
         L.bv = load_vector(file, p + "attn_v.bias", c.kv_dim());
       }
       L.ffn_norm = load_vector(file, p + "ffn_norm.weight", c.dim);
-      L.w_gate = load_matrix(file, p + "ffn_gate.weight", c.dim, c.ffn_dim);
-      L.w_up = load_matrix(file, p + "ffn_up.weight", c.dim, c.ffn_dim);
-      L.w_down = load_matrix(file, p + "ffn_down.weight", c.ffn_dim, c.dim);
+      L.w_gate = matrix(p + "ffn_gate.weight", c.dim, c.ffn_dim);
+      L.w_up = matrix(p + "ffn_up.weight", c.dim, c.ffn_dim);
+      L.w_down = matrix(p + "ffn_down.weight", c.ffn_dim, c.dim);
     }
   }
 
+ public:
   const LlamaConfig& config() const noexcept { return config_; }
 
   /// RoPE as this model's weights expect it: llama.cpp's "normal" mode (adjacent pairs) for llama,
@@ -165,15 +183,15 @@ class Model {
     if (logits.size() != c.vocab)
       throw Error(ErrorCode::shape_mismatch, "logits buffer has " + std::to_string(logits.size()) +
                                                  " entries, the vocabulary " + std::to_string(c.vocab));
-    Vector x = embedding_.row(token).transpose();
+    Vector x = embedding_().row(token).transpose();
     Vector xb(c.dim), q(c.q_dim()), k(c.kv_dim()), v(c.kv_dim()), att(c.q_dim());
     Vector gate(c.ffn_dim), up(c.ffn_dim);
     for (std::size_t l = 0; l < c.layers; ++l) {
       const Layer& L = layers_[l];
       rms_norm(x, L.attn_norm, xb);
-      q.noalias() = L.wq * xb;
-      k.noalias() = L.wk * xb;
-      v.noalias() = L.wv * xb;
+      q.noalias() = L.wq() * xb;
+      k.noalias() = L.wk() * xb;
+      v.noalias() = L.wv() * xb;
       if (c.qkv_bias) {
         q += L.bq;
         k += L.bk;
@@ -181,16 +199,16 @@ class Model {
       }
       kv.append(l, position, std::span<const float>(k.data(), c.kv_dim()), std::span<const float>(v.data(), c.kv_dim()));
       kv.attend(l, position, std::span<const float>(q.data(), c.q_dim()), std::span<float>(att.data(), c.q_dim()));
-      x.noalias() += L.wo * att;
+      x.noalias() += L.wo() * att;
 
       rms_norm(x, L.ffn_norm, xb);
-      gate.noalias() = L.w_gate * xb;
-      up.noalias() = L.w_up * xb;
+      gate.noalias() = L.w_gate() * xb;
+      up.noalias() = L.w_up() * xb;
       for (Eigen::Index i = 0; i < gate.size(); ++i) gate[i] = gate[i] * (1.0f / (1.0f + std::exp(-gate[i]))) * up[i];
-      x.noalias() += L.w_down * gate;
+      x.noalias() += L.w_down() * gate;
     }
     rms_norm(x, output_norm_, xb);
-    Eigen::Map<Vector>(logits.data(), static_cast<Eigen::Index>(c.vocab)).noalias() = output_ * xb;
+    Eigen::Map<Vector>(logits.data(), static_cast<Eigen::Index>(c.vocab)).noalias() = output()() * xb;
   }
 
   /// Chunked prefill: feed `tokens` at positions first_position .. first_position + T - 1 (the
@@ -215,7 +233,7 @@ class Model {
     const auto dim = static_cast<Eigen::Index>(c.dim);
     Matrix x(T, dim), xb(T, dim), q(T, c.q_dim()), k(T, c.kv_dim()), v(T, c.kv_dim()), att(T, c.q_dim());
     Matrix gate(T, c.ffn_dim), up(T, c.ffn_dim);
-    for (Eigen::Index t = 0; t < T; ++t) x.row(t) = embedding_.row(tokens[static_cast<std::size_t>(t)]);
+    for (Eigen::Index t = 0; t < T; ++t) x.row(t) = embedding_().row(tokens[static_cast<std::size_t>(t)]);
     const auto all = [](const Matrix& m) { return std::span<const float>(m.data(), static_cast<std::size_t>(m.size())); };
     const auto row = [](const Matrix& m, Eigen::Index t) {
       return std::span<const float>(m.data() + t * m.cols(), static_cast<std::size_t>(m.cols()));
@@ -223,9 +241,9 @@ class Model {
     for (std::size_t l = 0; l < c.layers; ++l) {
       const Layer& L = layers_[l];
       rms_norm_rows(x, L.attn_norm, xb);
-      q.noalias() = xb * L.wq.transpose();
-      k.noalias() = xb * L.wk.transpose();
-      v.noalias() = xb * L.wv.transpose();
+      q.noalias() = xb * L.wq().transpose();
+      k.noalias() = xb * L.wk().transpose();
+      v.noalias() = xb * L.wv().transpose();
       if (c.qkv_bias) {
         q.rowwise() += L.bq.transpose();
         k.rowwise() += L.bk.transpose();
@@ -234,25 +252,32 @@ class Model {
       kv.attend_chunk(l, first_position, tokens.size(), all(q), all(k), all(v),
                       std::span<float>(att.data(), static_cast<std::size_t>(att.size())));
       for (Eigen::Index t = 0; t < T; ++t) kv.append(l, first_position + static_cast<std::size_t>(t), row(k, t), row(v, t));
-      x.noalias() += att * L.wo.transpose();
+      x.noalias() += att * L.wo().transpose();
 
       rms_norm_rows(x, L.ffn_norm, xb);
-      gate.noalias() = xb * L.w_gate.transpose();
-      up.noalias() = xb * L.w_up.transpose();
+      gate.noalias() = xb * L.w_gate().transpose();
+      up.noalias() = xb * L.w_up().transpose();
       for (Eigen::Index i = 0; i < gate.size(); ++i) {
         float& g = gate.data()[i];
         g = g * (1.0f / (1.0f + std::exp(-g))) * up.data()[i];
       }
-      x.noalias() += gate * L.w_down.transpose();
+      x.noalias() += gate * L.w_down().transpose();
     }
     rms_norm_rows(x, output_norm_, xb);
-    Eigen::Map<Matrix>(logits.data(), T, static_cast<Eigen::Index>(c.vocab)).noalias() = xb * output_.transpose();
+    Eigen::Map<Matrix>(logits.data(), T, static_cast<Eigen::Index>(c.vocab)).noalias() = xb * output()().transpose();
   }
 
  private:
+  // A weight matrix kept as the file's converted floats, (rows x cols) row-major, read in place.
+  struct Weights {
+    std::vector<float> data;
+    Eigen::Index rows = 0, cols = 0;
+    Eigen::Map<const Matrix> operator()() const { return {data.data(), rows, cols}; }
+  };
+
   struct Layer {
     Vector attn_norm, ffn_norm, bq, bk, bv;  // biases: empty unless config().qkv_bias
-    Matrix wq, wk, wv, wo, w_gate, w_up, w_down;
+    Weights wq, wk, wv, wo, w_gate, w_up, w_down;
   };
 
   // <prefix>scaling.{type, factor, original_context_length} as llama.cpp writes them (and the
@@ -364,10 +389,14 @@ class Model {
   }
 
   // GGUF [ne0, ne1] is ne1 rows of ne0 floats: a row-major (ne1 x ne0) matrix, y = W x.
-  static Matrix load_matrix(const GgufFile& file, const std::string& name, std::size_t ne0, std::size_t ne1) {
+  static Weights load_matrix(const GgufFile& file, GgufFile* take_from, const std::string& name, std::size_t ne0,
+                             std::size_t ne1) {
     const GgufTensor& t = shaped(file, name, {ne0, ne1});
-    return Eigen::Map<const Matrix>(t.data.data(), static_cast<Eigen::Index>(ne1), static_cast<Eigen::Index>(ne0));
+    Weights w{take_from ? take_from->take_data(name) : t.data, static_cast<Eigen::Index>(ne1), static_cast<Eigen::Index>(ne0)};
+    if (w.data.size() != ne0 * ne1) file.fail("tensor '" + name + "' holds no data (its weights were taken already)");
+    return w;
   }
+  const Weights& output() const noexcept { return tied_output_ ? embedding_ : output_; }
 
   static Vector load_vector(const GgufFile& file, const std::string& name, std::size_t n) {
     const GgufTensor& t = shaped(file, name, {n});
@@ -390,7 +419,8 @@ class Model {
   }
 
   LlamaConfig config_;
-  Matrix embedding_, output_;
+  Weights embedding_, output_;  // output_ is empty when tied to the embedding
+  bool tied_output_ = false;
   Vector output_norm_;
   std::vector<Layer> layers_;
 };

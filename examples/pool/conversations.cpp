@@ -112,8 +112,8 @@ int run(int argc, char** argv) {
   if (config.key_rope != kvq::KeyRope::pre)
     throw kvq::Error(kvq::ErrorCode::unsupported, "kvq-conversations hands the cache pre-RoPE keys: drop -post from '" +
                                                       config_text + "'");
-  const auto file = kvq::llama::GgufFile::load(model_path);
-  const kvq::llama::Model model(file);
+  auto file = kvq::llama::GgufFile::load(model_path);
+  const kvq::llama::Model model = kvq::llama::Model::take_weights(file);  // the tokenizer reads the metadata
   const kvq::llama::Tokenizer tokenizer(file);
   const kvq::llama::LlamaConfig& m = model.config();
 

@@ -607,12 +607,36 @@ TEST(EvalCli, AdviseOptions) {
     EXPECT_EQ(run_cli({"--advise", "--budget", bad}, msg), 1) << bad;
     EXPECT_NE(msg.find("--budget needs a positive number"), std::string::npos) << msg;
   }
-  EXPECT_EQ(run_cli({"--advise", "--configs", "k4c32-v2t8-r0-s0"}, msg), 1);
+  EXPECT_EQ(run_cli({"--advise", "--set", "full"}, msg), 1);
   EXPECT_NE(msg.find("does not combine"), std::string::npos) << msg;
+  EXPECT_EQ(run_cli({"--advise", "--configs", "k4c32-v2t8-r0-s0,ggml-q4_0"}, msg), 1);
+  EXPECT_NE(msg.find("'ggml-q4_0' is an engine format"), std::string::npos) << msg;
   if (std::filesystem::exists(kvq::llama::default_model_path())) {
     EXPECT_EQ(run_cli({"--advise", "--budget", "1.5", "--stories", "1", "--context", "16"}, msg), 1);
     EXPECT_NE(msg.find("below the smallest configuration"), std::string::npos) << msg;
   }
+}
+
+// --configs gives the advisor its candidates: the advice is made of them alone, and a budget
+// below all of them names the smallest of theirs.
+TEST(EvalCli, AdvisesAmongGivenCandidates) {
+  KVQ_REQUIRE_LLAMA_DATA();
+  const std::string candidates = "k4c32-v4c32-r0-s0,k2c32-v2c32-r0-s0";
+  std::ostringstream printed, errors;
+  ASSERT_EQ(kvq::eval::run_eval({"--advise", "--configs", candidates, "--budget", "4", "--stories", "2", "--context", "96"},
+                                printed, errors),
+            0)
+      << errors.str();
+  std::string out = printed.str();
+  EXPECT_NE(out.find("(2 candidates per layer"), std::string::npos) << out;
+  out.erase(out.find_last_not_of('\n') + 1);
+  const std::string text = out.substr(out.find_first_not_of(' ', out.rfind('\n') + 1));  // the last line, indented
+  const std::vector<kvq::CacheConfig> layers = kvq::parse_layer_configs(text, 5);
+  for (const kvq::CacheConfig& c : layers)
+    EXPECT_TRUE(c == kvq::parse_cache_config("k4c32-v4c32-r0-s0") || c == kvq::parse_cache_config("k2c32-v2c32-r0-s0"))
+        << kvq::to_string(c);
+  EXPECT_EQ(run_cli({"--advise", "--configs", candidates, "--budget", "2", "--stories", "1", "--context", "96"}, out), 1);
+  EXPECT_NE(out.find("below the smallest configuration"), std::string::npos) << out;
 }
 
 }  // namespace
