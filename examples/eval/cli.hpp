@@ -67,7 +67,7 @@ usage: kvq-eval [options]
   --advise             choose a configuration per layer instead: measure each candidate on each
                        layer alone, pick per layer the lowest summed KL within --budget, verify
                        it on all layers and compare it with the best uniform configuration;
-                       the candidates are its 65, or the kvq configurations --configs lists
+                       the candidates are its 101, or the kvq configurations --configs lists
                        (each costs a run per layer: a few keep a large model's advice short)
   --budget B           average bits per value the advice may use, all counted (default: 4)
   --synthetic          run the synthetic mode (no model needed)
@@ -446,8 +446,8 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
                               "then the cache stores them\n\n", o.prefill_chunk));
     if (o.advise) {
       std::vector<CacheConfig> candidates;
-      for (const Candidate& c : configs) candidates.push_back(std::get<CacheConfig>(c));
       if (o.configs.empty()) candidates = advisor_candidates(model.config().head_dim);
+      for (const std::string& c : o.configs) candidates.push_back(parse_cache_config(c));  // engine formats refused above
       const Advice advice = advise(evaluation, model.config().layers, std::move(candidates), o.budget,
                                    [](std::size_t n, auto job) { run_jobs(n, job); });
       print_advice(out, advice);

@@ -617,6 +617,26 @@ TEST(EvalCli, AdviseOptions) {
   }
 }
 
+// The advisor's own candidates: fp16, the 64 bit and axis combinations without sinks, and the 36
+// at 2 to 4 bits with 4 sinks; all distinct, none with a window.
+TEST(EvalCli, AdvisorCandidates) {
+  const std::vector<kvq::CacheConfig> candidates = kvq::eval::advisor_candidates(64);
+  ASSERT_EQ(candidates.size(), 101u);
+  std::size_t with_sinks = 0;
+  for (std::size_t i = 0; i < candidates.size(); ++i) {
+    const kvq::CacheConfig& c = candidates[i];
+    EXPECT_EQ(c.window, 0u) << kvq::to_string(c);
+    if (c.sinks != 0) {
+      ++with_sinks;
+      EXPECT_EQ(c.sinks, 4u);
+      EXPECT_LE(c.key.bits, 4);
+      EXPECT_LE(c.value.bits, 4);
+    }
+    for (std::size_t j = 0; j < i; ++j) EXPECT_FALSE(candidates[j] == c) << kvq::to_string(c);
+  }
+  EXPECT_EQ(with_sinks, 36u);
+}
+
 // --configs gives the advisor its candidates: the advice is made of them alone, and a budget
 // below all of them names the smallest of theirs.
 TEST(EvalCli, AdvisesAmongGivenCandidates) {
