@@ -85,6 +85,10 @@ stores it; attention reads them in fp32; bits/value counts the format's scales):
                        post-RoPE K and V, each token's row in blocks of 32 values
   ggml-<type>-hadamard the same with llama.cpp's normalized Hadamard rotation of each K and V head
   fp8-e4m3, fp8-e5m2   vLLM's fp8 cache, per-tensor scale 1 (e4m3 saturates at 448)
+  turbo-k<K>v<V>       TurboQuant-style (K, V in 2, 3, 4, 8): random-sign Hadamard per head,
+                       Lloyd-Max levels (int8 at 8 bits), one fp16 scale per head vector
+  hf-int4, hf-int2     Hugging Face's QuantizedCache defaults: post-RoPE K and V per 64 values
+                       of a head vector, affine; the newest rows exact until 128 gather
 )";
 
 struct EvalOptions {

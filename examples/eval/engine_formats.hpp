@@ -17,7 +17,14 @@
 //                         signs), then coded per head vector with one fp16 scale: K or V bits of
 //                         Lloyd-Max levels for a Gaussian, scale = the vector's RMS (2, 3, 4
 //                         bits), or symmetric int8, scale = absmax / 127 (8 bits)
+//   hf-int4, hf-int2      Hugging Face transformers' QuantizedCache with its defaults (quanto
+//                         backend, axis 0, q_group_size 64, residual_length 128): post-RoPE K and
+//                         V at 4 or 2 bits, affine min-max per 64 values of a head vector (the whole
+//                         vector where head_dim < 64) with fp16 scale and minimum; new rows stay
+//                         exact until 128 have gathered, then all are quantized at once
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -30,6 +37,7 @@
 
 #include "kvq/codecs/fp8.hpp"
 #include "kvq/codecs/ggml.hpp"
+#include "kvq/core/half.hpp"
 #include "kvq/error.hpp"
 #include "kvq/quant/levels.hpp"
 #include "kvq/transform/hadamard.hpp"
@@ -42,13 +50,21 @@ struct EngineFormat {
   Fp8Format fp8 = Fp8Format::e4m3fn;     // fp8 formats
   bool hadamard = false;
   int key_bits = 0, value_bits = 0;      // TurboQuant-style formats (hadamard with random signs)
+  int hf_bits = 0;                       // Hugging Face's quantized cache
+
+  static constexpr std::size_t hf_group = 64, hf_residual = 128;
 
   bool turbo() const noexcept { return key_bits != 0; }
+  bool hf() const noexcept { return hf_bits != 0; }
+  /// Rows a format keeps exact before it quantizes them all at once (0: each as it is stored).
+  std::size_t residual() const noexcept { return hf() ? hf_residual : 0; }
+  static std::size_t hf_group_of(std::size_t head_dim) noexcept { return head_dim < hf_group ? head_dim : hf_group; }
 
-  /// Stored bits per K/V value of heads of head_dim, scales included (fp8's per-tensor scales
-  /// are counted by the caller).
+  /// Stored bits per quantized K/V value of heads of head_dim, scales included (fp8's per-tensor
+  /// scales and the exact rows of a residual are counted by the caller).
   double bits_per_value(std::size_t head_dim) const noexcept {
     if (turbo()) return 0.5 * double(key_bits + value_bits) + 16.0 / double(head_dim);
+    if (hf()) return double(hf_bits) + 32.0 / double(hf_group_of(head_dim));
     return block ? 8.0 * double(ggml::block_bytes(*block)) / double(ggml::block_values) : 8.0;
   }
 };
@@ -57,7 +73,7 @@ struct EngineFormat {
 inline constexpr std::pair<int, int> turbo_bit_pairs[] = {{8, 4}, {3, 4}, {4, 2}};
 
 inline bool is_engine_format_name(std::string_view text) noexcept {
-  return text.starts_with("ggml-") || text.starts_with("fp8-") || text.starts_with("turbo-");
+  return text.starts_with("ggml-") || text.starts_with("fp8-") || text.starts_with("turbo-") || text.starts_with("hf-");
 }
 
 /// Every engine format kvq-eval knows, in the order --set engines lists them.
@@ -68,6 +84,8 @@ inline std::vector<std::string> engine_format_names() {
   names.push_back("fp8-e4m3");
   names.push_back("fp8-e5m2");
   for (const auto& [k, v] : turbo_bit_pairs) names.push_back("turbo-k" + std::to_string(k) + "v" + std::to_string(v));
+  names.push_back("hf-int4");
+  names.push_back("hf-int2");
   return names;
 }
 
@@ -103,6 +121,10 @@ inline EngineFormat parse_engine_format(std::string_view text) {
     f.hadamard = true;
     return f;
   }
+  if (text == "hf-int4" || text == "hf-int2") {
+    f.hf_bits = text == "hf-int4" ? 4 : 2;
+    return f;
+  }
   if (text.starts_with("ggml-")) {
     std::string_view type = text.substr(5);
     constexpr std::string_view suffix = "-hadamard";
@@ -116,7 +138,8 @@ inline EngineFormat parse_engine_format(std::string_view text) {
                                                  ", optionally followed by -hadamard");
   }
   throw Error(ErrorCode::invalid_argument, "unknown engine format '" + std::string(text) +
-                                               "': expected ggml-<type>[-hadamard], fp8-e4m3, fp8-e5m2 or turbo-k<K>v<V>");
+                                               "': expected ggml-<type>[-hadamard], fp8-e4m3, fp8-e5m2, turbo-k<K>v<V>, "
+                                               "hf-int4 or hf-int2");
 }
 
 /// Quantizes and dequantizes one position's post-RoPE key and value rows (heads of head_dim) in
@@ -165,6 +188,9 @@ class EngineRowCodec {
       const LevelCodec codec = turbo_codec(turbo_bits, head_dim_);
       codec.encode(x, codes_, scales_);
       codec.decode(codes_, scales_, x);
+    } else if (format_.hf()) {
+      const std::size_t group = EngineFormat::hf_group_of(head_dim_);
+      for (std::size_t g = 0; g < x.size(); g += group) affine_round_trip(x.subspan(g, group), format_.hf_bits);
     } else if (format_.block) {
       ggml::quantize_row(*format_.block, x, blocks_);
       ggml::dequantize_row(*format_.block, blocks_, x);
@@ -173,6 +199,17 @@ class EngineRowCodec {
       fp8_decode(format_.fp8, codes_, 1.0f, x);
     }
     if (format_.hadamard) hadamard_.inverse(x);
+  }
+
+  // Min-max affine levels with the scale and the minimum stored in fp16, codes rounded to nearest.
+  static void affine_round_trip(std::span<float> x, int bits) {
+    const auto [lo_it, hi_it] = std::minmax_element(x.begin(), x.end());
+    const float lo = to_float(to_fp16(*lo_it)), top = float((1 << bits) - 1);
+    const float scale = to_float(to_fp16((*hi_it - lo) / top));
+    for (float& v : x) {
+      const float code = scale > 0 ? std::clamp(std::nearbyint((v - lo) / scale), 0.0f, top) : 0.0f;
+      v = lo + code * scale;
+    }
   }
 
   EngineFormat format_;

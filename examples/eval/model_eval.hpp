@@ -160,18 +160,22 @@ class ModelEvaluation {
 
   /// An engine format, simulated: the fp32 backend storing each row as the engine would. Its
   /// bytes are the format's blocks or codes and scales (fp8: a 4-byte scale per layer for K and
-  /// for V besides);
+  /// for V besides; a residual's rows not yet quantized at the story's end: fp16);
   /// the per-layer attention metrics are not measured for these.
   ConfigResult evaluate(const EngineFormat& format) const {
     ConfigResult r;
     r.engine = format;
     const llama::LlamaConfig& m = model_.config();
     score(r, [&](const std::vector<int>& tokens, std::size_t& bytes, std::size_t& values) {
-      llama::FullPrecisionBackend kv(model_, tokens.size(), EngineRowCodec(format, m.kv_heads, m.head_dim));
+      llama::FullPrecisionBackend kv(model_, tokens.size(), EngineRowCodec(format, m.kv_heads, m.head_dim),
+                                     format.residual());
       std::vector<float> log_probs = forward_all(kv, tokens);
-      const std::size_t n = 2 * m.layers * tokens.size() * m.kv_dim();
+      std::size_t exact_rows = 0;
+      for (std::size_t l = 0; l < m.layers; ++l) exact_rows += kv.unfiltered(l);
+      const std::size_t n = 2 * m.layers * tokens.size() * m.kv_dim(), exact = 2 * exact_rows * m.kv_dim();
       values += n;
-      bytes += std::size_t(double(n) * format.bits_per_value(m.head_dim) / 8.0) + (format.block || format.turbo() ? 0 : 2 * m.layers * 4);
+      bytes += std::size_t(double(n - exact) * format.bits_per_value(m.head_dim) / 8.0) + 2 * exact +
+               (format.block || format.turbo() || format.hf() ? 0 : 2 * m.layers * 4);
       return log_probs;
     });
     return r;

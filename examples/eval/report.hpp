@@ -26,6 +26,7 @@ inline std::string axes_label(const CacheConfig& c) {
 inline std::string axes_label(const ConfigResult& r) {
   if (!r.engine) return axes_label(r.config);
   if (r.engine->turbo()) return "heads + RH";  // per head vector, after the random-sign rotation
+  if (r.engine->hf()) return "tok/64 + R128";   // 64 values of a head vector; residual of 128
   return r.engine->block ? (r.engine->hadamard ? "rows/32 + H" : "rows/32") : "per tensor";
 }
 

@@ -28,14 +28,17 @@ class FullPrecisionBackend {
   /// `max_positions` bounds the sequence. It is the caller's to choose, never llama.context_length:
   /// no tensor backs that number, and a corrupt 2^24 would size gigabytes of RoPE table.
   /// `filter`, if any, is applied to every row attention reads (keys() and values() stay as appended).
-  FullPrecisionBackend(const Model& model, std::size_t max_positions, StoredRowFilter filter = {})
+  /// With `filter_delay` > 0, rows stay exact until that many are unfiltered; the next append
+  /// filters them all at once (Hugging Face's quantized cache flushes its residual rows so).
+  FullPrecisionBackend(const Model& model, std::size_t max_positions, StoredRowFilter filter = {},
+                       std::size_t filter_delay = 0)
       : FullPrecisionBackend(model.config().layers, model.config().heads, model.config().kv_heads,
-                             model.rope_config(), max_positions, std::move(filter)) {}
+                             model.rope_config(), max_positions, std::move(filter), filter_delay) {}
 
   FullPrecisionBackend(std::size_t layers, std::size_t heads, std::size_t kv_heads, const RopeConfig& rope,
-                       std::size_t max_positions, StoredRowFilter filter = {})
+                       std::size_t max_positions, StoredRowFilter filter = {}, std::size_t filter_delay = 0)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(rope.head_dim), rope_(rope, max_positions),
-        layers_(layers), filter_(std::move(filter)) {
+        layers_(layers), filter_(std::move(filter)), filter_delay_(filter_delay) {
     if (layers == 0 || heads == 0 || kv_heads == 0 || heads % kv_heads != 0)
       throw Error(ErrorCode::invalid_argument, "backend needs layers > 0 and heads a positive multiple of kv_heads (got " +
                                                    std::to_string(heads) + " and " + std::to_string(kv_heads) + ")");
@@ -58,7 +61,13 @@ class FullPrecisionBackend {
     rotated_.assign(k.begin(), k.end());  // rotated and filtered first: a throwing filter stores nothing
     rope_.rotate_heads(rotated_, position);
     stored_.assign(v.begin(), v.end());
-    if (filter_) filter_(rotated_, stored_);
+    if (filter_ && filter_delay_ == 0) filter_(rotated_, stored_);
+    if (filter_ && filter_delay_ > 0 && L.length - L.filtered >= filter_delay_) {
+      for (std::size_t row = L.filtered; row < L.length; ++row)
+        filter_(std::span<float>(L.rotated_keys).subspan(row * kv_dim, kv_dim),
+                std::span<float>(L.stored_values).subspan(row * kv_dim, kv_dim));
+      L.filtered = L.length;
+    }
     L.keys.insert(L.keys.end(), k.begin(), k.end());
     L.rotated_keys.insert(L.rotated_keys.end(), rotated_.begin(), rotated_.end());
     L.values.insert(L.values.end(), v.begin(), v.end());
@@ -124,6 +133,12 @@ class FullPrecisionBackend {
 
   std::size_t length(std::size_t layer) const { return layer_at(layer).length; }
 
+  /// Rows of a layer that a delayed filter has not reached yet (0 without a delay).
+  std::size_t unfiltered(std::size_t layer) const {
+    const Layer& L = layer_at(layer);
+    return filter_delay_ > 0 ? L.length - L.filtered : 0;
+  }
+
   /// Stored pre-RoPE keys / values of a layer: (length, kv_heads * head_dim) row-major.
   std::span<const float> keys(std::size_t layer) const { return layer_at(layer).keys; }
   std::span<const float> values(std::size_t layer) const { return layer_at(layer).values; }
@@ -135,6 +150,7 @@ class FullPrecisionBackend {
     std::vector<float> keys, rotated_keys, values;  // rotated copy so attention never re-rotates
     std::vector<float> stored_values;               // values through the filter, when there is one
     std::size_t length = 0;
+    std::size_t filtered = 0;                       // rows 0 .. filtered - 1 went through a delayed filter
   };
 
   // All heads of one rotated query over `visible` positions: the first `stored` rows from the
@@ -183,6 +199,7 @@ class FullPrecisionBackend {
   RopeTable rope_;
   std::vector<Layer> layers_;
   StoredRowFilter filter_;
+  std::size_t filter_delay_ = 0;
   std::vector<float> query_, scores_, rotated_, stored_, chunk_keys_;
 };
 

@@ -2,6 +2,7 @@
 // and the fp32 backend's stored-row filter.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 #include <stdexcept>
@@ -26,7 +27,7 @@ TEST(EngineFormats, NamesParseAndEveryListedNameIsAccepted) {
   EXPECT_EQ(parse_engine_format("fp8-e5m2").fp8, kvq::Fp8Format::e5m2);
   EXPECT_FALSE(parse_engine_format("fp8-e4m3").block.has_value());
   const auto names = kvq::eval::engine_format_names();
-  EXPECT_EQ(names.size(), 17u);
+  EXPECT_EQ(names.size(), 19u);
   for (const auto& n : names) {
     EXPECT_TRUE(kvq::eval::is_engine_format_name(n)) << n;
     EXPECT_EQ(parse_engine_format(n).name, n);
@@ -126,6 +127,60 @@ TEST(EngineFormats, BackendAttendsOverFilteredRowsAndAThrowingFilterStoresNothin
   zeroed.append(0, 1, k, v);  // the sequence continues where it was
   EXPECT_EQ(zeroed.length(0), 2u);
   EXPECT_EQ(calls, 3);
+}
+
+// Hugging Face's quantized cache: affine min-max per 64 values of a head vector (the vector where
+// head_dim < 64), fp16 scale and minimum; 2 or 4 bits, residual 128.
+TEST(EngineFormats, HuggingFaceFormatsQuantizeGroupsOf64Affine) {
+  const auto f = parse_engine_format("hf-int4");
+  EXPECT_TRUE(f.hf());
+  EXPECT_EQ(f.residual(), 128u);
+  EXPECT_DOUBLE_EQ(f.bits_per_value(128), 4.5);
+  EXPECT_DOUBLE_EQ(f.bits_per_value(8), 8.0);
+  EXPECT_DOUBLE_EQ(parse_engine_format("hf-int2").bits_per_value(64), 2.5);
+  EXPECT_THROW(parse_engine_format("hf-int3"), kvq::Error);
+  for (const std::size_t head_dim : {std::size_t{128}, std::size_t{8}})
+    for (const int bits : {4, 2}) {
+      EngineRowCodec codec(parse_engine_format(bits == 4 ? "hf-int4" : "hf-int2"), 2, head_dim);
+      const std::vector<float> k0 = kvq::test::normal_vector(2 * head_dim, 11), v0 = kvq::test::normal_vector(2 * head_dim, 12);
+      std::vector<float> k = k0, v = v0;
+      codec(k, v);
+      const std::size_t group = std::min<std::size_t>(64, head_dim);
+      for (std::size_t g = 0; g < k0.size(); g += group) {
+        float lo = k0[g], hi = k0[g];
+        for (std::size_t i = g; i < g + group; ++i) lo = std::min(lo, k0[i]), hi = std::max(hi, k0[i]);
+        const float step = (hi - lo) / float((1 << bits) - 1);
+        std::vector<float> levels;
+        for (std::size_t i = g; i < g + group; ++i) {
+          EXPECT_NEAR(k[i], k0[i], 0.5f * step + 2e-3f) << "group " << g / group << ", " << bits << " bits";
+          if (std::find(levels.begin(), levels.end(), k[i]) == levels.end()) levels.push_back(k[i]);
+        }
+        EXPECT_LE(levels.size(), std::size_t{1} << bits);
+      }
+      EXPECT_NE(v, v0);
+    }
+}
+
+// A delayed filter (Hugging Face's residual): rows stay exact until `delay` gather, and the next
+// append filters them all at once.
+TEST(EngineFormats, DelayedFilterWaitsForTheResidualToFill) {
+  const kvq::RopeConfig rope{4, kvq::RopeStyle::adjacent_pairs, 10000.0f};
+  int calls = 0;
+  kvq::llama::FullPrecisionBackend kv(1, 1, 1, rope, 8, [&](std::span<float>, std::span<float> v) {
+    ++calls;
+    for (float& x : v) x = 0.0f;
+  }, 3);
+  const std::vector<float> zero(4, 0.0f), q(4, 0.0f);  // equal keys: uniform attention
+  std::vector<float> out(4);
+  for (std::size_t p = 0; p < 3; ++p) kv.append(0, p, zero, std::vector<float>(4, float(p + 1)));
+  EXPECT_EQ(kv.unfiltered(0), 3u);
+  kv.attend(0, 2, q, out);
+  EXPECT_FLOAT_EQ(out[0], 2.0f);  // (1 + 2 + 3) / 3: all exact
+  kv.append(0, 3, zero, std::vector<float>(4, 4.0f));
+  EXPECT_EQ(calls, 3);
+  EXPECT_EQ(kv.unfiltered(0), 1u);
+  kv.attend(0, 3, q, out);
+  EXPECT_FLOAT_EQ(out[0], 1.0f);  // (0 + 0 + 0 + 4) / 4: the first three filtered
 }
 
 TEST(EngineFormats, ReportNamesThemAndChartsThemAsPoints) {
