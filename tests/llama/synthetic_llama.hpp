@@ -123,6 +123,9 @@ inline void add_synthetic_bpe_vocabulary(GgufWriter& w, const SyntheticLlamaShap
 inline std::vector<std::uint8_t> synthetic_llama_gguf(const SyntheticLlamaShape& s = {}, std::uint64_t seed = 1) {
   if (s.heads == 0 || s.kv_heads == 0 || s.dim % s.heads != 0 || s.dim % 256 != 0 || s.ffn % 256 != 0)
     throw Error(ErrorCode::invalid_argument, "synthetic Llama shape: dim and ffn must be multiples of 256 and of the heads");
+  if (s.special_tokens < 2 || s.special_tokens >= s.vocab)
+    throw Error(ErrorCode::invalid_argument, "synthetic Llama shape: the vocabulary needs room for BOS and EOS among "
+                                             "fewer special tokens than it holds");
   GgufWriter w;
   const std::string a = "llama.";
   w.str("general.architecture", "llama")
