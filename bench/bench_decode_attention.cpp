@@ -2,7 +2,9 @@
 // fp32 and an fp16 cache read by the same AVX-512 kernel (GQA-shared loads, F16C), plus the
 // machine's streaming read bandwidth measured in the same run. Layers rotate so that the caches
 // touched (>= 160 MB) cannot sit in the 32 MiB L3. Names: decode/<cache>/<tier>/<context>/threads:<n>;
-// decode_avx2/... caps the kernels at AVX2 (DecodeOptions::max_isa), the path of CPUs without AVX-512;
+// decode_avx2/... runs the AVX2 kernel (DecodeOptions::kernel), the path of CPUs without AVX-512, and
+// decode_vector-avx2/..., decode_vector-avx512/... the kernel written once over vector ops
+// (kernels/attention/vector.hpp) on those instruction sets;
 // decode_blocks/.../block:<B> reads the cache in blocks of B positions (CacheShape::block_tokens;
 // 32768 is one block for the whole context) where the other rows use the default; verify/.../T:<T>
 // checks T stored positions in one kvq::attend call (speculative verification: one pass over the
@@ -68,7 +70,7 @@ kvq::Executor* pool(std::size_t threads) {
 }
 
 void decode_step(benchmark::State& state, std::string config, kvq::Tier tier, std::size_t context, std::size_t threads,
-                 kvq::isa::Level max_isa, bool guard_outliers, std::size_t block_tokens) {
+                 std::string kernel, bool guard_outliers, std::size_t block_tokens) {
   Built& b = cache_for(config, context, block_tokens);
   std::vector<float> q(kHeads * kDim), out(q.size());
   std::mt19937 rng(2);
@@ -77,7 +79,7 @@ void decode_step(benchmark::State& state, std::string config, kvq::Tier tier, st
   kvq::DecodeOptions o;
   o.tier = tier;
   o.executor = pool(threads);
-  o.max_isa = max_isa;
+  o.kernel = kernel;
   o.guard_outliers = guard_outliers;
   std::size_t layer = 0;
   for (auto _ : state) {
@@ -168,23 +170,28 @@ int main(int argc, char** argv) {
           benchmark::RegisterBenchmark(("decode/" + std::string(c.name) + "/" + kvq::to_string(tier) + "/" +
                                         std::to_string(context) + "/threads:" + std::to_string(threads))
                                            .c_str(),
-                                       decode_step, std::string(c.config), tier, context, threads, kvq::isa::Level::avx512, true,
+                                       decode_step, std::string(c.config), tier, context, threads, std::string(), true,
                                        std::size_t(0))
               ->Unit(benchmark::kMillisecond)
               ->UseRealTime();
       }
-  // The AVX2 kernel on the baseline and the 2-bit-value caches, 32K, one thread.
-  for (const Named& c : caches) {
-    const std::string_view name = c.name;
-    const bool unquantized = name == "fp16";
-    if (!unquantized && !name.starts_with("K4V2") && !name.starts_with("K2V2")) continue;
-    for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
-      if (unquantized && tier == kvq::Tier::integer) continue;
-      benchmark::RegisterBenchmark(std::string("decode_avx2/").append(name).append("/").append(kvq::to_string(tier)).append("/32768/threads:1").c_str(),
-                                   decode_step, std::string(c.config), tier, std::size_t(32768), std::size_t(1), kvq::isa::Level::avx2,
-                                   true, std::size_t(0))
-          ->Unit(benchmark::kMillisecond)
-          ->UseRealTime();
+  // The AVX2 kernel and the vector kernel on AVX2 and AVX-512 ops (exact tier: its integer tier
+  // is the scalar definition) on the baseline and the 2-bit-value caches, 32K, one thread.
+  for (const std::string kernel : {"avx2", "vector-avx2", "vector-avx512"}) {
+    const auto& table = kvq::kernels::attention::registry();
+    if (std::none_of(table.begin(), table.end(), [&](const auto& e) { return e.name == kernel && e.available(); })) continue;
+    for (const Named& c : caches) {
+      const std::string_view name = c.name;
+      const bool unquantized = name == "fp16";
+      if (!unquantized && !name.starts_with("K4V2") && !name.starts_with("K2V2")) continue;
+      for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
+        if ((unquantized || kernel != "avx2") && tier == kvq::Tier::integer) continue;
+        benchmark::RegisterBenchmark(("decode_" + kernel + "/").append(name).append("/").append(kvq::to_string(tier)).append("/32768/threads:1").c_str(),
+                                     decode_step, std::string(c.config), tier, std::size_t(32768), std::size_t(1), kernel, true,
+                                     std::size_t(0))
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      }
     }
   }
   // The integer tier without its outlier scan (DecodeOptions::guard_outliers), 32K, one thread:
@@ -194,7 +201,7 @@ int main(int argc, char** argv) {
     if (!name.starts_with("K4V2-post") && !name.starts_with("K2V2-post")) continue;
     benchmark::RegisterBenchmark(std::string("decode_unguarded/").append(name).append("/integer/32768/threads:1").c_str(),
                                  decode_step, std::string(c.config), kvq::Tier::integer, std::size_t(32768), std::size_t(1),
-                                 kvq::isa::Level::avx512, false, std::size_t(0))
+                                 std::string(), false, std::size_t(0))
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }
@@ -214,7 +221,7 @@ int main(int argc, char** argv) {
       for (const std::size_t block : {256, 1024, 4096, 16384, 32768})
         benchmark::RegisterBenchmark(("decode_blocks/" + row + "block:" + std::to_string(block)).c_str(), decode_step,
                                      std::string(c.config), tier, std::size_t(32768), std::size_t(1),
-                                     kvq::isa::Level::avx512, true, block)
+                                     std::string(), true, block)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
     }

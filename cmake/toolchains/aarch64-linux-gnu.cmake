@@ -1,8 +1,8 @@
 # 64-bit ARM Linux with Debian's cross compiler; executables (tests, test discovery) run under
-# qemu-user. `cmake/install-deps.sh --aarch64` installs both. Used by the `aarch64` preset: kvq
-# has no ARM kernels yet, so this builds and runs the portable (reference) path on a second
-# architecture, with unsigned char and without x86's lenient unaligned access in the compiler's
-# assumptions.
+# qemu-user. `cmake/install-deps.sh --aarch64` installs both. Used by the `aarch64` preset: the
+# library's tests on a second architecture, where attention runs on the NEON kernel
+# (kernels/ops/neon.hpp) and the reference, with unsigned char and without x86's lenient unaligned
+# access in the compiler's assumptions.
 set(CMAKE_SYSTEM_NAME Linux)
 set(CMAKE_SYSTEM_PROCESSOR aarch64)
 set(CMAKE_C_COMPILER aarch64-linux-gnu-gcc)  # GoogleTest's project enables C

@@ -10,6 +10,20 @@
 #include <cpuid.h>
 #endif
 
+// GCC 12 warns on its own intrinsic headers (_mm*_undefined_* placeholders) when inlined through
+// target attributes, and about vector arguments of functions a kernel template shares with
+// targets it is not compiled for (inlined into a target entry point, never called across it);
+// the warnings are about GCC's code and ABI notes, not ours. Kernel headers turn them off for
+// their own code.
+#if defined(__clang__)  // -Wmaybe-uninitialized and -Wpsabi are GCC's; clang warns about unknown names
+#define KVQ_INTRINSIC_WARNINGS_OFF _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")
+#else
+#define KVQ_INTRINSIC_WARNINGS_OFF                                                                         \
+  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")           \
+      _Pragma("GCC diagnostic ignored \"-Wuninitialized\"") _Pragma("GCC diagnostic ignored \"-Wpsabi\"")
+#endif
+#define KVQ_INTRINSIC_WARNINGS_ON _Pragma("GCC diagnostic pop")
+
 namespace kvq::inline v0::isa {
 
 enum class Level : unsigned char { scalar, avx2, avx512 };

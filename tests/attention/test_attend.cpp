@@ -11,6 +11,7 @@
 
 #include "kvq/kvq.hpp"
 #include "support/compare.hpp"
+#include "support/kernels.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -216,12 +217,12 @@ TEST(Attend, ScaleWindowAndSoftcapMatchTheOracle) {
         if (!rule.window || *rule.window <= position) {
           EXPECT_GT(relative_error(plain, oracle), 1e-3) << what << ": the rule changed nothing";
         }
-        for (const kvq::isa::Level isa : {kvq::isa::Level::scalar, kvq::isa::Level::avx2, kvq::isa::Level::avx512}) {
-          kvq::decode_attention(cache, 1, position, q1, out, {.chunk_tokens = 64, .max_isa = isa, .scores = rule});
-          EXPECT_LT(relative_error(out, oracle), 1e-5) << what << " decode at " << position << " isa " << int(isa);
+        for (const std::string& kernel : kvq::test::kernels_for(cache, q1.size() / dim)) {
+          kvq::decode_attention(cache, 1, position, q1, out, {.chunk_tokens = 64, .kernel = kernel, .scores = rule});
+          EXPECT_LT(relative_error(out, oracle), 1e-5) << what << " decode at " << position << " on " << kernel;
           kvq::decode_attention(cache, 1, position, q1, out,
-                                {.tier = Tier::integer, .chunk_tokens = 64, .max_isa = isa, .scores = rule});
-          EXPECT_LT(relative_error(out, oracle), 2.5e-2) << what << " integer decode at " << position << " isa " << int(isa);
+                                {.tier = Tier::integer, .chunk_tokens = 64, .kernel = kernel, .scores = rule});
+          EXPECT_LT(relative_error(out, oracle), 2.5e-2) << what << " integer decode at " << position << " on " << kernel;
         }
       }
       const std::size_t tokens = 7, p0 = 533 - tokens;

@@ -10,6 +10,7 @@
 #include "kvq/attention/decode.hpp"
 #include "kvq/kvq.hpp"
 #include "support/compare.hpp"
+#include "support/kernels.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -63,16 +64,16 @@ TEST(DecodeRopeVariants, EveryKernelMatchesTheReference) {
           for (const std::size_t position : {length - 1, std::size_t(300)}) {
             std::vector<float> ref(q.size()), out(q.size());
             kvq::reference_attention(cache, 0, position, q, ref);
-            for (const auto isa : {kvq::isa::Level::avx512, kvq::isa::Level::avx2, kvq::isa::Level::scalar}) {
+            for (const std::string& kernel : kvq::test::kernels_for(cache, kv_heads * group)) {
               kvq::DecodeOptions o;
-              o.max_isa = isa;
+              o.kernel = kernel;
               o.chunk_tokens = 128;
               o.tier = kvq::Tier::exact;
               kvq::decode_attention(cache, 0, position, q, out, o);
-              EXPECT_LT(kvq::test::relative_error(out, ref), exact_bound) << "isa " << int(isa) << " at " << position;
+              EXPECT_LT(kvq::test::relative_error(out, ref), exact_bound) << kernel << " at " << position;
               o.tier = kvq::Tier::integer;
               kvq::decode_attention(cache, 0, position, q, out, o);
-              EXPECT_LT(kvq::test::relative_error(out, ref), integer_bound) << "isa " << int(isa) << " at " << position;
+              EXPECT_LT(kvq::test::relative_error(out, ref), integer_bound) << kernel << " at " << position;
             }
           }
         }

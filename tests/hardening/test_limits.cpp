@@ -10,6 +10,7 @@
 
 #include "kvq/kvq.hpp"
 #include "support/compare.hpp"
+#include "support/kernels.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -183,10 +184,10 @@ TEST(Limits, IntegerTierKeepsItsBoundOnOutlierData) {
         cache.append(0, 0, keys, values);
         std::vector<float> oracle(q.size());
         kvq::reference_attention(cache, 0, tokens - 1, q, oracle);
-        for (const kvq::isa::Level isa : {kvq::isa::Level::avx512, kvq::isa::Level::avx2, kvq::isa::Level::scalar}) {
+        for (const std::string& kernel : kvq::test::kernels_for(cache, q.size() / cache.shape().head_dim)) {
           std::vector<float> out(q.size());
-          kvq::decode_attention(cache, 0, tokens - 1, q, out, {.tier = kvq::Tier::integer, .max_isa = isa});
-          EXPECT_LT(relative_error(out, oracle), 2.5e-2) << "max_isa " << int(isa);
+          kvq::decode_attention(cache, 0, tokens - 1, q, out, {.tier = kvq::Tier::integer, .kernel = kernel});
+          EXPECT_LT(relative_error(out, oracle), 2.5e-2) << kernel;
         }
       }
     }

@@ -55,7 +55,7 @@ struct RequestPlan {
   std::size_t shared = 0, prefix = 0;       // [shared, prefix): stored positions every query sees
   std::size_t ragged = 0;                   // [ragged, shared): stored positions some queries see
   std::size_t first_chunk = 0, chunks = 0;  // the chunks (ChunkGrid) covering [shared, prefix)
-  kernels::attention::Path path{};
+  const kernels::attention::KernelEntry* kernel = nullptr;
   std::size_t query_offset = 0, partial_offset = 0;  // into the workspace
 };
 
@@ -132,8 +132,8 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
       p.chunks = grid.index(p.prefix - 1) + 1 - p.first_chunk;
     }
     const RopeTable* rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
-    p.path = kernels::attention::select_path(cache.keys(r.layer, 0, 0), cache.values(r.layer, 0, 0),
-                                             std::min(p.rows, max_group), rope, options.max_isa);
+    p.kernel = &kernels::attention::select_kernel(cache.keys(r.layer, 0, 0), cache.values(r.layer, 0, 0),
+                                                  std::min(p.rows, max_group), rope, options.kernel);
     p.query_offset = query_floats;
     query_floats += kv_heads * p.rows * dim;
     p.partial_offset = partial_floats;
@@ -197,7 +197,7 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
     if (it.part < p.chunks) {  // a chunk of the shared prefix, read once for every row of the batch
       const auto [begin, end] = detail::ChunkGrid{cache.config().sinks, p.chunk}.range(p.first_chunk + it.part, p.shared, p.prefix);
       const RopeTable* rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
-      detail::run_range(cache, r.layer, it.kvh, begin, end, {q, rows, rope}, p.path, options, state);
+      detail::run_range(cache, r.layer, it.kvh, begin, end, {q, rows, rope}, *p.kernel, options, state);
       return;
     }
     // The exact part: rows j < R are the ragged stored positions p.ragged + j, then the tail

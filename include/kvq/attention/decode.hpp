@@ -25,6 +25,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -32,13 +33,9 @@
 #include "kvq/attention/scores.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/error.hpp"
-#include "kvq/isa.hpp"
 #include "kvq/kernels/attention/integer_range.hpp"
-#include "kvq/kernels/attention/reference.hpp"
-#if defined(KVQ_HAVE_X86_KERNELS)
-#include "kvq/kernels/attention/avx2.hpp"
-#include "kvq/kernels/attention/avx512.hpp"
-#endif
+#include "kvq/kernels/attention/registry.hpp"
+#include "kvq/kernels/attention/task.hpp"
 #include "kvq/parallel/executor.hpp"
 
 namespace kvq::inline v0 {
@@ -59,9 +56,10 @@ struct DecodeOptions {
   Executor* executor = nullptr;
   /// nullptr: a per-thread workspace of the library's own.
   DecodeWorkspace* workspace = nullptr;
-  /// Kernels above this level are not used (tests, bisecting, benchmarks); isa::Level::scalar
-  /// runs the scalar reference kernel whatever the CPU supports.
-  isa::Level max_isa = isa::Level::avx512;
+  /// The kernel to run, by its name in kernels/attention/registry.hpp ("reference", "avx2",
+  /// "vector-neon", ...); empty: the best this CPU has for the cache. Tests, bisecting and
+  /// benchmarks name one; a name this CPU or the cache's shapes rule out is a kvq::Error.
+  std::string_view kernel{};
   /// Integer tier only: scan each chunk's scales first and run a chunk whose outliers int8 cannot
   /// carry in the exact tier (kernels/attention/integer_range.hpp), so the tier's bound holds on
   /// any data. The scan costs 5-15% of an integer-tier step at 32K; an engine that knows its
@@ -71,37 +69,6 @@ struct DecodeOptions {
   /// causal attention with scale 1 / sqrt(head_dim).
   ScoreOptions scores{};
 };
-
-namespace kernels::attention {
-
-/// Which kernel decode_attention uses for this cache on this CPU.
-enum class Path : unsigned char { reference, avx2, avx512 };
-
-constexpr const char* to_string(Path p) noexcept {
-  return p == Path::reference ? "reference" : p == Path::avx2 ? "avx2" : "avx512";
-}
-
-inline Path select_path(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope,
-                        isa::Level max_isa = isa::Level::avx512) noexcept {
-#if defined(KVQ_HAVE_X86_KERNELS)
-  if (max_isa >= isa::Level::avx512 && avx512::supported() && avx512::supports(keys, values, group, rope)) return Path::avx512;
-  if (max_isa >= isa::Level::avx2 && avx2::supported() && avx2::supports(keys, values, group, rope)) return Path::avx2;
-#else
-  (void)keys, (void)values, (void)group, (void)rope, (void)max_isa;
-#endif
-  return Path::reference;
-}
-
-inline void run(Path path, const DecodeTask& task) noexcept {
-#if defined(KVQ_HAVE_X86_KERNELS)
-  if (path == Path::avx512) return avx512::decode_task(task);
-  if (path == Path::avx2) return avx2::decode_task(task);
-#endif
-  (void)path;
-  decode_task(task);
-}
-
-}  // namespace kernels::attention
 
 namespace detail {
 
@@ -163,7 +130,7 @@ struct PartialState {
 /// continuing the state the previous one left. The integer tier falls back to exact for the whole
 /// range when its scales have outliers the tier cannot carry (integer_range.hpp).
 inline void run_range(const BasicKVCache& cache, std::size_t layer, std::size_t kvh, std::size_t begin, std::size_t end,
-                      const QueryRows& q, kernels::attention::Path path, const DecodeOptions& options,
+                      const QueryRows& q, const kernels::attention::KernelEntry& kernel, const DecodeOptions& options,
                       const PartialState& state) {
   const std::size_t sinks = cache.config().sinks, block = cache.block_tokens();
   auto segment_of = [&](std::size_t p) { return p < sinks ? 0 : (p - sinks) / block; };
@@ -194,7 +161,7 @@ inline void run_range(const BasicKVCache& cache, std::size_t layer, std::size_t 
   }
   for (std::size_t k = first; k <= last; ++k) {
     at_segment(k);
-    kernels::attention::run(path, t);
+    kernel.run(t);
   }
 }
 
@@ -228,13 +195,16 @@ inline void merge_parts(const float* max, const float* sum, const float* acc, st
 inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::size_t position,
                              std::span<const float> q, std::span<float> out, const DecodeOptions& options = {}) {
   const detail::DecodePlan plan = detail::plan_decode(cache, layer, position, q, out.size(), options);
+  const bool pre = cache.config().key_rope == KeyRope::pre;
+  const RopeTable* rope = pre ? &cache.rope() : nullptr;
+  const kernels::attention::KernelEntry& kernel = kernels::attention::select_kernel(
+      cache.keys(layer, 0, 0), cache.values(layer, 0, 0), plan.group, rope, options.kernel);
   thread_local DecodeWorkspace own;
   DecodeWorkspace& ws = options.workspace != nullptr ? *options.workspace : own;
   const std::size_t dim = plan.dim, stride = plan.group * (dim + 2);
   ws.queries.resize(plan.heads * dim);
   ws.partial.resize(plan.kv_heads * plan.chunks * stride);
 
-  const bool pre = cache.config().key_rope == KeyRope::pre;
   const float scale = detail::score_scale(options.scores, dim);
   std::copy(q.begin(), q.end(), ws.queries.begin());
   for (std::size_t h = 0; h < plan.heads; ++h) {
@@ -243,15 +213,12 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
     for (std::size_t c = 0; c < dim; ++c) x[c] *= scale;
   }
 
-  const RopeTable* rope = pre ? &cache.rope() : nullptr;
-  const kernels::attention::Path path =
-      kernels::attention::select_path(cache.keys(layer, 0, 0), cache.values(layer, 0, 0), plan.group, rope, options.max_isa);
   const detail::ChunkGrid grid{cache.config().sinks, plan.chunk};
   auto task_at = [&](std::size_t i) {
     const std::size_t kvh = i / plan.chunks, j = plan.first_chunk + i % plan.chunks;
     const auto [begin, end] = grid.range(j, plan.first, plan.tokens);
     float* base = ws.partial.data() + i * stride;
-    detail::run_range(cache, layer, kvh, begin, end, {ws.queries.data() + kvh * plan.group * dim, plan.group, rope}, path,
+    detail::run_range(cache, layer, kvh, begin, end, {ws.queries.data() + kvh * plan.group * dim, plan.group, rope}, kernel,
                       options, {base, base + plan.group, base + 2 * plan.group});
   };
   const std::size_t n = plan.kv_heads * plan.chunks;
@@ -266,32 +233,24 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
   }
 }
 
-/// The kernel decode_attention picks for this cache and query layout on this CPU, using no
-/// kernel above max_isa (DecodeOptions::max_isa).
-inline kernels::attention::Path decode_path(const BasicKVCache& cache, std::size_t heads,
-                                            isa::Level max_isa = isa::Level::avx512) {
-  const std::size_t group = heads / cache.shape().kv_heads;
-  return kernels::attention::select_path(cache.keys(0, 0, 0), cache.values(0, 0, 0), group,
-                                         cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr, max_isa);
-}
-
-/// The kernel decode_attention runs on the packed rows of this cache, by name: "reference",
-/// "avx2", or one of the AVX-512 kernels ("avx512-dense", "avx512-integer", "avx512-exact",
-/// "avx512-generic"; avx512::Kernel). The integer tier's outlier guard may still run a chunk on
-/// the exact kernel (DecodeOptions::guard_outliers).
+/// The kernel decode_attention runs on the packed rows of this cache, by name: its registry
+/// entry's (kernels/attention/registry.hpp), and for "avx512" the AVX-512 kernel its rows take
+/// ("avx512-dense", "avx512-integer", "avx512-exact" or "avx512-generic"; avx512::Kernel). The
+/// integer tier's outlier guard may still run a chunk on the exact kernel
+/// (DecodeOptions::guard_outliers). Throws kvq::Error as decode_attention does for a kernel the
+/// options name that cannot run here.
 inline const char* decode_kernel(const BasicKVCache& cache, std::size_t heads, const DecodeOptions& options = {}) {
-  const RopeTable* rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
   kernels::attention::DecodeTask task;
   task.keys = cache.keys(0, 0, 0);
   task.values = cache.values(0, 0, 0);
   task.group = heads / cache.shape().kv_heads;
-  task.rope = rope;
+  task.rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
   task.tier = options.tier;
-  const kernels::attention::Path path = kernels::attention::select_path(task.keys, task.values, task.group, rope, options.max_isa);
+  const auto& kernel = kernels::attention::select_kernel(task.keys, task.values, task.group, task.rope, options.kernel);
 #if defined(KVQ_HAVE_X86_KERNELS)
-  if (path == kernels::attention::Path::avx512) return to_string(kernels::attention::avx512::kernel_for(task));
+  if (std::string_view(kernel.name) == "avx512") return to_string(kernels::attention::avx512::kernel_for(task));
 #endif
-  return kernels::attention::to_string(path);
+  return kernel.name;
 }
 
 }  // namespace kvq::inline v0

@@ -54,17 +54,11 @@
 #include <limits>
 
 #include "kvq/isa.hpp"
-#include "kvq/kernels/attention/reference.hpp"
+#include "kvq/kernels/attention/task.hpp"
 
 #define KVQ_TARGET_AVX2_ATTENTION __attribute__((target("avx2,fma,f16c,bmi2")))
 
-// GCC 12 warns on its own intrinsic headers (_mm256_undefined_* placeholders) when inlined
-// through target attributes; the warning is about GCC's code, not ours.
-#pragma GCC diagnostic push
-#if !defined(__clang__)  // a GCC-only warning; clang warns about the unknown name
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#pragma GCC diagnostic ignored "-Wuninitialized"
+KVQ_INTRINSIC_WARNINGS_OFF
 
 namespace kvq::inline v0::kernels::attention::avx2 {
 
@@ -1035,4 +1029,4 @@ KVQ_TARGET_AVX2_ATTENTION inline void decode_task(const DecodeTask& task) noexce
 
 }  // namespace kvq::inline v0::kernels::attention::avx2
 
-#pragma GCC diagnostic pop
+KVQ_INTRINSIC_WARNINGS_ON

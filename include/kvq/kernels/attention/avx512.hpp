@@ -37,7 +37,7 @@
 #include "kvq/kernels/attention/avx512_int.hpp"
 #include "kvq/kernels/attention/avx512_rope.hpp"
 
-KVQ_AVX512_WARNINGS_OFF
+KVQ_INTRINSIC_WARNINGS_OFF
 
 
 namespace kvq::inline v0::kernels::attention::avx512 {
@@ -421,9 +421,9 @@ struct Kernels {
     }
   }
 
-  KVQ_TARGET_AVX512_ATTENTION void run() noexcept {
+  KVQ_TARGET_AVX512_ATTENTION void run(bool generic_only) noexcept {
     start_state(task);
-    const Kernel kind = kernel_for(task);
+    const Kernel kind = generic_only ? Kernel::generic : kernel_for(task);
     if (kind == Kernel::dense) {
       dense_span<NV>(task, task.begin, task.end);
       return;
@@ -487,19 +487,22 @@ struct Kernels {
 
 }  // namespace detail
 
-KVQ_TARGET_AVX512_ATTENTION inline void decode_task(const DecodeTask& task) noexcept {
+/// The task on the kernel kernel_for picks, or, with generic_only, on the generic kernel alone.
+KVQ_TARGET_AVX512_ATTENTION inline void decode_task(const DecodeTask& task, bool generic_only = false) noexcept {
   // The packed-span kernels keep their query tables across the segments of one task
   // (int_init); a task's first segment starts afresh whatever path ran before it.
   if (!task.resume) detail::int_state().queries = nullptr;
   if (task.keys.head_dim == 64) {
     detail::Kernels<4> kernel(task);
-    kernel.run();
+    kernel.run(generic_only);
   } else {
     detail::Kernels<8> kernel(task);
-    kernel.run();
+    kernel.run(generic_only);
   }
 }
 
+KVQ_TARGET_AVX512_ATTENTION inline void decode_task_generic(const DecodeTask& task) noexcept { decode_task(task, true); }
+
 }  // namespace kvq::inline v0::kernels::attention::avx512
 
-KVQ_AVX512_WARNINGS_ON
+KVQ_INTRINSIC_WARNINGS_ON

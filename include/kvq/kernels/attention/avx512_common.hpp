@@ -13,24 +13,13 @@
 #include <limits>
 
 #include "kvq/isa.hpp"
-#include "kvq/kernels/attention/reference.hpp"
+#include "kvq/kernels/attention/task.hpp"
 
 #define KVQ_TARGET_AVX512_ATTENTION \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,bmi2,f16c,fma")))
 
-// GCC 12 warns on its own intrinsic headers (_mm512_undefined_* placeholders) when inlined
-// through target attributes; the warning is about GCC's code, not ours. Each AVX-512 header
-// turns it off for its own code.
-#if defined(__clang__)  // -Wmaybe-uninitialized is GCC's; clang warns about the unknown name
-#define KVQ_AVX512_WARNINGS_OFF _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")
-#else
-#define KVQ_AVX512_WARNINGS_OFF                                                                            \
-  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")           \
-      _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")
-#endif
-#define KVQ_AVX512_WARNINGS_ON _Pragma("GCC diagnostic pop")
 
-KVQ_AVX512_WARNINGS_OFF
+KVQ_INTRINSIC_WARNINGS_OFF
 
 namespace kvq::inline v0::kernels::attention::avx512 {
 
@@ -162,4 +151,4 @@ KVQ_TARGET_AVX512_ATTENTION inline __m512 exp_ps(__m512 x) noexcept {
 }  // namespace detail
 }  // namespace kvq::inline v0::kernels::attention::avx512
 
-KVQ_AVX512_WARNINGS_ON
+KVQ_INTRINSIC_WARNINGS_ON

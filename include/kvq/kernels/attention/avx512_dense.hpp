@@ -18,11 +18,11 @@
 #include <limits>
 
 #include "kvq/kernels/attention/avx512_int.hpp"
-#include "kvq/kernels/attention/reference.hpp"
+#include "kvq/kernels/attention/task.hpp"
 
 #define KVQ_DENSE_INLINE KVQ_TARGET_AVX512_ATTENTION __attribute__((always_inline))
 
-KVQ_AVX512_WARNINGS_OFF
+KVQ_INTRINSIC_WARNINGS_OFF
 
 namespace kvq::inline v0::kernels::attention::avx512::detail {
 
@@ -231,6 +231,6 @@ KVQ_TARGET_AVX512_ATTENTION void dense_span(const DecodeTask& t, std::size_t a, 
 
 }  // namespace kvq::inline v0::kernels::attention::avx512::detail
 
-KVQ_AVX512_WARNINGS_ON
+KVQ_INTRINSIC_WARNINGS_ON
 
 #undef KVQ_DENSE_INLINE

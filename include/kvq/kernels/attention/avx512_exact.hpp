@@ -20,11 +20,11 @@
 #include <cstring>
 
 #include "kvq/kernels/attention/avx512_int.hpp"
-#include "kvq/kernels/attention/reference.hpp"
+#include "kvq/kernels/attention/task.hpp"
 
 #define KVQ_EXACT_INLINE KVQ_TARGET_AVX512_ATTENTION __attribute__((always_inline))
 
-KVQ_AVX512_WARNINGS_OFF
+KVQ_INTRINSIC_WARNINGS_OFF
 
 namespace kvq::inline v0::kernels::attention::avx512::detail {
 
@@ -276,6 +276,6 @@ KVQ_TARGET_AVX512_ATTENTION void exact_span(const DecodeTask& t, std::size_t a0,
 
 }  // namespace kvq::inline v0::kernels::attention::avx512::detail
 
-KVQ_AVX512_WARNINGS_ON
+KVQ_INTRINSIC_WARNINGS_ON
 
 #undef KVQ_EXACT_INLINE

@@ -27,12 +27,12 @@
 #include <cstdint>
 
 #include "kvq/kernels/attention/avx512_int.hpp"
-#include "kvq/kernels/attention/reference.hpp"
+#include "kvq/kernels/attention/task.hpp"
 #include "kvq/rope/rope.hpp"
 
 #define KVQ_ROPE_INLINE KVQ_TARGET_AVX512_ATTENTION __attribute__((always_inline))
 
-KVQ_AVX512_WARNINGS_OFF
+KVQ_INTRINSIC_WARNINGS_OFF
 
 namespace kvq::inline v0::kernels::attention::avx512::detail {
 
@@ -210,6 +210,6 @@ inline RopeKeyState& rope_key_state(bool reset) noexcept {
 
 }  // namespace kvq::inline v0::kernels::attention::avx512::detail
 
-KVQ_AVX512_WARNINGS_ON
+KVQ_INTRINSIC_WARNINGS_ON
 
 #undef KVQ_ROPE_INLINE

@@ -13,7 +13,7 @@
 
 #include "kvq/cache/stream_view.hpp"
 #include "kvq/core/convert.hpp"
-#include "kvq/kernels/attention/reference.hpp"
+#include "kvq/kernels/attention/task.hpp"
 
 namespace kvq::inline v0::kernels::attention {
 

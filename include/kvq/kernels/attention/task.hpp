@@ -1,13 +1,15 @@
 #pragma once
-// Scalar reference of decode attention over one KV head and a range of positions: the partial
-// online-softmax state (running max, running sum, unnormalised output) of every query head that
-// shares the KV head. decode.hpp splits the context into such tasks and merges them exactly.
+// A decode task and what every kernel shares: one KV head over a range of positions, computing
+// the partial online-softmax state (running max, running sum, unnormalised output) of every
+// query head that shares the KV head. decode.hpp splits the context into such tasks and merges
+// them exactly. The reference kernel (vector.hpp on scalar ops) follows these definitions.
 //
 // Positions are walked in tiles: sinks in tiles of up to 32, then tiles of whole key blocks
 // (per-channel groups, at least 64 positions) aligned to the first quantized position; each key
 // block folds its own scales and zero points into the query.
 // Two tiers, both defined here for every configuration:
-//   exact:   fp32/fp64 arithmetic on dequantized (and, pre-RoPE, rotated) rows.
+//   exact:   fp32/fp64 arithmetic on the dequantized values zero + scale * code (pre-RoPE keys
+//            rotated after dequantization; post-RoPE key scales may fold into the query).
 //   integer: for a tile of per-channel quantized post-RoPE keys,
 //            score = q.(z + mid * scale) + a * sum(qi * (code - mid)), mid = (2^bits - 1) / 2,
 //            where q~ = q * scale (scale folded into the query, per key block), a = max|q~| / 127 and
@@ -17,7 +19,7 @@
 //            B = max_t p_t * max_t,g scale_t,g (up to 7 bits; the heads share the scale factor)
 //            or B = max_t,g w_t,g (8 bits), and the output gains
 //            b * sum(wq * (code - mid)) + sum(p * (zero + mid * scale)), mid = (2^bits - 1) / 2. Everything else is computed as in the exact tier.
-// The AVX-512 kernels implement the same definitions (up to exp() rounding and rounding ties).
+// The x86 kernels implement the same definitions (up to exp() rounding and rounding ties).
 
 #include <algorithm>
 #include <cmath>
@@ -246,54 +248,5 @@ inline void integer_values(const DecodeTask& task, std::size_t tile_begin, std::
 }
 
 }  // namespace detail
-
-/// The reference kernel: any width, group, axis, parameter and residual type, any head_dim.
-inline void decode_task(const DecodeTask& task) noexcept {
-  const StreamView &k = task.keys, &v = task.values;
-  const std::size_t dim = k.head_dim;
-  start_state(task);
-  float scores[max_group][max_tile];
-  float row[max_head_dim];
-  for (std::size_t a = task.begin; a < task.end;) {
-    const std::size_t b = tile_end(k, a, task.end), n = b - a;
-    // Keys block by block (a tile holds whole key blocks when keys are quantized per channel).
-    for (std::size_t s0 = a; s0 < b;) {
-      std::size_t s1 = b;
-      if (k.quantized && k.spec.axis == Axis::per_channel && s0 >= k.first_quantized && s0 < k.end_quantized)
-        s1 = std::min(b, k.first_quantized + ((s0 - k.first_quantized) / k.spec.group + 1) * k.spec.group);
-      if (task.tier == Tier::integer && task.rope == nullptr && quantized_key_block(k, s0, s1)) {
-        detail::integer_key_scores(task, s0, s1, a, scores);
-      } else {
-        for (std::size_t p = s0; p < s1; ++p) {
-          k.read_row(p, row);
-          if (task.rope != nullptr) task.rope->rotate_unscaled(row, p);
-          for (std::size_t h = 0; h < task.group; ++h) {
-            const float* q = task.queries + h * dim;
-            double s = 0.0;
-            for (std::size_t c = 0; c < dim; ++c) s += double(q[c]) * double(row[c]);
-            scores[h][p - a] = float(s);
-          }
-        }
-      }
-      s0 = s1;
-    }
-    for (std::size_t h = 0; h < task.group; ++h) {
-      cap_scores(scores[h], n, task.softcap);
-      softmax_update(scores[h], n, task.max[h], task.sum[h], task.acc + h * dim, dim);
-    }
-    auto [qa, qb] = task.tier == Tier::integer ? quantized_value_rows(v, a, b) : std::pair{a, a};
-    if (qa < qb) detail::integer_values(task, a, qa, qb, scores);
-    for (std::size_t p = a; p < b; ++p) {
-      if (p >= qa && p < qb) continue;
-      v.read_row(p, row);
-      for (std::size_t h = 0; h < task.group; ++h) {
-        float* acc = task.acc + h * dim;
-        const float w = scores[h][p - a];
-        for (std::size_t c = 0; c < dim; ++c) acc[c] += w * row[c];
-      }
-    }
-    a = b;
-  }
-}
 
 }  // namespace kvq::inline v0::kernels::attention

@@ -1,0 +1,82 @@
+#pragma once
+// The table of decode-attention kernels: each with its name, the CPU features it needs, the
+// shapes it takes and its entry point. Attention runs the first automatic kernel this CPU has
+// that takes the cache, or the one named in the options (DecodeOptions::kernel), so a test or a
+// benchmark can run every kernel directly. Order is preference: hand-tuned kernels first, the
+// reference kernel, which takes everything, last.
+
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "kvq/error.hpp"
+#include "kvq/isa.hpp"
+#include "kvq/kernels/attention/task.hpp"
+#include "kvq/kernels/attention/vector.hpp"
+#if defined(KVQ_HAVE_X86_KERNELS)
+#include "kvq/kernels/attention/avx2.hpp"
+#include "kvq/kernels/attention/avx512.hpp"
+#endif
+
+namespace kvq::inline v0::kernels::attention {
+
+struct KernelEntry {
+  const char* name;
+  const char* needs;  // the CPU features it is compiled for and checks at run time
+  bool automatic;     // chosen without being named (false: tests and benchmarks name it)
+  bool (*available)() noexcept;
+  bool (*accepts)(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope) noexcept;
+  void (*run)(const DecodeTask& task) noexcept;
+};
+
+namespace detail {
+inline bool always() noexcept { return true; }
+#if defined(KVQ_HAVE_X86_KERNELS)
+inline bool avx512_level() noexcept { return isa::detected() == isa::Level::avx512; }
+#endif
+}  // namespace detail
+
+/// Every kernel of this build, in order of preference.
+inline std::span<const KernelEntry> registry() noexcept {
+  static constexpr KernelEntry table[] = {
+#if defined(KVQ_HAVE_X86_KERNELS)
+      {"avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", true, avx512::supported,
+       avx512::supports, [](const DecodeTask& t) noexcept { avx512::decode_task(t); }},
+      {"avx512-generic", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", false,
+       avx512::supported, avx512::supports, avx512::decode_task_generic},
+      {"avx2", "avx2 fma f16c", true, avx2::supported, avx2::supports, avx2::decode_task},
+      {"vector-avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni bmi2 f16c fma", false, detail::avx512_level,
+       VectorKernel<ops::Avx512>::accepts, vector_avx512_task},
+      {"vector-avx2", "avx2 fma f16c", false, avx2::supported, VectorKernel<ops::Avx2>::accepts, vector_avx2_task},
+#endif
+#if defined(__aarch64__)
+      {"vector-neon", "asimd", true, detail::always, VectorKernel<ops::Neon>::accepts, vector_neon_task},
+#endif
+      {"reference", "", true, detail::always, VectorKernel<ops::Scalar>::accepts, decode_task},
+  };
+  return table;
+}
+
+/// The kernel for these streams: the first automatic one this CPU runs that takes them, or the
+/// one called `name`. Throws kvq::Error when `name` is unknown, or this CPU or these shapes
+/// rule it out.
+inline const KernelEntry& select_kernel(const StreamView& keys, const StreamView& values, std::size_t group,
+                                        const RopeTable* rope, std::string_view name = {}) {
+  for (const KernelEntry& e : registry()) {
+    if (name.empty() ? !e.automatic : name != e.name) continue;
+    if (!name.empty() && !e.available())
+      throw Error(ErrorCode::unsupported, "attention kernel '" + std::string(name) + "' needs " + e.needs +
+                                              ", which this CPU lacks");
+    if (e.available() && e.accepts(keys, values, group, rope)) return e;
+    if (!name.empty())
+      throw Error(ErrorCode::unsupported, "attention kernel '" + std::string(name) + "' does not take head_dim " +
+                                              std::to_string(keys.head_dim) + " with " + std::to_string(group) +
+                                              " query heads per KV head");
+  }
+  if (name.empty()) return registry().back();  // not reached: the reference kernel takes every shape
+  std::string known;
+  for (const KernelEntry& e : registry()) known += std::string(known.empty() ? "" : ", ") + e.name;
+  throw Error(ErrorCode::invalid_argument, "unknown attention kernel '" + std::string(name) + "' (this build has " + known + ")");
+}
+
+}  // namespace kvq::inline v0::kernels::attention

@@ -1,0 +1,207 @@
+#pragma once
+// Decode attention written once over a vector-ops type (kernels/ops/): the tile loop, key scores,
+// online softmax, RoPE and value accumulation of task.hpp, with the dot products and the value
+// updates in vectors of Ops::width lanes. On scalar ops (fp64 products) it is the reference
+// kernel, which takes every configuration; on NEON it is the AArch64 kernel; on AVX2 and AVX-512
+// ops it runs by name beside the hand-tuned x86 kernels (registry.hpp), which it is measured
+// against. A new instruction set is one ops file and one registry entry.
+//
+// Keys: a packed per-channel block folds its scales into the query (post-RoPE) or is dequantized
+// row by row and rotated (pre-RoPE); other rows are read through StreamView::read_row. Each row
+// is dotted with every query head of the GQA group. Values packed per token add
+// (p * scale) * code + p * zero per group; other rows are read whole. The integer tier's
+// quantized blocks use task.hpp's definitions as they stand.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+#include "kvq/attention/scores.hpp"
+#include "kvq/isa.hpp"
+#include "kvq/kernels/attention/task.hpp"
+#include "kvq/kernels/ops/scalar.hpp"
+#if defined(KVQ_HAVE_X86_KERNELS)
+#include "kvq/kernels/ops/avx2.hpp"
+#include "kvq/kernels/ops/avx512.hpp"
+#endif
+#if defined(__aarch64__)
+#include "kvq/kernels/ops/neon.hpp"
+#endif
+
+KVQ_INTRINSIC_WARNINGS_OFF
+
+namespace kvq::inline v0::kernels::attention {
+
+template <class Ops>
+struct VectorKernel {
+  static constexpr std::size_t width = Ops::width;
+  static constexpr std::size_t heads_per_pass = 8;  // folded queries on the stack: 8 x max_head_dim
+
+  /// Shapes the kernel takes: head_dim a multiple of the vector width.
+  static bool accepts(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable*) noexcept {
+    const std::size_t d = keys.head_dim;
+    return d > 0 && d % width == 0 && d <= max_head_dim && values.head_dim == d && group > 0 && group <= max_group;
+  }
+
+  /// a . b over n channels (a multiple of the width), in two accumulators.
+  static float dot(const float* a, const float* b, std::size_t n) noexcept {
+    typename Ops::Vec s0 = Ops::zero(), s1 = Ops::zero();
+    std::size_t c = 0;
+    for (; c + 2 * width <= n; c += 2 * width) {
+      s0 = Ops::fma(Ops::load(a + c), Ops::load(b + c), s0);
+      s1 = Ops::fma(Ops::load(a + c + width), Ops::load(b + c + width), s1);
+    }
+    if (c < n) s0 = Ops::fma(Ops::load(a + c), Ops::load(b + c), s0);
+    return Ops::sum(Ops::add(s0, s1));
+  }
+
+  /// acc += w * row over n channels.
+  static void add_scaled(float w, const float* row, float* acc, std::size_t n) noexcept {
+    const typename Ops::Vec wv = Ops::set1(w);
+    for (std::size_t c = 0; c < n; c += width) Ops::store(acc + c, Ops::fma(wv, Ops::load(row + c), Ops::load(acc + c)));
+  }
+
+  /// The codes of row p of a packed stream as floats: out (head_dim).
+  static void codes_of(const StreamView& s, std::size_t p, float* out) noexcept {
+    const std::uint8_t* in = s.code_row(p);
+    const std::size_t n = s.head_dim;
+    if (s.spec.bits == 8) {
+      for (std::size_t c = 0; c < n; ++c) out[c] = float(in[c]);
+    } else if (s.spec.bits == 4) {
+      for (std::size_t c = 0; c < n; ++c) out[c] = float((in[c / 2] >> (c % 2 * 4)) & 15u);
+    } else if (s.spec.bits == 2) {
+      for (std::size_t c = 0; c < n; ++c) out[c] = float((in[c / 4] >> (c % 4 * 2)) & 3u);
+    } else {
+      std::uint8_t codes[max_head_dim];
+      unpack_codes(in, n, s.spec.bits, codes);
+      for (std::size_t c = 0; c < n; ++c) out[c] = float(codes[c]);
+    }
+  }
+
+  /// Exact scores of the packed per-channel key block [a, b) of the tile starting at `tile`: the
+  /// block's scales fold into the query (score = q.zero + (q * scale).code), or, pre-RoPE, its
+  /// rows are dequantized (zero + scale * code) and rotated. Query heads go in passes of
+  /// heads_per_pass, each unpacking the rows once.
+  static void key_block_scores(const DecodeTask& task, std::size_t a, std::size_t b, std::size_t tile,
+                               float (*scores)[max_tile]) noexcept {
+    const StreamView& k = task.keys;
+    const std::size_t dim = k.head_dim, pi = k.param_index(a), psize = size_of(k.spec.param);
+    alignas(64) float scale[max_head_dim], zero[max_head_dim], row[max_head_dim];
+    for (std::size_t c = 0; c < dim; ++c) {
+      const auto gp = reference::load_params(k.spec, k.scales + pi * psize, k.zeros == nullptr ? nullptr : k.zeros + pi * psize, c);
+      scale[c] = gp.scale;
+      zero[c] = gp.zero;
+    }
+    if (task.rope != nullptr) {
+      for (std::size_t p = a; p < b; ++p) {
+        codes_of(k, p, row);
+        for (std::size_t c = 0; c < dim; c += width)
+          Ops::store(row + c, Ops::fma(Ops::load(scale + c), Ops::load(row + c), Ops::load(zero + c)));
+        task.rope->rotate_unscaled(row, p);
+        for (std::size_t h = 0; h < task.group; ++h) scores[h][p - tile] = dot(task.queries + h * dim, row, dim);
+      }
+      return;
+    }
+    alignas(64) float folded[heads_per_pass][max_head_dim];
+    float bias[heads_per_pass];
+    for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
+      const std::size_t heads = std::min(heads_per_pass, task.group - h0);
+      for (std::size_t h = 0; h < heads; ++h) {
+        const float* q = task.queries + (h0 + h) * dim;
+        for (std::size_t c = 0; c < dim; ++c) folded[h][c] = q[c] * scale[c];
+        bias[h] = dot(q, zero, dim);
+      }
+      for (std::size_t p = a; p < b; ++p) {
+        codes_of(k, p, row);
+        for (std::size_t h = 0; h < heads; ++h) scores[h0 + h][p - tile] = bias[h] + dot(folded[h], row, dim);
+      }
+    }
+  }
+
+  /// acc += w * value row p for every head, the row packed per token in groups of a multiple of
+  /// the width: each group adds (w * scale) * code + w * zero, never a dequantized row.
+  static void add_packed_value_row(const DecodeTask& task, std::size_t p, const float* weights, std::size_t stride) noexcept {
+    const StreamView& v = task.values;
+    const std::size_t dim = v.head_dim, group = v.spec.group, pi = v.param_index(p), psize = size_of(v.spec.param);
+    alignas(64) float codes[max_head_dim];
+    codes_of(v, p, codes);
+    for (std::size_t g = 0; g * group < dim; ++g) {
+      const auto gp = reference::load_params(v.spec, v.scales + pi * psize, v.zeros == nullptr ? nullptr : v.zeros + pi * psize, g);
+      const std::size_t end = std::min(dim, (g + 1) * group);
+      for (std::size_t h = 0; h < task.group; ++h) {
+        const float w = weights[h * stride];
+        const typename Ops::Vec ws = Ops::set1(w * gp.scale), wz = Ops::set1(w * gp.zero);
+        float* acc = task.acc + h * dim;
+        for (std::size_t c = g * group; c < end; c += width)
+          Ops::store(acc + c, Ops::add(Ops::fma(ws, Ops::load(codes + c), Ops::load(acc + c)), wz));
+      }
+    }
+  }
+
+  static void run(const DecodeTask& task) noexcept {
+    const StreamView &k = task.keys, &v = task.values;
+    const std::size_t dim = k.head_dim;
+    start_state(task);
+    float scores[max_group][max_tile];
+    alignas(64) float row[max_head_dim];
+    const bool packed_values = v.quantized && v.spec.axis == Axis::per_token && v.spec.group % width == 0;
+    for (std::size_t a = task.begin; a < task.end;) {
+      const std::size_t b = tile_end(k, a, task.end), n = b - a;
+      // Keys block by block (a tile holds whole key blocks when keys are quantized per channel).
+      for (std::size_t s0 = a; s0 < b;) {
+        std::size_t s1 = b;
+        if (k.quantized && k.spec.axis == Axis::per_channel && s0 >= k.first_quantized && s0 < k.end_quantized)
+          s1 = std::min(b, k.first_quantized + ((s0 - k.first_quantized) / k.spec.group + 1) * k.spec.group);
+        if (quantized_key_block(k, s0, s1)) {
+          if (task.tier == Tier::integer && task.rope == nullptr) detail::integer_key_scores(task, s0, s1, a, scores);
+          else key_block_scores(task, s0, s1, a, scores);
+        } else {
+          for (std::size_t p = s0; p < s1; ++p) {
+            k.read_row(p, row);
+            if (task.rope != nullptr) task.rope->rotate_unscaled(row, p);
+            for (std::size_t h = 0; h < task.group; ++h) scores[h][p - a] = dot(task.queries + h * dim, row, dim);
+          }
+        }
+        s0 = s1;
+      }
+      for (std::size_t h = 0; h < task.group; ++h) {
+        cap_scores(scores[h], n, task.softcap);
+        softmax_update(scores[h], n, task.max[h], task.sum[h], task.acc + h * dim, dim);
+      }
+      const auto [qa, qb] = task.tier == Tier::integer ? quantized_value_rows(v, a, b) : std::pair{a, a};
+      if (qa < qb) detail::integer_values(task, a, qa, qb, scores);
+      for (std::size_t p = a; p < b; ++p) {
+        if (p >= qa && p < qb) continue;
+        if (packed_values && p >= v.first_quantized && p < v.end_quantized) {
+          add_packed_value_row(task, p, &scores[0][p - a], max_tile);
+          continue;
+        }
+        v.read_row(p, row);
+        for (std::size_t h = 0; h < task.group; ++h) add_scaled(scores[h][p - a], row, task.acc + h * dim, dim);
+      }
+      a = b;
+    }
+  }
+};
+
+/// The reference kernel: any width, group, axis, parameter and residual type, any head_dim.
+inline void decode_task(const DecodeTask& task) noexcept { VectorKernel<ops::Scalar>::run(task); }
+
+// Entry points of the vector kernel per instruction set. On x86 the ops carry target attributes;
+// `flatten` inlines the whole kernel into an entry compiled for the same target.
+#if defined(KVQ_HAVE_X86_KERNELS)
+__attribute__((target("avx2,fma,f16c"), flatten)) inline void vector_avx2_task(const DecodeTask& task) noexcept {
+  VectorKernel<ops::Avx2>::run(task);
+}
+__attribute__((target("avx512f,fma,f16c"), flatten)) inline void vector_avx512_task(const DecodeTask& task) noexcept {
+  VectorKernel<ops::Avx512>::run(task);
+}
+#endif
+#if defined(__aarch64__)
+inline void vector_neon_task(const DecodeTask& task) noexcept { VectorKernel<ops::Neon>::run(task); }
+#endif
+
+}  // namespace kvq::inline v0::kernels::attention
+
+KVQ_INTRINSIC_WARNINGS_ON
