@@ -45,6 +45,8 @@ inline std::span<const KernelEntry> registry() noexcept {
       {"avx512-generic", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", false,
        avx512::supported, avx512::supports, avx512::decode_task_generic},
       {"avx2", "avx2 fma f16c", true, avx2::supported, avx2::supports, avx2::decode_task},
+#endif
+#if defined(KVQ_HAVE_X86_VECTOR_KERNELS)
       {"vector-avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni bmi2 f16c fma", false, detail::avx512_level,
        VectorKernel<ops::Avx512>::accepts, vector_avx512_task},
       {"vector-avx2", "avx2 fma f16c", false, avx2::supported, VectorKernel<ops::Avx2>::accepts, vector_avx2_task},

@@ -21,7 +21,11 @@
 #include "kvq/isa.hpp"
 #include "kvq/kernels/attention/task.hpp"
 #include "kvq/kernels/ops/scalar.hpp"
-#if defined(KVQ_HAVE_X86_KERNELS)
+// The x86 entry points rely on GCC's `flatten` inlining the ops into a target function; clang
+// refuses vector arguments in the template's own (untargeted) functions, so its builds leave them
+// out (they run by name only; the hand-tuned kernels are the automatic choice either way).
+#if defined(KVQ_HAVE_X86_KERNELS) && !defined(__clang__)
+#define KVQ_HAVE_X86_VECTOR_KERNELS 1
 #include "kvq/kernels/ops/avx2.hpp"
 #include "kvq/kernels/ops/avx512.hpp"
 #endif
@@ -190,7 +194,7 @@ inline void decode_task(const DecodeTask& task) noexcept { VectorKernel<ops::Sca
 
 // Entry points of the vector kernel per instruction set. On x86 the ops carry target attributes;
 // `flatten` inlines the whole kernel into an entry compiled for the same target.
-#if defined(KVQ_HAVE_X86_KERNELS)
+#if defined(KVQ_HAVE_X86_VECTOR_KERNELS)
 __attribute__((target("avx2,fma,f16c"), flatten)) inline void vector_avx2_task(const DecodeTask& task) noexcept {
   VectorKernel<ops::Avx2>::run(task);
 }
