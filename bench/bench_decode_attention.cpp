@@ -101,7 +101,11 @@ void verify_step(benchmark::State& state, std::string config, kvq::Tier tier, st
   for (auto& x : q) x = normal(rng);
   std::size_t layer = 0;
   for (auto _ : state) {
-    kvq::attend({.cache = b.cache.get(), .layer = layer, .first_position = context - tokens, .tokens = tokens, .queries = q,
+    kvq::attend({.cache = b.cache.get(),
+                 .layer = layer,
+                 .first_position = context - tokens,
+                 .tokens = tokens,
+                 .queries = q,
                  .out = out},
                 {.tier = tier});
     benchmark::DoNotOptimize(out.data());
@@ -155,7 +159,7 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   const Named caches[] = {
-      {"fp32", "k16-v16-r0-s0-post-f32"},      {"fp16", "k16-v16-r0-s0-post"},
+      {"fp32", "k16-v16-r0-s0-post-f32"},        {"fp16", "k16-v16-r0-s0-post"},
       {"K8V8-post", "k8c32-v8t32-r128-s0-post"}, {"K4V4-post", "k4c32-v4t32-r128-s0-post"},
       {"K4V2-post", "k4c32-v2t32-r128-s0-post"}, {"K2V2-post", "k2c32-v2t32-r128-s0-post"},
       {"K8V8-pre", "k8c32-v8t32-r128-s0"},       {"K4V4-pre", "k4c32-v4t32-r128-s0"},
@@ -179,16 +183,22 @@ int main(int argc, char** argv) {
   // is the scalar definition) on the baseline and the 2-bit-value caches, 32K, one thread.
   for (const std::string kernel : {"avx2", "vector-avx2", "vector-avx512"}) {
     const auto& table = kvq::kernels::attention::registry();
-    if (std::none_of(table.begin(), table.end(), [&](const auto& e) { return e.name == kernel && e.available(); })) continue;
+    if (std::none_of(table.begin(), table.end(), [&](const auto& e) { return e.name == kernel && e.available(); }))
+      continue;
     for (const Named& c : caches) {
       const std::string_view name = c.name;
       const bool unquantized = name == "fp16";
       if (!unquantized && !name.starts_with("K4V2") && !name.starts_with("K2V2")) continue;
       for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
         if ((unquantized || kernel != "avx2") && tier == kvq::Tier::integer) continue;
-        benchmark::RegisterBenchmark(("decode_" + kernel + "/").append(name).append("/").append(kvq::to_string(tier)).append("/32768/threads:1").c_str(),
-                                     decode_step, std::string(c.config), tier, std::size_t(32768), std::size_t(1), kernel, true,
-                                     std::size_t(0))
+        benchmark::RegisterBenchmark(("decode_" + kernel + "/")
+                                         .append(name)
+                                         .append("/")
+                                         .append(kvq::to_string(tier))
+                                         .append("/32768/threads:1")
+                                         .c_str(),
+                                     decode_step, std::string(c.config), tier, std::size_t(32768), std::size_t(1),
+                                     kernel, true, std::size_t(0))
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
       }
@@ -199,9 +209,10 @@ int main(int argc, char** argv) {
   for (const Named& c : caches) {
     const std::string_view name = c.name;
     if (!name.starts_with("K4V2-post") && !name.starts_with("K2V2-post")) continue;
-    benchmark::RegisterBenchmark(std::string("decode_unguarded/").append(name).append("/integer/32768/threads:1").c_str(),
-                                 decode_step, std::string(c.config), kvq::Tier::integer, std::size_t(32768), std::size_t(1),
-                                 std::string(), false, std::size_t(0))
+    benchmark::RegisterBenchmark(
+        std::string("decode_unguarded/").append(name).append("/integer/32768/threads:1").c_str(), decode_step,
+        std::string(c.config), kvq::Tier::integer, std::size_t(32768), std::size_t(1), std::string(), false,
+        std::size_t(0))
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }
@@ -220,8 +231,8 @@ int main(int argc, char** argv) {
             ->UseRealTime();
       for (const std::size_t block : {256, 1024, 4096, 16384, 32768})
         benchmark::RegisterBenchmark(("decode_blocks/" + row + "block:" + std::to_string(block)).c_str(), decode_step,
-                                     std::string(c.config), tier, std::size_t(32768), std::size_t(1),
-                                     std::string(), true, block)
+                                     std::string(c.config), tier, std::size_t(32768), std::size_t(1), std::string(),
+                                     true, block)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
     }

@@ -37,9 +37,16 @@ struct Setup {
   kvq::kernels::attention::DecodeTask task;
 
   Setup(const std::string& config, kvq::Tier tier)
-      : cache(kvq::CacheShape{.layers = 1, .kv_heads = kKvHeads, .head_dim = kDim, .capacity = kSpan + 128, .block_tokens = 2 * kSpan},
+      : cache(kvq::CacheShape{.layers = 1,
+                              .kv_heads = kKvHeads,
+                              .head_dim = kDim,
+                              .capacity = kSpan + 128,
+                              .block_tokens = 2 * kSpan},
               kvq::parse_cache_config(config)),
-        queries(kGroup * kDim), max(kGroup), sum(kGroup), acc(kGroup * kDim) {
+        queries(kGroup * kDim),
+        max(kGroup),
+        sum(kGroup),
+        acc(kGroup * kDim) {
     const std::size_t tokens = kSpan + 128;
     std::mt19937 rng(1);
     std::normal_distribution<float> normal;
@@ -100,7 +107,8 @@ KVQ_TARGET_AVX512_ATTENTION void run_stage(k::IntState& S, Stage stage) {
         for (std::size_t a = a0; a < a0 + kSpan; a += kTile) k::rope_keys<kNV, KB, kNH>(S, P, a, kTile);
         break;
       }
-      for (std::size_t a = a0; a < a0 + kSpan; a += 16) k::int_keys16<kNV, KB, kNH>(S, a, (a - a0) % kTile, (a - a0) % kTile / g);
+      for (std::size_t a = a0; a < a0 + kSpan; a += 16)
+        k::int_keys16<kNV, KB, kNH>(S, a, (a - a0) % kTile, (a - a0) % kTile / g);
       break;
     case Stage::softmax:
       for (std::size_t a = a0; a < a0 + kSpan; a += kTile) k::tile_softmax<kNH>(S, kTile, 0.0f);
@@ -129,10 +137,14 @@ void stage_bench(benchmark::State& state, std::string config, kvq::Tier tier, in
     S.sm[h] = 0.0f;
   }
   auto run = [&] {
-    if (kbits == 4 && vbits == 2) run_stage<4, 2>(S, stage);
-    else if (kbits == 2 && vbits == 2) run_stage<2, 2>(S, stage);
-    else if (kbits == 4 && vbits == 4) run_stage<4, 4>(S, stage);
-    else run_stage<8, 8>(S, stage);
+    if (kbits == 4 && vbits == 2)
+      run_stage<4, 2>(S, stage);
+    else if (kbits == 2 && vbits == 2)
+      run_stage<2, 2>(S, stage);
+    else if (kbits == 4 && vbits == 4)
+      run_stage<4, 4>(S, stage);
+    else
+      run_stage<8, 8>(S, stage);
   };
   run();  // warm the caches and the tables of every stage
   for (auto _ : state) {
@@ -142,7 +154,8 @@ void stage_bench(benchmark::State& state, std::string config, kvq::Tier tier, in
     benchmark::ClobberMemory();
   }
   state.counters["ns_per_position"] =
-      benchmark::Counter(double(kSpan), benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert, benchmark::Counter::kIs1000);
+      benchmark::Counter(double(kSpan), benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert,
+                         benchmark::Counter::kIs1000);
 }
 
 }  // namespace
@@ -161,15 +174,17 @@ int main(int argc, char** argv) {
                           {"K4V2-pre", "k4c32-v2t32-r128-s0", integer, 4, 2},
                           {"K4V2-post-exact", "k4c32-v2t32-r128-s0-post", exact, 4, 2},
                           {"K8V8-post-exact", "k8c32-v8t32-r128-s0-post", exact, 8, 8}};
-  const std::pair<const char*, Stage> stages[] = {{"fold", Stage::fold},       {"dots", Stage::dots},
-                                                  {"softmax", Stage::softmax}, {"values", Stage::values},
+  const std::pair<const char*, Stage> stages[] = {{"fold", Stage::fold},
+                                                  {"dots", Stage::dots},
+                                                  {"softmax", Stage::softmax},
+                                                  {"values", Stage::values},
                                                   {"tiles", Stage::tiles}};
   for (const Cache& c : caches)
     for (const auto& [name, stage] : stages) {
       if (stage == Stage::fold && std::string(c.name).ends_with("-pre")) continue;  // pre-RoPE keys fold nothing
       if (stage == Stage::softmax && c.tier == exact) continue;                     // the integer tier's
-      benchmark::RegisterBenchmark((std::string("stages/") + c.name + "/" + name).c_str(), stage_bench, std::string(c.config),
-                                   c.tier, c.kbits, c.vbits, stage)
+      benchmark::RegisterBenchmark((std::string("stages/") + c.name + "/" + name).c_str(), stage_bench,
+                                   std::string(c.config), c.tier, c.kbits, c.vbits, stage)
           ->Unit(benchmark::kMicrosecond);
     }
   benchmark::Initialize(&argc, argv);

@@ -65,13 +65,19 @@ void prefill(benchmark::State& state, std::string config, kvq::Tier tier) {
              nv = normal_values(tokens * kv_heads * kDim, 5);
   std::vector<float> out(q.size());
   for (auto _ : state) {
-    kvq::attend({.cache = cache.get(), .first_position = prefix, .tokens = tokens, .queries = q, .new_keys = nk,
-                 .new_values = nv, .out = out},
+    kvq::attend({.cache = cache.get(),
+                 .first_position = prefix,
+                 .tokens = tokens,
+                 .queries = q,
+                 .new_keys = nk,
+                 .new_values = nv,
+                 .out = out},
                 {.tier = tier});
     benchmark::DoNotOptimize(out.data());
   }
   const double pairs = double(heads) * (double(tokens) * prefix + double(tokens) * (tokens + 1) / 2);
-  state.counters["GFLOP/s"] = benchmark::Counter(4.0 * kDim * pairs * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(4.0 * kDim * pairs * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void scores(benchmark::State& state, std::string config, kvq::Tier tier, std::string rule) {
@@ -113,10 +119,11 @@ Batch& batch_for(const std::string& config) {
   b.out.resize(b.queries.size());
   for (std::size_t s = 0; s < sequences; ++s) {
     const std::size_t n = length(rng);
-    b.caches.push_back(std::make_unique<kvq::BasicKVCache>(kvq::CacheShape{1, kv_heads, kDim, n},
-                                                           kvq::parse_cache_config(config)));
+    b.caches.push_back(
+        std::make_unique<kvq::BasicKVCache>(kvq::CacheShape{1, kv_heads, kDim, n}, kvq::parse_cache_config(config)));
     fill(*b.caches.back(), n);
-    b.requests.push_back({.cache = b.caches.back().get(), .first_position = n - 1,
+    b.requests.push_back({.cache = b.caches.back().get(),
+                          .first_position = n - 1,
                           .queries = std::span(b.queries).subspan(s * heads * kDim, heads * kDim),
                           .out = std::span(b.out).subspan(s * heads * kDim, heads * kDim)});
   }
@@ -130,7 +137,8 @@ void batch(benchmark::State& state, std::string config, kvq::Tier tier, std::siz
     if (separate)
       for (const kvq::AttentionRequest& r : b.requests)
         kvq::decode_attention(*r.cache, 0, r.first_position, r.queries, r.out, options);
-    else kvq::attend(b.requests, options);
+    else
+      kvq::attend(b.requests, options);
     benchmark::DoNotOptimize(b.out.data());
   }
 }
@@ -138,12 +146,17 @@ void batch(benchmark::State& state, std::string config, kvq::Tier tier, std::siz
 void serving(benchmark::State& state, std::string config, std::size_t block_tokens) {
   constexpr std::size_t model_layers = 32, layers = 4, kv_heads = 8, heads = 32, length = 4096;
   constexpr double budget = 8.0 * (1u << 30);
-  kvq::PoolShape shape{.layers = layers, .kv_heads = kv_heads, .head_dim = kDim, .max_tokens = length,
-                       .block_tokens = block_tokens, .memory_blocks = std::size_t(1) << 20};
+  kvq::PoolShape shape{.layers = layers,
+                       .kv_heads = kv_heads,
+                       .head_dim = kDim,
+                       .max_tokens = length,
+                       .block_tokens = block_tokens,
+                       .memory_blocks = std::size_t(1) << 20};
   const kvq::CacheConfig c = kvq::parse_cache_config(config);
   auto append_sequence = [&](kvq::KVPool& pool) {
     const kvq::SequenceId id = pool.add_sequence();
-    const auto k = normal_values(512 * kv_heads * kDim, unsigned(id) + 8), v = normal_values(k.size(), unsigned(id) + 9);
+    const auto k = normal_values(512 * kv_heads * kDim, unsigned(id) + 8),
+               v = normal_values(k.size(), unsigned(id) + 9);
     for (std::size_t l = 0; l < layers; ++l)
       for (std::size_t p = 0; p < length; p += 512) pool.append(id, l, p, k, v);
     return id;
@@ -163,7 +176,9 @@ void serving(benchmark::State& state, std::string config, std::size_t block_toke
   std::vector<std::vector<kvq::AttentionRequest>> by_layer(layers);
   for (std::size_t l = 0; l < layers; ++l)
     for (std::size_t s = 0; s < fit; ++s)
-      by_layer[l].push_back({.cache = &pool.sequence(ids[s]), .layer = l, .first_position = length - 1,
+      by_layer[l].push_back({.cache = &pool.sequence(ids[s]),
+                             .layer = l,
+                             .first_position = length - 1,
                              .queries = std::span(q).subspan(s * heads * kDim, heads * kDim),
                              .out = std::span(out).subspan(s * heads * kDim, heads * kDim)});
   const kvq::DecodeOptions options{.tier = c.quantize_keys ? kvq::Tier::integer : kvq::Tier::exact,
@@ -206,8 +221,9 @@ int main(int argc, char** argv) {
             ->Iterations(2);
       for (const std::size_t threads : {1, 2})
         for (const bool separate : {false, true})
-          benchmark::RegisterBenchmark(((separate ? "batch_separate/" : "batch/") + row + "/threads:" + std::to_string(threads)).c_str(),
-                                       batch, std::string(c.config), tier, threads, separate)
+          benchmark::RegisterBenchmark(
+              ((separate ? "batch_separate/" : "batch/") + row + "/threads:" + std::to_string(threads)).c_str(), batch,
+              std::string(c.config), tier, threads, separate)
               ->Unit(benchmark::kMillisecond)
               ->UseRealTime();
     }
@@ -224,8 +240,8 @@ int main(int argc, char** argv) {
     }
   for (const Named& c : caches)
     for (const std::size_t block : {256, 4096})
-      benchmark::RegisterBenchmark(("serving/" + std::string(c.name) + "/block:" + std::to_string(block)).c_str(), serving,
-                                   std::string(c.config), block)
+      benchmark::RegisterBenchmark(("serving/" + std::string(c.name) + "/block:" + std::to_string(block)).c_str(),
+                                   serving, std::string(c.config), block)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime()
           ->Iterations(5);  // one run: the setup fills 1 GiB

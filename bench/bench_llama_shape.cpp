@@ -60,7 +60,9 @@ void teacher_force(benchmark::State& state, MakeBackend make) {
     std::vector<std::thread> workers;
     for (std::size_t s = 0; s < n; ++s)
       workers.emplace_back([&, s] {
-        nll[s] = kvq::llama::teacher_forced(model(), [&] { return make(tokens); }, sequences[s], chunk).mean_nll();
+        nll[s] = kvq::llama::teacher_forced(
+                     model(), [&] { return make(tokens); }, sequences[s], chunk)
+                     .mean_nll();
       });
     for (auto& w : workers) w.join();
     for (const double x : nll) sink += x;
@@ -93,7 +95,8 @@ void register_all() {
     b->Args({64, 0})->ArgNames({"tokens", "chunk"})->Iterations(1)->UseRealTime()->Unit(benchmark::kSecond);
   };
   tokenwise(benchmark::RegisterBenchmark("teacher_forcing_tokenwise/fp32", fp32_cache));
-  tokenwise(benchmark::RegisterBenchmark("teacher_forcing_tokenwise/k4c32-v2t32-r0-s0", kvq_cache, "k4c32-v2t32-r0-s0"));
+  tokenwise(
+      benchmark::RegisterBenchmark("teacher_forcing_tokenwise/k4c32-v2t32-r0-s0", kvq_cache, "k4c32-v2t32-r0-s0"));
 }
 
 }  // namespace

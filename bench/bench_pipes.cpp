@@ -21,34 +21,34 @@
 // The instructions measured: name, then the asm template, output constraint, output registers (f:
 // float, i: integer) and inputs of one copy. One list makes the enum, the loop body and the
 // benchmarks, so an instruction is added in one place.
-#define KVQ_PIPE_MIXES(X)                                                  \
-  X(vmulps, "vmulps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))                \
-  X(vfmadd231ps, "vfmadd231ps %1, %2, %0", "+v", f, "v"(fa), "v"(fb))      \
-  X(vpermt2b, "vpermt2b %1, %2, %0", "+v", i, "v"(u), "v"(s))              \
-  X(vpmultishiftqb, "vpmultishiftqb %1, %2, %0", "=v", i, "v"(u), "v"(s))  \
-  X(vpmaddubsw, "vpmaddubsw %1, %2, %0", "=v", i, "v"(u), "v"(s))          \
-  X(vpmaddwd, "vpmaddwd %1, %2, %0", "=v", i, "v"(u), "v"(s))              \
-  X(vpermb, "vpermb %1, %2, %0", "=v", i, "v"(u), "v"(s))                  \
-  X(vpmovdb, "vpmovdb %1, %x0", "=v", i, "v"(u))                           \
-  X(vaddps, "vaddps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))                \
-  X(vmaxps, "vmaxps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))                \
-  X(vcvtps2dq, "vcvtps2dq %1, %0", "=v", i, "v"(fa))                       \
-  X(vcvtdq2ps, "vcvtdq2ps %1, %0", "=v", f, "v"(u))                        \
-  X(vcvtph2ps, "vcvtph2ps %t1, %0", "=v", f, "v"(u))                       \
-  X(vpermps, "vpermps %1, %2, %0", "=v", f, "v"(fa), "v"(u))               \
-  X(vpermd, "vpermd %1, %2, %0", "=v", i, "v"(u), "v"(s))                  \
-  X(vpackssdw, "vpackssdw %1, %2, %0", "=v", i, "v"(u), "v"(s))            \
-  X(vpandd, "vpandd %1, %2, %0", "=v", i, "v"(u), "v"(s))                  \
-  X(vpsrld, "vpsrld $4, %1, %0", "=v", i, "v"(u))                          \
-  X(vpsrlvd, "vpsrlvd %1, %2, %0", "=v", i, "v"(u), "v"(s))                \
-  X(vpsrlvq, "vpsrlvq %1, %2, %0", "=v", i, "v"(u), "v"(s))                \
-  X(vpshufb, "vpshufb %1, %2, %0", "=v", i, "v"(u), "v"(s))                \
-  X(vpmovzxbd, "vpmovzxbd %x1, %0", "=v", i, "v"(u))                       \
-  X(vshufi32x4, "vshufi32x4 $0x44, %1, %2, %0", "=v", i, "v"(u), "v"(s))   \
-  X(vpunpckldq, "vpunpckldq %1, %2, %0", "=v", i, "v"(u), "v"(s))          \
-  X(vscalefps, "vscalefps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))          \
-  X(vrndscaleps, "vrndscaleps $8, %1, %0", "=v", f, "v"(fa))               \
-  X(vrangeps, "vrangeps $11, %1, %2, %0", "=v", f, "v"(fa), "v"(fb))       \
+#define KVQ_PIPE_MIXES(X)                                                 \
+  X(vmulps, "vmulps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))               \
+  X(vfmadd231ps, "vfmadd231ps %1, %2, %0", "+v", f, "v"(fa), "v"(fb))     \
+  X(vpermt2b, "vpermt2b %1, %2, %0", "+v", i, "v"(u), "v"(s))             \
+  X(vpmultishiftqb, "vpmultishiftqb %1, %2, %0", "=v", i, "v"(u), "v"(s)) \
+  X(vpmaddubsw, "vpmaddubsw %1, %2, %0", "=v", i, "v"(u), "v"(s))         \
+  X(vpmaddwd, "vpmaddwd %1, %2, %0", "=v", i, "v"(u), "v"(s))             \
+  X(vpermb, "vpermb %1, %2, %0", "=v", i, "v"(u), "v"(s))                 \
+  X(vpmovdb, "vpmovdb %1, %x0", "=v", i, "v"(u))                          \
+  X(vaddps, "vaddps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))               \
+  X(vmaxps, "vmaxps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))               \
+  X(vcvtps2dq, "vcvtps2dq %1, %0", "=v", i, "v"(fa))                      \
+  X(vcvtdq2ps, "vcvtdq2ps %1, %0", "=v", f, "v"(u))                       \
+  X(vcvtph2ps, "vcvtph2ps %t1, %0", "=v", f, "v"(u))                      \
+  X(vpermps, "vpermps %1, %2, %0", "=v", f, "v"(fa), "v"(u))              \
+  X(vpermd, "vpermd %1, %2, %0", "=v", i, "v"(u), "v"(s))                 \
+  X(vpackssdw, "vpackssdw %1, %2, %0", "=v", i, "v"(u), "v"(s))           \
+  X(vpandd, "vpandd %1, %2, %0", "=v", i, "v"(u), "v"(s))                 \
+  X(vpsrld, "vpsrld $4, %1, %0", "=v", i, "v"(u))                         \
+  X(vpsrlvd, "vpsrlvd %1, %2, %0", "=v", i, "v"(u), "v"(s))               \
+  X(vpsrlvq, "vpsrlvq %1, %2, %0", "=v", i, "v"(u), "v"(s))               \
+  X(vpshufb, "vpshufb %1, %2, %0", "=v", i, "v"(u), "v"(s))               \
+  X(vpmovzxbd, "vpmovzxbd %x1, %0", "=v", i, "v"(u))                      \
+  X(vshufi32x4, "vshufi32x4 $0x44, %1, %2, %0", "=v", i, "v"(u), "v"(s))  \
+  X(vpunpckldq, "vpunpckldq %1, %2, %0", "=v", i, "v"(u), "v"(s))         \
+  X(vscalefps, "vscalefps %1, %2, %0", "=v", f, "v"(fa), "v"(fb))         \
+  X(vrndscaleps, "vrndscaleps $8, %1, %0", "=v", f, "v"(fa))              \
+  X(vrangeps, "vrangeps $11, %1, %2, %0", "=v", f, "v"(fa), "v"(fb))      \
   X(vpbroadcastq_load, "vpbroadcastq %1, %0", "=v", i, "m"(word[J]))
 
 namespace {
@@ -72,18 +72,37 @@ KVQ_PIPES_TARGET std::int32_t rounds(long n) {
   __m512 f0 = fa, f1 = fa, f2 = fa, f3 = fa;
   alignas(64) static const std::uint64_t word[4] = {1, 2, 3, 4};
   for (long r = 0; r < n; ++r) {
-#define KVQ_DP(acc) __asm__ volatile("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
-    KVQ_DP(a0) KVQ_DP(a1) KVQ_DP(a2) KVQ_DP(a3) KVQ_DP(a4) KVQ_DP(a5) KVQ_DP(a6) KVQ_DP(a7)
+#define KVQ_DP(acc) __asm__ volatile("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s))
+    KVQ_DP(a0);
+    KVQ_DP(a1);
+    KVQ_DP(a2);
+    KVQ_DP(a3);
+    KVQ_DP(a4);
+    KVQ_DP(a5);
+    KVQ_DP(a6);
+    KVQ_DP(a7);
 #undef KVQ_DP
 // The added instruction into out0 .. out3 (out: f for float, i for integer registers); J numbers
 // the copy for the memory operand.
 #define KVQ_ONE(fmt, cons, out, j, ...) __asm__ volatile(fmt : cons(out##j) : __VA_ARGS__);
-#define KVQ_MIX(mix, fmt, cons, out, ...)                                             \
-  if constexpr (M == Mix::mix) {                                                      \
-    { [[maybe_unused]] constexpr int J = 0; KVQ_ONE(fmt, cons, out, 0, __VA_ARGS__) } \
-    { [[maybe_unused]] constexpr int J = 1; KVQ_ONE(fmt, cons, out, 1, __VA_ARGS__) } \
-    { [[maybe_unused]] constexpr int J = 2; KVQ_ONE(fmt, cons, out, 2, __VA_ARGS__) } \
-    { [[maybe_unused]] constexpr int J = 3; KVQ_ONE(fmt, cons, out, 3, __VA_ARGS__) } \
+#define KVQ_MIX(mix, fmt, cons, out, ...)     \
+  if constexpr (M == Mix::mix) {              \
+    {                                         \
+      [[maybe_unused]] constexpr int J = 0;   \
+      KVQ_ONE(fmt, cons, out, 0, __VA_ARGS__) \
+    }                                         \
+    {                                         \
+      [[maybe_unused]] constexpr int J = 1;   \
+      KVQ_ONE(fmt, cons, out, 1, __VA_ARGS__) \
+    }                                         \
+    {                                         \
+      [[maybe_unused]] constexpr int J = 2;   \
+      KVQ_ONE(fmt, cons, out, 2, __VA_ARGS__) \
+    }                                         \
+    {                                         \
+      [[maybe_unused]] constexpr int J = 3;   \
+      KVQ_ONE(fmt, cons, out, 3, __VA_ARGS__) \
+    }                                         \
   }
     KVQ_PIPE_MIXES(KVQ_MIX)
 #undef KVQ_MIX

@@ -48,22 +48,25 @@ void append_loop(benchmark::State& state, Append&& append, Reset&& reset) {
     }
     append(position++, k, v);
   }
-  state.counters["values/s"] = benchmark::Counter(double(2 * kHeads * kDim), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["values/s"] =
+      benchmark::Counter(double(2 * kHeads * kDim), benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void append_cache(benchmark::State& state) {
   kvq::BasicKVCache cache(kvq::CacheShape{1, kHeads, kDim, kCapacity}, k4v2());
-  append_loop(state, [&](std::size_t p, const auto& k, const auto& v) { cache.append(0, p, k, v); }, [&] { cache.clear(); });
+  append_loop(
+      state, [&](std::size_t p, const auto& k, const auto& v) { cache.append(0, p, k, v); }, [&] { cache.clear(); });
 }
 
 void append_pool(benchmark::State& state) {
   kvq::KVPool pool(pool_shape(1), k4v2());
   kvq::SequenceId id = pool.add_sequence();
-  append_loop(state, [&](std::size_t p, const auto& k, const auto& v) { pool.append(id, 0, p, k, v); },
-              [&] {
-                pool.remove_sequence(id);
-                id = pool.add_sequence();
-              });
+  append_loop(
+      state, [&](std::size_t p, const auto& k, const auto& v) { pool.append(id, 0, p, k, v); },
+      [&] {
+        pool.remove_sequence(id);
+        id = pool.add_sequence();
+      });
 }
 
 /// A pool holding one sequence of `tokens` tokens in 4 layers.
@@ -113,7 +116,8 @@ void load_sequence(benchmark::State& state) {
     f.pool.remove_sequence(id);
     state.ResumeTiming();
   }
-  state.counters["GB/s"] = benchmark::Counter(double(file.size()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GB/s"] =
+      benchmark::Counter(double(file.size()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 /// The 10K-token sequence and three forks of it, each 1000 tokens longer: the file holds the
@@ -157,7 +161,8 @@ void load_pool(benchmark::State& state) {
     target.reset();
     state.ResumeTiming();
   }
-  state.counters["GB/s"] = benchmark::Counter(double(file.size()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GB/s"] =
+      benchmark::Counter(double(file.size()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 /// What a 32-layer, 8 x 128 K4V2 sequence commits at 1000 tokens, against what its tokens hold.
@@ -205,7 +210,8 @@ void share_prefixes(benchmark::State& state) {
   for (unsigned s = 0; s < 16; ++s) ids.push_back(add(1024, 100 + 2 * s));
   const auto start = std::chrono::steady_clock::now();
   benchmark::DoNotOptimize(pool.share_prefixes(ids.back()));
-  state.counters["cold_ms"] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  state.counters["cold_ms"] =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   for (const kvq::SequenceId id : ids) pool.share_prefixes(id);
   std::size_t freed = 0;
   for (auto _ : state) {
@@ -222,7 +228,12 @@ void share_prefixes(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(memory_at_1000)->Name("memory/K4V2/32x8x128/1000/block")->Arg(64)->Arg(256)->Arg(1024)->Iterations(1)
+BENCHMARK(memory_at_1000)
+    ->Name("memory/K4V2/32x8x128/1000/block")
+    ->Arg(64)
+    ->Arg(256)
+    ->Arg(1024)
+    ->Iterations(1)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(append_cache)->Name("append/cache/K4V2/8x128");
 BENCHMARK(append_pool)->Name("append/pool/K4V2/8x128");

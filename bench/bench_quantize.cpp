@@ -33,10 +33,12 @@ void keys_per_channel(benchmark::State& state) {
       const float* src = x.data() + b * rows * dim;
       if constexpr (Reference)
         kvq::kernels::reference::quantize_block_per_channel(spec, src, rows, dim, dim, scales.data() + b * dim,
-                                                            zeros.data() + b * dim, codes.data() + b * rows * row_bytes, row_bytes);
+                                                            zeros.data() + b * dim, codes.data() + b * rows * row_bytes,
+                                                            row_bytes);
       else
-        kvq::kernels::quantize_block_per_channel(spec, src, rows, dim, dim, scales.data() + b * dim, zeros.data() + b * dim,
-                                                 codes.data() + b * rows * row_bytes, row_bytes);
+        kvq::kernels::quantize_block_per_channel(spec, src, rows, dim, dim, scales.data() + b * dim,
+                                                 zeros.data() + b * dim, codes.data() + b * rows * row_bytes,
+                                                 row_bytes);
     }
     benchmark::DoNotOptimize(codes.data());
   }
@@ -102,7 +104,8 @@ void cache_append(benchmark::State& state) {
     }
     cache.append(0, position++, k, v);
   }
-  state.counters["values/s"] = benchmark::Counter(double(2 * heads * dim), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["values/s"] =
+      benchmark::Counter(double(2 * heads * dim), benchmark::Counter::kIsIterationInvariantRate);
 }
 
 }  // namespace
@@ -111,8 +114,16 @@ BENCHMARK(keys_per_channel<true>)->Name("quantize_keys_per_channel/reference")->
 BENCHMARK(keys_per_channel<false>)->Name("quantize_keys_per_channel/dispatched")->Arg(2)->Arg(4)->Arg(8);
 BENCHMARK(values_per_token<true>)->Name("quantize_values_per_token/reference")->Arg(2)->Arg(4)->Arg(8);
 BENCHMARK(values_per_token<false>)->Name("quantize_values_per_token/dispatched")->Arg(2)->Arg(4)->Arg(8);
-BENCHMARK(values_per_token_heads<kvq::Scalar::f32>)->Name("quantize_values_per_token/8_heads_f32")->Arg(2)->Arg(4)->Arg(8);
-BENCHMARK(values_per_token_heads<kvq::Scalar::f16>)->Name("quantize_values_per_token/8_heads_f16")->Arg(2)->Arg(4)->Arg(8);
+BENCHMARK(values_per_token_heads<kvq::Scalar::f32>)
+    ->Name("quantize_values_per_token/8_heads_f32")
+    ->Arg(2)
+    ->Arg(4)
+    ->Arg(8);
+BENCHMARK(values_per_token_heads<kvq::Scalar::f16>)
+    ->Name("quantize_values_per_token/8_heads_f16")
+    ->Arg(2)
+    ->Arg(4)
+    ->Arg(8);
 BENCHMARK(cache_append)->Name("cache_append/K4V2/8x128");
 
 BENCHMARK_MAIN();

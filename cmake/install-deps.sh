@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs what kvq needs to build, test and benchmark on Debian 12 (bookworm), and does
 # nothing when everything is already present. Needs root (or sudo) only when something is missing.
-# clang and its runtime libraries build the libFuzzer targets (the test-fuzz workflow).
+# clang and its runtime libraries build the libFuzzer targets (the test-fuzz workflow);
+# clang-format-14 checks that the sources follow .clang-format (a test).
 set -euo pipefail
 
 # `--aarch64` adds Debian's AArch64 cross compiler and qemu-user for the aarch64 preset.
-packages=(g++ cmake make libeigen3-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev clang libclang-rt-14-dev)
+packages=(g++ cmake make libeigen3-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev clang libclang-rt-14-dev clang-format-14)
 for arg in "$@"; do
   case "$arg" in
     --aarch64) packages+=(g++-aarch64-linux-gnu qemu-user) ;;

@@ -55,16 +55,16 @@ inline std::vector<CacheConfig> advisor_candidates(std::size_t head_dim) {
 }
 
 struct Advice {
-  double budget = 0;                         // average bits per value allowed
+  double budget = 0;  // average bits per value allowed
   std::vector<CacheConfig> candidates;
-  std::vector<ConfigResult> uniform;         // each candidate on every layer
-  std::vector<std::vector<double>> alone;    // [layer][candidate]: KL with only that layer quantized
-  std::vector<std::size_t> choice;           // [layer]: index into candidates
-  double predicted_kl = 0;                   // the chosen layers' summed sensitivities
-  ConfigResult advised;                      // the choice on every layer at once
-  std::size_t verified = 0;                  // per-layer choices measured on all layers
-  bool uniform_won = false;                  // the best uniform configuration measured better than all
-  std::optional<std::size_t> best_uniform;   // lowest-KL uniform candidate within the budget
+  std::vector<ConfigResult> uniform;        // each candidate on every layer
+  std::vector<std::vector<double>> alone;   // [layer][candidate]: KL with only that layer quantized
+  std::vector<std::size_t> choice;          // [layer]: index into candidates
+  double predicted_kl = 0;                  // the chosen layers' summed sensitivities
+  ConfigResult advised;                     // the choice on every layer at once
+  std::size_t verified = 0;                 // per-layer choices measured on all layers
+  bool uniform_won = false;                 // the best uniform configuration measured better than all
+  std::optional<std::size_t> best_uniform;  // lowest-KL uniform candidate within the budget
   std::vector<ModelEvaluation::LayerGeometry> geometry;
 
   std::vector<CacheConfig> configs() const {
@@ -98,9 +98,8 @@ inline std::vector<std::vector<std::size_t>> choose_layers(const std::vector<std
           q.choice.push_back(c);
           next.push_back(std::move(q));
         }
-    std::sort(next.begin(), next.end(), [](const Partial& a, const Partial& b) {
-      return a.bits != b.bits ? a.bits < b.bits : a.kl < b.kl;
-    });
+    std::sort(next.begin(), next.end(),
+              [](const Partial& a, const Partial& b) { return a.bits != b.bits ? a.bits < b.bits : a.kl < b.kl; });
     frontier.clear();
     for (Partial& p : next)  // keep a point only if it beats every cheaper one
       if (frontier.empty() || p.kl < frontier.back().kl) frontier.push_back(std::move(p));
@@ -120,8 +119,8 @@ template <class Parallel>
 Advice advise(const ModelEvaluation& evaluation, std::size_t layers, std::vector<CacheConfig> candidates, double budget,
               Parallel parallel, std::size_t verify = 4) {
   if (!(budget > 0) || !std::isfinite(budget))
-    throw Error(ErrorCode::invalid_argument, "--budget must be a positive number of bits per value, got " +
-                                                 std::to_string(budget));
+    throw Error(ErrorCode::invalid_argument,
+                "--budget must be a positive number of bits per value, got " + std::to_string(budget));
   if (candidates.empty() || layers == 0) throw Error(ErrorCode::invalid_argument, "advise: no candidates or no layers");
   Advice a;
   a.budget = budget;
@@ -141,11 +140,12 @@ Advice advise(const ModelEvaluation& evaluation, std::size_t layers, std::vector
   });
   std::vector<double> bits(n);
   for (std::size_t c = 0; c < n; ++c) bits[c] = a.uniform[c].bits_per_value;
-  const std::vector<std::vector<std::size_t>> choices = choose_layers(a.alone, bits, budget, std::max<std::size_t>(verify, 1));
+  const std::vector<std::vector<std::size_t>> choices =
+      choose_layers(a.alone, bits, budget, std::max<std::size_t>(verify, 1));
   if (choices.empty())
-    throw Error(ErrorCode::invalid_argument,
-                "--budget " + fmt::format("{:g}", budget) + " bits per value is below the smallest configuration's " +
-                    fmt::format("{:.3f}", *std::min_element(bits.begin(), bits.end())));
+    throw Error(ErrorCode::invalid_argument, "--budget " + fmt::format("{:g}", budget) +
+                                                 " bits per value is below the smallest configuration's " +
+                                                 fmt::format("{:.3f}", *std::min_element(bits.begin(), bits.end())));
   std::vector<ConfigResult> measured(choices.size());
   parallel(choices.size(), [&](std::size_t i) {
     std::vector<CacheConfig> configs;
@@ -174,31 +174,36 @@ Advice advise(const ModelEvaluation& evaluation, std::size_t layers, std::vector
 /// The advice as kvq-eval prints it: the per-layer table, the advised and the best uniform
 /// configuration measured on all layers, and the text parse_layer_configs loads.
 inline void print_advice(std::ostream& out, const Advice& a) {
-  out << fmt::format("per-layer advice for at most {:g} bits per value ({} candidates per layer, each measured on "
-                     "one layer alone, the others fp32):\n\n", a.budget, a.candidates.size());
-  out << fmt::format("{:>5}  {:<22} {:>6} {:>10}   {:>9} {:>10} {:>12}\n", "layer", "configuration", "bits",
-                     "KL alone", "key norm", "value norm", "key outliers");
+  out << fmt::format(
+      "per-layer advice for at most {:g} bits per value ({} candidates per layer, each measured on "
+      "one layer alone, the others fp32):\n\n",
+      a.budget, a.candidates.size());
+  out << fmt::format("{:>5}  {:<22} {:>6} {:>10}   {:>9} {:>10} {:>12}\n", "layer", "configuration", "bits", "KL alone",
+                     "key norm", "value norm", "key outliers");
   for (std::size_t l = 0; l < a.choice.size(); ++l) {
     const std::size_t c = a.choice[l];
     const ModelEvaluation::LayerGeometry& g = a.geometry[l];
-    out << fmt::format("{:>5}  {:<22} {:>6.3f} {:>10.6f}   {:>9.3f} {:>10.3f} {:>11.2f}x\n", l, to_string(a.candidates[c]),
-                       a.uniform[c].bits_per_value, a.alone[l][c], g.key_norm, g.value_norm, g.key_outliers);
+    out << fmt::format("{:>5}  {:<22} {:>6.3f} {:>10.6f}   {:>9.3f} {:>10.3f} {:>11.2f}x\n", l,
+                       to_string(a.candidates[c]), a.uniform[c].bits_per_value, a.alone[l][c], g.key_norm, g.value_norm,
+                       g.key_outliers);
   }
   out << "\n(key outliers: the largest key channel's mean magnitude over the median channel's)\n\n";
   auto row = [&](const std::string& name, const ConfigResult& r) {
-    out << fmt::format("{:<14} {:<26} bits/value {:>6.3f}  KL {:>9.6f}  top-1 {:>6.2f}%  perplexity {:.4f}\n", name + ":",
-                       name == "advised" ? std::string("per layer (above)") : to_string(r.config), r.bits_per_value,
-                       r.mean_kl, 100 * r.top1, r.perplexity);
+    out << fmt::format("{:<14} {:<26} bits/value {:>6.3f}  KL {:>9.6f}  top-1 {:>6.2f}%  perplexity {:.4f}\n",
+                       name + ":", name == "advised" ? std::string("per layer (above)") : to_string(r.config),
+                       r.bits_per_value, r.mean_kl, 100 * r.top1, r.perplexity);
   };
   row("advised", a.advised);
   if (a.best_uniform) {
     const ConfigResult& u = a.uniform[*a.best_uniform];
     row("best uniform", u);
-    out << fmt::format("advised KL / best uniform KL: {:.3f} (summed single-layer KLs predicted {:.6f}; {} per-layer "
-                       "choices measured on all layers)\n",
-                       u.mean_kl > 0 ? a.advised.mean_kl / u.mean_kl : 0.0, a.predicted_kl, a.verified);
+    out << fmt::format(
+        "advised KL / best uniform KL: {:.3f} (summed single-layer KLs predicted {:.6f}; {} per-layer "
+        "choices measured on all layers)\n",
+        u.mean_kl > 0 ? a.advised.mean_kl / u.mean_kl : 0.0, a.predicted_kl, a.verified);
     if (a.uniform_won)
-      out << "no per-layer choice measured better than the best uniform configuration at this budget: the advice is it\n";
+      out << "no per-layer choice measured better than the best uniform configuration at this budget: the advice is "
+             "it\n";
   } else {
     out << "no uniform configuration fits this budget: only a per-layer choice does\n";
   }

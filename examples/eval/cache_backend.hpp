@@ -36,7 +36,9 @@ inline AttentionFn reference_attention_fn() {
              std::span<float> out) { reference_attention(c, layer, position, q, out); },
           [](const BasicKVCache& c, std::size_t layer, std::size_t first_position, std::size_t tokens,
              std::span<const float> q, std::span<const float> new_keys, std::span<const float> new_values,
-             std::span<float> out) { reference_prefill_attention(c, layer, first_position, tokens, q, new_keys, new_values, out); }};
+             std::span<float> out) {
+            reference_prefill_attention(c, layer, first_position, tokens, q, new_keys, new_values, out);
+          }};
 }
 
 /// decode_attention over the packed cache for one position, kvq::attend for a chunk, in the
@@ -49,8 +51,14 @@ inline AttentionFn decode_attention_fn(Tier tier) {
           [options](const BasicKVCache& c, std::size_t layer, std::size_t first_position, std::size_t tokens,
                     std::span<const float> q, std::span<const float> new_keys, std::span<const float> new_values,
                     std::span<float> out) {
-            attend(AttentionRequest{.cache = &c, .layer = layer, .first_position = first_position, .tokens = tokens,
-                                    .queries = q, .new_keys = new_keys, .new_values = new_values, .out = out},
+            attend(AttentionRequest{.cache = &c,
+                                    .layer = layer,
+                                    .first_position = first_position,
+                                    .tokens = tokens,
+                                    .queries = q,
+                                    .new_keys = new_keys,
+                                    .new_values = new_values,
+                                    .out = out},
                    options);
           }};
 }
@@ -76,8 +84,10 @@ class CacheBackend {
  public:
   CacheBackend(const llama::Model& model, std::vector<CacheConfig> configs, std::size_t capacity,
                AttentionFn attention = reference_attention_fn())
-      : cache_(cache_shape(model, capacity), std::move(configs)), attention_(std::move(attention)),
-        q_(model.config().q_dim()), k_(model.config().kv_dim()) {}
+      : cache_(cache_shape(model, capacity), std::move(configs)),
+        attention_(std::move(attention)),
+        q_(model.config().q_dim()),
+        k_(model.config().kv_dim()) {}
   CacheBackend(const llama::Model& model, const CacheConfig& config, std::size_t capacity,
                AttentionFn attention = reference_attention_fn())
       : CacheBackend(model, std::vector<CacheConfig>(model.config().layers, config), capacity, std::move(attention)) {}
@@ -109,9 +119,9 @@ class CacheBackend {
     if (pre_rope(layer)) return attention_.chunk(one, 0, first_position, tokens, q, k, v, out);
     const std::size_t q_dim = q_.size(), kv_dim = k_.size();
     if (tokens == 0 || q.size() != tokens * q_dim || k.size() != tokens * kv_dim)
-      throw Error(ErrorCode::shape_mismatch, "layer " + std::to_string(layer) + ": a chunk of " + std::to_string(tokens) +
-                                                 " tokens with q of " + std::to_string(q.size()) + " and k of " +
-                                                 std::to_string(k.size()) + " values");
+      throw Error(ErrorCode::shape_mismatch,
+                  "layer " + std::to_string(layer) + ": a chunk of " + std::to_string(tokens) + " tokens with q of " +
+                      std::to_string(q.size()) + " and k of " + std::to_string(k.size()) + " values");
     chunk_q_.assign(q.begin(), q.end());
     chunk_k_.assign(k.begin(), k.end());
     for (std::size_t t = 0; t < tokens; ++t) {
@@ -128,7 +138,7 @@ class CacheBackend {
 
   LayeredKVCache cache_;
   AttentionFn attention_;
-  std::vector<float> q_, k_;             // one position's query and key (post-RoPE rotation)
+  std::vector<float> q_, k_;              // one position's query and key (post-RoPE rotation)
   std::vector<float> chunk_q_, chunk_k_;  // a chunk's
 };
 static_assert(llama::ChunkedKVBackend<CacheBackend>);

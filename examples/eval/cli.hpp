@@ -33,7 +33,8 @@
 
 namespace kvq::eval {
 
-inline constexpr std::string_view usage = R"(kvq-eval: which KV-cache configuration can you trust for your model, and what does it cost?
+inline constexpr std::string_view usage =
+    R"(kvq-eval: which KV-cache configuration can you trust for your model, and what does it cost?
 
 Teacher-forces a text through a GGUF model (architectures llama and qwen2; SentencePiece or
 byte-level BPE tokenizers) once with a full-precision cache and once per cache configuration,
@@ -98,7 +99,7 @@ struct EvalOptions {
   std::string set = "default", attention = "exact";
   std::vector<std::string> configs;
   std::size_t stories = 0, metric_stories = 3;
-  std::size_t context = 0;  // 0: default_context, capped at the model's context length
+  std::size_t context = 0;                // 0: default_context, capped at the model's context length
   std::size_t generate = 0, prompt = 64;  // free-running generation: steps (0: off) and prompt tokens
   std::size_t prefill_chunk = 0;          // 0: one token at a time
 };
@@ -116,8 +117,8 @@ inline std::size_t resolve_context(const EvalOptions& o, std::size_t model_conte
     return o.context;
   }
   if (model_context >= default_context) return default_context;
-  note << "kvq-eval: note: --context defaults to " << default_context << " tokens; capped at the model's context length of "
-       << model_context << "\n";
+  note << "kvq-eval: note: --context defaults to " << default_context
+       << " tokens; capped at the model's context length of " << model_context << "\n";
   return model_context;
 }
 
@@ -140,7 +141,8 @@ inline double parse_bits(std::string_view flag, const std::string& text) {
   double value = 0;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
   if (text.empty() || ec != std::errc() || end != text.data() + text.size() || !(value > 0) || !std::isfinite(value))
-    throw Error(ErrorCode::invalid_argument, std::string(flag) + " needs a positive number of bits per value, got '" + text + "'");
+    throw Error(ErrorCode::invalid_argument,
+                std::string(flag) + " needs a positive number of bits per value, got '" + text + "'");
   return value;
 }
 
@@ -154,32 +156,43 @@ inline EvalOptions parse_options(const std::vector<std::string>& args) {
       if (i + 1 >= args.size()) throw Error(ErrorCode::invalid_argument, a + " needs a value");
       return args[++i];
     };
-    if (a == "--model") o.model = value(), o.model_given = true;
-    else if (a == "--text") o.text = value(), o.text_given = true;
-    else if (a == "--tokens") o.tokens = value();
-    else if (a == "--generate") o.generate = parse_count(a, value());
+    if (a == "--model")
+      o.model = value(), o.model_given = true;
+    else if (a == "--text")
+      o.text = value(), o.text_given = true;
+    else if (a == "--tokens")
+      o.tokens = value();
+    else if (a == "--generate")
+      o.generate = parse_count(a, value());
     else if (a == "--prompt") {
       o.prompt = parse_count(a, value());
       if (o.prompt == 0) throw Error(ErrorCode::invalid_argument, "--prompt must be at least 1 token");
-    }
-    else if (a == "--prefill-chunk") {
+    } else if (a == "--prefill-chunk") {
       o.prefill_chunk = parse_count(a, value());
       if (o.prefill_chunk == 0) throw Error(ErrorCode::invalid_argument, "--prefill-chunk must be at least 1 token");
-    }
-    else if (a == "--set") o.set = value();
-    else if (a == "--attention") o.attention = value();
-    else if (a == "--out") o.out = value();
-    else if (a == "--stories") o.stories = parse_count(a, value());
+    } else if (a == "--set")
+      o.set = value();
+    else if (a == "--attention")
+      o.attention = value();
+    else if (a == "--out")
+      o.out = value();
+    else if (a == "--stories")
+      o.stories = parse_count(a, value());
     else if (a == "--context") {
       o.context = parse_count(a, value());
       if (o.context < 2) throw Error(ErrorCode::invalid_argument, "--context must be at least 2 tokens");
-    }
-    else if (a == "--metric-stories") o.metric_stories = parse_count(a, value());
-    else if (a == "--synthetic") o.synthetic = true;
-    else if (a == "--advise") o.advise = true;
-    else if (a == "--budget") o.budget = parse_bits(a, value());
-    else if (a == "--distortion") o.distortion = true;
-    else if (a == "--help" || a == "-h") o.help = true;
+    } else if (a == "--metric-stories")
+      o.metric_stories = parse_count(a, value());
+    else if (a == "--synthetic")
+      o.synthetic = true;
+    else if (a == "--advise")
+      o.advise = true;
+    else if (a == "--budget")
+      o.budget = parse_bits(a, value());
+    else if (a == "--distortion")
+      o.distortion = true;
+    else if (a == "--help" || a == "-h")
+      o.help = true;
     else if (a == "--configs") {
       std::stringstream list(value());
       for (std::string item; std::getline(list, item, ',');)
@@ -200,8 +213,7 @@ inline EvalOptions parse_options(const std::vector<std::string>& args) {
         throw Error(ErrorCode::invalid_argument, "--advise candidate '" + c +
                                                      "' is an engine format, simulated for comparison; a per-layer "
                                                      "configuration holds kvq cache configurations only");
-  if (o.text_given && !o.tokens.empty())
-    throw Error(ErrorCode::invalid_argument, "give --text or --tokens, not both");
+  if (o.text_given && !o.tokens.empty()) throw Error(ErrorCode::invalid_argument, "give --text or --tokens, not both");
   if (o.set != "default" && o.set != "axes" && o.set != "full" && o.set != "engines")
     throw Error(ErrorCode::invalid_argument, "unknown --set '" + o.set + "': expected default, axes, full or engines");
   (void)attention_fn(o.attention);  // rejects unknown names here
@@ -293,9 +305,11 @@ inline std::vector<std::vector<int>> read_token_stories(const std::filesystem::p
     const auto [stop, ec] = std::from_chars(word.data(), word.data() + word.size(), id);
     if (ec == std::errc::result_out_of_range || (ec == std::errc() && stop == word.data() + word.size() && id >= vocab))
       throw Error(ErrorCode::invalid_argument, where + ", id " + std::string(word) +
-                                                   ", is outside the model's vocabulary of " + std::to_string(vocab) + " tokens");
+                                                   ", is outside the model's vocabulary of " + std::to_string(vocab) +
+                                                   " tokens");
     if (ec != std::errc() || stop != word.data() + word.size())
-      throw Error(ErrorCode::invalid_argument, where + ", '" + std::string(word) + "', is not a token id (plain digits)");
+      throw Error(ErrorCode::invalid_argument,
+                  where + ", '" + std::string(word) + "', is not a token id (plain digits)");
     ids.push_back(static_cast<int>(id));
     i = end;
   }
@@ -348,7 +362,8 @@ inline int run_synthetic(std::ostream& out) {
                                  {"K per-channel / V per-channel", "K-chan/V-chan", cc.output_error, 2.88},
                                  {"K per-token   / V per-channel", "K-tok/V-chan", tc.output_error, 2.80},
                                  {"K per-channel / V per-token  ", "K-chan/V-tok", ct.output_error, 63.53}};
-  out << fmt::format("\nboth quantized                   {:>12}   {}\n", "output error", "KIVI CoQA accuracy (Llama-2-13B)");
+  out << fmt::format("\nboth quantized                   {:>12}   {}\n", "output error",
+                     "KIVI CoQA accuracy (Llama-2-13B)");
   for (const Row& r : rows) out << fmt::format("  {}  {:>12.4f}   {:.2f}\n", r.name, r.error, r.coqa);
   const auto ranking = [&](auto better) {
     std::vector<Row> sorted = rows;
@@ -357,8 +372,10 @@ inline int run_synthetic(std::ostream& out) {
     for (const Row& r : sorted) s += (s.empty() ? "" : " > ") + std::string(r.tag);
     return s;
   };
-  out << "ranked by this synthetic error (best first): " << ranking([](const Row& a, const Row& b) { return a.error < b.error; })
-      << "\nranked by KIVI's CoQA accuracy (best first):  " << ranking([](const Row& a, const Row& b) { return a.coqa > b.coqa; })
+  out << "ranked by this synthetic error (best first): "
+      << ranking([](const Row& a, const Row& b) { return a.error < b.error; })
+      << "\nranked by KIVI's CoQA accuracy (best first):  "
+      << ranking([](const Row& a, const Row& b) { return a.coqa > b.coqa; })
       << "\nThe first measures one attention layer on made-up tensors, the second a whole model answering\n"
          "questions; only the first is measured here.\n";
   return 0;
@@ -389,7 +406,8 @@ void run_jobs(std::size_t n, Job job) {
 
 /// Evaluates configurations on all cores (the model and the baseline are read-only).
 inline std::vector<ConfigResult> evaluate_all(const ModelEvaluation& evaluation, const std::vector<Candidate>& configs,
-                                              std::ostream& progress, const GenerationEvaluation* generation = nullptr) {
+                                              std::ostream& progress,
+                                              const GenerationEvaluation* generation = nullptr) {
   std::vector<ConfigResult> results(configs.size());
   std::atomic<std::size_t> done{0};
   std::mutex print;
@@ -436,28 +454,36 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
 
     ModelEvaluation evaluation(model, stories, o.metric_stories, attention_fn(o.attention), o.prefill_chunk);
     std::optional<GenerationEvaluation> generation;
-    if (o.generate > 0) generation.emplace(model, stories, o.prompt, o.generate, attention_fn(o.attention), o.prefill_chunk);
+    if (o.generate > 0)
+      generation.emplace(model, stories, o.prompt, o.generate, attention_fn(o.attention), o.prefill_chunk);
     const double base = evaluation.baseline_nll();
-    out << fmt::format("model {} ({}, {} layers, {} heads, {} KV heads, head_dim {}), text {}: {} stories, {} predictions\n",
-                       o.model.filename().string(), model.config().arch, model.config().layers, model.config().heads,
-                       model.config().kv_heads, model.config().head_dim, source.filename().string(), stories.size(),
-                       evaluation.predictions());
-    out << fmt::format("full-precision (fp32) cache: {:.4f} nats/token, perplexity {:.4f}; quantized caches read by {} attention\n",
-                       base, std::exp(base), o.attention);
+    out << fmt::format(
+        "model {} ({}, {} layers, {} heads, {} KV heads, head_dim {}), text {}: {} stories, {} predictions\n",
+        o.model.filename().string(), model.config().arch, model.config().layers, model.config().heads,
+        model.config().kv_heads, model.config().head_dim, source.filename().string(), stories.size(),
+        evaluation.predictions());
+    out << fmt::format(
+        "full-precision (fp32) cache: {:.4f} nats/token, perplexity {:.4f}; quantized caches read by {} attention\n",
+        base, std::exp(base), o.attention);
     out << (o.prefill_chunk == 0
-                ? std::string("stories fed one token at a time: each token is stored, quantized, before it attends to itself\n\n")
-                : fmt::format("stories fed in prefill chunks of {} tokens: a chunk attends to its own keys and values exactly, "
-                              "then the cache stores them\n\n", o.prefill_chunk));
+                ? std::string("stories fed one token at a time: each token is stored, quantized, before it attends to "
+                              "itself\n\n")
+                : fmt::format(
+                      "stories fed in prefill chunks of {} tokens: a chunk attends to its own keys and values exactly, "
+                      "then the cache stores them\n\n",
+                      o.prefill_chunk));
     if (o.advise) {
       std::vector<CacheConfig> candidates;
       if (o.configs.empty()) candidates = advisor_candidates(model.config().head_dim);
-      for (const std::string& c : o.configs) candidates.push_back(parse_cache_config(c));  // engine formats refused above
+      for (const std::string& c : o.configs)
+        candidates.push_back(parse_cache_config(c));  // engine formats refused above
       const Advice advice = advise(evaluation, model.config().layers, std::move(candidates), o.budget,
                                    [](std::size_t n, auto job) { run_jobs(n, job); });
       print_advice(out, advice);
       return 0;
     }
-    const std::vector<ConfigResult> results = evaluate_all(evaluation, configs, err, generation ? &*generation : nullptr);
+    const std::vector<ConfigResult> results =
+        evaluate_all(evaluation, configs, err, generation ? &*generation : nullptr);
     std::size_t longest = 0;
     for (const auto& s : stories) longest = std::max(longest, s.size());
     print_table(out, results, base, longest);

@@ -35,21 +35,30 @@ enum class DistortionMethod { affine, nf_absmax, lm_unit, lm_rms, hadamard_lm_rm
 
 inline const char* to_string(DistortionSource s) {
   switch (s) {
-    case DistortionSource::gaussian: return "gaussian";
-    case DistortionSource::laplace: return "laplace";
-    case DistortionSource::outlier_channel: return "outlier-channel";
+    case DistortionSource::gaussian:
+      return "gaussian";
+    case DistortionSource::laplace:
+      return "laplace";
+    case DistortionSource::outlier_channel:
+      return "outlier-channel";
   }
   return "?";
 }
 
 inline const char* to_string(DistortionMethod m) {
   switch (m) {
-    case DistortionMethod::affine: return "affine";
-    case DistortionMethod::nf_absmax: return "nf-absmax";
-    case DistortionMethod::lm_unit: return "lm-unit";
-    case DistortionMethod::lm_rms: return "lm-rms";
-    case DistortionMethod::hadamard_lm_rms: return "had+lm-rms";
-    case DistortionMethod::hadamard_affine: return "had+affine";
+    case DistortionMethod::affine:
+      return "affine";
+    case DistortionMethod::nf_absmax:
+      return "nf-absmax";
+    case DistortionMethod::lm_unit:
+      return "lm-unit";
+    case DistortionMethod::lm_rms:
+      return "lm-rms";
+    case DistortionMethod::hadamard_lm_rms:
+      return "had+lm-rms";
+    case DistortionMethod::hadamard_affine:
+      return "had+affine";
   }
   return "?";
 }
@@ -125,13 +134,14 @@ inline std::optional<double> normalized_distortion(DistortionMethod method, int 
 inline void print_distortion_table(std::ostream& out, std::size_t tokens = 4096) {
   out << "SYNTHETIC DATA (no model): scalar-quantizer distortion, MSE / mean(x^2) * 4^bits (Shannon's floor for\n"
          "a Gaussian: 1; optimal scalar quantizer of N(0,1), Max 1960: 1.45 1.88 2.21 2.43). "
-      << tokens << " heads of 128\n"
+      << tokens
+      << " heads of 128\n"
          "channels per source; groups of 32 channels, fp16 scales (affine: +1 bit/value of scale and zero\n"
          "point; level codecs: +0.5 bit/value of scale; lm-unit: the true scale, nothing stored).\n\n";
   out << fmt::format("{:<16} {:<11} {:>8} {:>8} {:>8} {:>8}\n", "source", "quantizer", "1 bit", "2 bits", "3 bits",
                      "4 bits");
-  const DistortionMethod all[] = {DistortionMethod::affine,  DistortionMethod::nf_absmax,
-                                  DistortionMethod::lm_unit, DistortionMethod::lm_rms,
+  const DistortionMethod all[] = {DistortionMethod::affine,          DistortionMethod::nf_absmax,
+                                  DistortionMethod::lm_unit,         DistortionMethod::lm_rms,
                                   DistortionMethod::hadamard_affine, DistortionMethod::hadamard_lm_rms};
   for (DistortionSource source :
        {DistortionSource::gaussian, DistortionSource::laplace, DistortionSource::outlier_channel}) {

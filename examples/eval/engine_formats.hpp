@@ -49,8 +49,8 @@ struct EngineFormat {
   std::optional<ggml::BlockType> block;  // ggml formats
   Fp8Format fp8 = Fp8Format::e4m3fn;     // fp8 formats
   bool hadamard = false;
-  int key_bits = 0, value_bits = 0;      // TurboQuant-style formats (hadamard with random signs)
-  int hf_bits = 0;                       // Hugging Face's quantized cache
+  int key_bits = 0, value_bits = 0;  // TurboQuant-style formats (hadamard with random signs)
+  int hf_bits = 0;                   // Hugging Face's quantized cache
 
   static constexpr std::size_t hf_group = 64, hf_residual = 128;
 
@@ -93,8 +93,9 @@ namespace detail {
 /// "turbo-k<K>v<V>" -> {K, V}, each 2, 3, 4 or 8; anything else throws naming the text.
 inline std::pair<int, int> parse_turbo_bits(std::string_view text) {
   auto fail = [&] {
-    throw Error(ErrorCode::invalid_argument, "unknown TurboQuant-style format '" + std::string(text) +
-                                                 "': expected turbo-k<K>v<V> with K and V each 2, 3, 4 or 8 (e.g. turbo-k3v4)");
+    throw Error(ErrorCode::invalid_argument,
+                "unknown TurboQuant-style format '" + std::string(text) +
+                    "': expected turbo-k<K>v<V> with K and V each 2, 3, 4 or 8 (e.g. turbo-k3v4)");
   };
   std::string_view rest = text.substr(6);  // after "turbo-"
   auto bits_after = [&](char tag) {
@@ -137,9 +138,10 @@ inline EngineFormat parse_engine_format(std::string_view text) {
                                                  std::string(text) + "': expected one of " + ggml::block_type_names() +
                                                  ", optionally followed by -hadamard");
   }
-  throw Error(ErrorCode::invalid_argument, "unknown engine format '" + std::string(text) +
-                                               "': expected ggml-<type>[-hadamard], fp8-e4m3, fp8-e5m2, turbo-k<K>v<V>, "
-                                               "hf-int4 or hf-int2");
+  throw Error(ErrorCode::invalid_argument,
+              "unknown engine format '" + std::string(text) +
+                  "': expected ggml-<type>[-hadamard], fp8-e4m3, fp8-e5m2, turbo-k<K>v<V>, "
+                  "hf-int4 or hf-int2");
 }
 
 /// Quantizes and dequantizes one position's post-RoPE key and value rows (heads of head_dim) in
@@ -155,11 +157,14 @@ class EngineRowCodec {
         head_dim_(head_dim),
         row_(kv_heads * head_dim) {
     if (format_.block && row_ % ggml::block_values != 0)
-      throw Error(ErrorCode::unsupported, format_.name + ": llama.cpp stores rows of whole 32-value blocks, but this model's " +
+      throw Error(ErrorCode::unsupported, format_.name +
+                                              ": llama.cpp stores rows of whole 32-value blocks, but this model's " +
                                               std::to_string(kv_heads) + " KV heads x head_dim " +
                                               std::to_string(head_dim) + " = " + std::to_string(row_) + " values");
-    if (format_.block) blocks_.resize(row_ / ggml::block_values * ggml::block_bytes(*format_.block));
-    else codes_.resize(row_);
+    if (format_.block)
+      blocks_.resize(row_ / ggml::block_values * ggml::block_bytes(*format_.block));
+    else
+      codes_.resize(row_);
     scales_.resize(kv_heads);
   }
 

@@ -36,13 +36,15 @@ class GenerationEvaluation {
   /// `prefill_chunk` N > 0 every prompt but its last token is fed in chunks of N (see
   /// llama::prefill_logits); the last prompt token and the generated ones run one at a time.
   GenerationEvaluation(const llama::Model& model, const std::vector<std::vector<int>>& stories, std::size_t prompt,
-                       std::size_t steps, AttentionFn attention = reference_attention_fn(), std::size_t prefill_chunk = 0)
+                       std::size_t steps, AttentionFn attention = reference_attention_fn(),
+                       std::size_t prefill_chunk = 0)
       : model_(model), steps_(steps), attention_(std::move(attention)), prefill_chunk_(prefill_chunk) {
     if (prompt == 0 || steps == 0)
       throw Error(ErrorCode::invalid_argument, "generation needs a prompt of at least one token and at least one step");
     if (prompt + steps > model.config().context_length)
       throw Error(ErrorCode::invalid_argument, "a prompt of " + std::to_string(prompt) + " tokens and " +
-                                                   std::to_string(steps) + " generated tokens exceed the model's context length of " +
+                                                   std::to_string(steps) +
+                                                   " generated tokens exceed the model's context length of " +
                                                    std::to_string(model.config().context_length));
     for (const auto& s : stories)
       if (s.size() >= prompt) prompts_.emplace_back(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(prompt));

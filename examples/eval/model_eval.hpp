@@ -38,15 +38,15 @@ inline std::string name_of(const Candidate& c) {
 struct ConfigResult {
   CacheConfig config;                  // kvq configurations
   std::optional<EngineFormat> engine;  // engine formats (config is then unused)
-  double mean_nll = 0;        // nats per predicted token
+  double mean_nll = 0;                 // nats per predicted token
   double perplexity = 0;
-  double mean_kl = 0;         // KL(full precision || this cache) of the next-token distribution, nats
-  double top1 = 0;            // fraction of positions whose argmax matches the full-precision run
-  double bits_per_value = 0;  // cache bits per K/V element at the end of each story, all counted
+  double mean_kl = 0;           // KL(full precision || this cache) of the next-token distribution, nats
+  double top1 = 0;              // fraction of positions whose argmax matches the full-precision run
+  double bits_per_value = 0;    // cache bits per K/V element at the end of each story, all counted
   std::size_t cache_bytes = 0;  // summed over stories at their end
   std::size_t predictions = 0;
-  std::vector<AttentionErrors> layers;  // per layer, all heads and metric stories pooled
-  AttentionErrors all;                  // all layers pooled
+  std::vector<AttentionErrors> layers;         // per layer, all heads and metric stories pooled
+  AttentionErrors all;                         // all layers pooled
   std::optional<GenerationResult> generation;  // free-running generation, when asked for
 };
 
@@ -62,8 +62,11 @@ class ModelEvaluation {
   /// run is fed the same way.
   ModelEvaluation(const llama::Model& model, std::vector<std::vector<int>> stories, std::size_t metric_stories,
                   AttentionFn attention = reference_attention_fn(), std::size_t prefill_chunk = 0)
-      : model_(model), stories_(std::move(stories)), metric_stories_(std::min(metric_stories, stories_.size())),
-        attention_(std::move(attention)), prefill_chunk_(prefill_chunk) {
+      : model_(model),
+        stories_(std::move(stories)),
+        metric_stories_(std::min(metric_stories, stories_.size())),
+        attention_(std::move(attention)),
+        prefill_chunk_(prefill_chunk) {
     for (const auto& tokens : stories_) {
       RecordingBackend<llama::FullPrecisionBackend> kv(llama::FullPrecisionBackend(model_, tokens.size()),
                                                        model_.config().layers);
@@ -122,9 +125,9 @@ class ModelEvaluation {
   /// What each layer's keys and values look like in the full-precision run (pre-RoPE, all
   /// stories): why one layer tolerates fewer bits than another.
   struct LayerGeometry {
-    double key_norm = 0;       // mean L2 norm of a head's key row
-    double value_norm = 0;     // mean L2 norm of a head's value row
-    double key_outliers = 0;   // largest channel's mean |k| over the median channel's, mean over KV heads
+    double key_norm = 0;      // mean L2 norm of a head's key row
+    double value_norm = 0;    // mean L2 norm of a head's value row
+    double key_outliers = 0;  // largest channel's mean |k| over the median channel's, mean over KV heads
   };
   std::vector<LayerGeometry> layer_geometry() const {
     const llama::LlamaConfig& m = model_.config();

@@ -26,7 +26,7 @@ inline std::string axes_label(const CacheConfig& c) {
 inline std::string axes_label(const ConfigResult& r) {
   if (!r.engine) return axes_label(r.config);
   if (r.engine->turbo()) return "heads + RH";  // per head vector, after the random-sign rotation
-  if (r.engine->hf()) return "tok/64 + R128";   // 64 values of a head vector; residual of 128
+  if (r.engine->hf()) return "tok/64 + R128";  // 64 values of a head vector; residual of 128
   return r.engine->block ? (r.engine->hadamard ? "rows/32 + H" : "rows/32") : "per tensor";
 }
 
@@ -51,23 +51,26 @@ inline void print_table(std::ostream& out, const std::vector<ConfigResult>& resu
     const bool covers = longest_story != 0 && !r.engine && window_covers(r.config, longest_story);
     flagged = flagged || covers;
     out << fmt::format("{:<28} {:<16} {:>6.2f} {:>+8.4f} {:>9.5f} {:>7.4f} {} {} {} {}\n",
-                       name_of(r) + (covers ? "*" : ""), axes_label(r), r.bits_per_value,
-                       r.perplexity - base_ppl, r.mean_kl, r.top1, metric(r.all.key_error), metric(r.all.value_error),
-                       metric(r.all.score_error), metric(r.all.output_error));
+                       name_of(r) + (covers ? "*" : ""), axes_label(r), r.bits_per_value, r.perplexity - base_ppl,
+                       r.mean_kl, r.top1, metric(r.all.key_error), metric(r.all.value_error), metric(r.all.score_error),
+                       metric(r.all.output_error));
   }
   if (flagged)
-    out << fmt::format("* sinks + window cover the longest story ({} tokens): nothing was quantized, so the row\n"
-                       "  measures full-precision storage, not the quantizer; use a longer --context or a shorter -r.\n",
-                       longest_story);
+    out << fmt::format(
+        "* sinks + window cover the longest story ({} tokens): nothing was quantized, so the row\n"
+        "  measures full-precision storage, not the quantizer; use a longer --context or a shorter -r.\n",
+        longest_story);
 }
 
 /// The free-running generation columns, for the configurations that ran them.
 inline void print_generation_table(std::ostream& out, const std::vector<ConfigResult>& results) {
-  const auto first = std::find_if(results.begin(), results.end(), [](const ConfigResult& r) { return r.generation.has_value(); });
+  const auto first =
+      std::find_if(results.begin(), results.end(), [](const ConfigResult& r) { return r.generation.has_value(); });
   if (first == results.end()) return;
   out << fmt::format("\nfree-running generation: {} prompts, {} greedy tokens each, compared with the fp32 cache's\n",
                      first->generation->runs, first->generation->steps);
-  out << fmt::format("{:<28} {:>10} {:>10} {:>10} {:>10}\n", "config", "identical", "identical", "same token", "KL own");
+  out << fmt::format("{:<28} {:>10} {:>10} {:>10} {:>10}\n", "config", "identical", "identical", "same token",
+                     "KL own");
   out << fmt::format("{:<28} {:>10} {:>10} {:>10} {:>10}\n", "", "tokens", "runs", "share", "path nats");
   for (const ConfigResult& r : results) {
     if (!r.generation) continue;
@@ -88,14 +91,16 @@ inline void write_csv(std::FILE* f, const std::vector<ConfigResult>& results, do
     for (std::size_t l = 0; l <= r.layers.size(); ++l) {
       const AttentionErrors& e = l < r.layers.size() ? r.layers[l] : r.all;
       const std::string generation =
-          r.generation ? fmt::format("{:.4f},{:.4f},{:.6f},{:.6g}", r.generation->mean_identical,
-                                     r.generation->identical_share, r.generation->token_agreement, r.generation->mean_kl)
-                       : std::string(",,,");
-      fmt::print(f, "{},{},{},{:.4f},{},{:.6f},{:.6f},{:.6g},{:.6f},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.4f},{}\n",
-                 name_of(r), axes_label(r), l < r.layers.size() ? std::to_string(l) : "all",
-                 r.bits_per_value, r.cache_bytes, r.perplexity, std::exp(baseline_nll), r.mean_kl, r.top1, e.key_error,
-                 e.value_error, e.score_error, e.output_error, e.output_error_keys, e.output_error_values,
-                 e.attention_kl, e.sparsity, generation);
+          r.generation
+              ? fmt::format("{:.4f},{:.4f},{:.6f},{:.6g}", r.generation->mean_identical, r.generation->identical_share,
+                            r.generation->token_agreement, r.generation->mean_kl)
+              : std::string(",,,");
+      fmt::print(
+          f,
+          "{},{},{},{:.4f},{},{:.6f},{:.6f},{:.6g},{:.6f},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{:.4f},{}\n",
+          name_of(r), axes_label(r), l < r.layers.size() ? std::to_string(l) : "all", r.bits_per_value, r.cache_bytes,
+          r.perplexity, std::exp(baseline_nll), r.mean_kl, r.top1, e.key_error, e.value_error, e.score_error,
+          e.output_error, e.output_error_keys, e.output_error_values, e.attention_kl, e.sparsity, generation);
     }
   }
 }
@@ -143,7 +148,9 @@ inline std::string svg_chart(const std::vector<ConfigResult>& results, const std
   max_bits = std::ceil(max_bits);
   for (int panel = 0; panel < (steps > 0 ? 3 : 2); ++panel) {
     const double x0 = left + panel * W;
-    const auto value = [&](const ChartPoint& p) { return panel == 0 ? p.kl : panel == 1 ? p.output_error : p.identical; };
+    const auto value = [&](const ChartPoint& p) {
+      return panel == 0 ? p.kl : panel == 1 ? p.output_error : p.identical;
+    };
     double lo = 1e9, hi = 1e-9;
     if (panel == 0)
       for (auto& e : engines) lo = std::min(lo, e.second.kl), hi = std::max(hi, e.second.kl);
@@ -189,13 +196,15 @@ inline std::string svg_chart(const std::vector<ConfigResult>& results, const std
       for (auto& p : pts)
         svg += fmt::format("<circle cx=\"{}\" cy=\"{}\" r=\"3\" fill=\"{}\"/>\n", X(p.bits), Y(value(p)), col);
       if (panel == 1)
-        svg += fmt::format("<text x=\"{}\" y=\"{}\" fill=\"{}\">{}</text>\n", x0 + pw - 110, top + 16 * color, col, name);
+        svg +=
+            fmt::format("<text x=\"{}\" y=\"{}\" fill=\"{}\">{}</text>\n", x0 + pw - 110, top + 16 * color, col, name);
     }
     if (panel == 0)
       for (auto& [name, p] : engines)
-        svg += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"6\" height=\"6\" fill=\"#333\"/><text x=\"{}\" y=\"{}\" "
-                           "font-size=\"9\" fill=\"#333\">{}</text>\n",
-                           X(p.bits) - 3, Y(p.kl) - 3, X(p.bits) + 5, Y(p.kl) + 3, name);
+        svg += fmt::format(
+            "<rect x=\"{}\" y=\"{}\" width=\"6\" height=\"6\" fill=\"#333\"/><text x=\"{}\" y=\"{}\" "
+            "font-size=\"9\" fill=\"#333\">{}</text>\n",
+            X(p.bits) - 3, Y(p.kl) - 3, X(p.bits) + 5, Y(p.kl) + 3, name);
   }
   return svg + "</svg>\n";
 }

@@ -22,21 +22,21 @@ namespace kvq::eval {
 
 struct SyntheticSpec {
   std::size_t head_dim = 128;
-  std::size_t tokens = 512;             // keys and values per head (a multiple of the key group)
-  std::size_t query_heads = 4;          // query heads sharing the KV head (GQA)
-  std::size_t outlier_channels = 4;     // fixed outlier channels in pre-RoPE keys
-  float outlier_offset = 12.0f;         // their offset, in units of the keys' noise
-  float sink_logit = 9.0f;              // the sink's score q.k/sqrt(d) (others score ~N(0, query_scale^2))
-  float sink_value_scale = 0.05f;       // sink value magnitude relative to other tokens
-  float value_channel_spread = 2.0f;    // channel scales span [1/spread, spread]
-  float query_scale = 2.5f;             // |q| / sqrt(d); larger = sparser attention
+  std::size_t tokens = 512;           // keys and values per head (a multiple of the key group)
+  std::size_t query_heads = 4;        // query heads sharing the KV head (GQA)
+  std::size_t outlier_channels = 4;   // fixed outlier channels in pre-RoPE keys
+  float outlier_offset = 12.0f;       // their offset, in units of the keys' noise
+  float sink_logit = 9.0f;            // the sink's score q.k/sqrt(d) (others score ~N(0, query_scale^2))
+  float sink_value_scale = 0.05f;     // sink value magnitude relative to other tokens
+  float value_channel_spread = 2.0f;  // channel scales span [1/spread, spread]
+  float query_scale = 2.5f;           // |q| / sqrt(d); larger = sparser attention
   unsigned seed = 1;
 };
 
 struct SyntheticData {
-  MatrixD keys_pre;  // (tokens, d) pre-RoPE
-  MatrixD keys;      // (tokens, d) rotated
-  MatrixD values;    // (tokens, d)
+  MatrixD keys_pre;              // (tokens, d) pre-RoPE
+  MatrixD keys;                  // (tokens, d) rotated
+  MatrixD values;                // (tokens, d)
   std::vector<MatrixD> queries;  // query_heads x (tokens, d), rotated, query t at position t
 };
 
@@ -73,7 +73,8 @@ inline SyntheticData make_synthetic(const SyntheticSpec& s, const RopeTable& rop
     for (std::size_t c = 0; c < d; ++c) r(Eigen::Index(c)) = row[c];
     return r;
   };
-  for (std::size_t t = 0; t < T; ++t) out.keys.row(Eigen::Index(t)) = rotated(out.keys_pre.row(Eigen::Index(t)).transpose(), t);
+  for (std::size_t t = 0; t < T; ++t)
+    out.keys.row(Eigen::Index(t)) = rotated(out.keys_pre.row(Eigen::Index(t)).transpose(), t);
   for (std::size_t h = 0; h < s.query_heads; ++h) {
     MatrixD q(T, d);
     for (std::size_t t = 0; t < T; ++t) {

@@ -25,7 +25,15 @@
 namespace kvq::llama {
 
 /// GGUF `tokenizer.ggml.token_type` values.
-enum class TokenType : std::int32_t { undefined = 0, normal = 1, unknown = 2, control = 3, user_defined = 4, unused = 5, byte = 6 };
+enum class TokenType : std::int32_t {
+  undefined = 0,
+  normal = 1,
+  unknown = 2,
+  control = 3,
+  user_defined = 4,
+  unused = 5,
+  byte = 6
+};
 
 /// GPT-2's byte-to-unicode map: printable Latin-1 bytes ('!'..'~', U+00A1..U+00AC, U+00AE..U+00FF)
 /// stand for themselves; the other 68 bytes, in increasing order, become U+0100, U+0101, ...
@@ -59,7 +67,8 @@ class BpeTokenizer {
     if (types_.size() != tokens_.size())
       throw Error(ErrorCode::invalid_argument, "BPE vocabulary has " + std::to_string(tokens_.size()) + " tokens but " +
                                                    std::to_string(types_.size()) + " token types");
-    if (merges.empty()) throw Error(ErrorCode::invalid_argument, "BPE vocabulary has no merges (tokenizer.ggml.merges)");
+    if (merges.empty())
+      throw Error(ErrorCode::invalid_argument, "BPE vocabulary has no merges (tokenizer.ggml.merges)");
     for (const int id : {options_.bos, options_.eos})
       if (id != -1) (void)check_id(id, "BOS/EOS id");
     if (options_.add_bos && options_.bos == -1)
@@ -108,7 +117,8 @@ class BpeTokenizer {
     std::size_t start = 0;
     while (start < text.size()) {
       const auto [at, special] = next_special(text, start, parse_special, found);
-      for (const std::string_view word : pre_tokenize(options_.pre, text.substr(start, at - start))) encode_word(word, ids);
+      for (const std::string_view word : pre_tokenize(options_.pre, text.substr(start, at - start)))
+        encode_word(word, ids);
       if (special < 0) break;
       ids.push_back(special);
       start = at + tokens_[special].size();
@@ -128,8 +138,10 @@ class BpeTokenizer {
     for (std::size_t i = 0; i < piece.size();) {
       const unicode::Char c = unicode::decode_at(piece, i);
       const auto it = bytes_of_.find(c.code_point);
-      if (it != bytes_of_.end()) out += it->second;
-      else out.append(piece, i, c.length);  // not a byte-level character: kept as written
+      if (it != bytes_of_.end())
+        out += it->second;
+      else
+        out.append(piece, i, c.length);  // not a byte-level character: kept as written
       i += c.length;
     }
     return out;
@@ -190,13 +202,14 @@ class BpeTokenizer {
   // Lowest merge rank first, leftmost on ties.
   void merge(std::vector<std::string>& symbols) const {
     std::string key;
-    merge_adjacent_pairs(symbols, [&](const std::string& left, const std::string& right)
-                                      -> std::optional<std::pair<double, std::string>> {
-      key.assign(left).append(" ").append(right);
-      const auto it = ranks_.find(key);
-      if (it == ranks_.end()) return std::nullopt;
-      return std::pair{double(it->second), left + right};
-    });
+    merge_adjacent_pairs(
+        symbols,
+        [&](const std::string& left, const std::string& right) -> std::optional<std::pair<double, std::string>> {
+          key.assign(left).append(" ").append(right);
+          const auto it = ranks_.find(key);
+          if (it == ranks_.end()) return std::nullopt;
+          return std::pair{double(it->second), left + right};
+        });
   }
 
   std::size_t check_id(int id, const char* what) const {

@@ -32,25 +32,31 @@ class FullPrecisionBackend {
   /// filters them all at once (Hugging Face's quantized cache flushes its residual rows so).
   FullPrecisionBackend(const Model& model, std::size_t max_positions, StoredRowFilter filter = {},
                        std::size_t filter_delay = 0)
-      : FullPrecisionBackend(model.config().layers, model.config().heads, model.config().kv_heads,
-                             model.rope_config(), max_positions, std::move(filter), filter_delay) {}
+      : FullPrecisionBackend(model.config().layers, model.config().heads, model.config().kv_heads, model.rope_config(),
+                             max_positions, std::move(filter), filter_delay) {}
 
   FullPrecisionBackend(std::size_t layers, std::size_t heads, std::size_t kv_heads, const RopeConfig& rope,
                        std::size_t max_positions, StoredRowFilter filter = {}, std::size_t filter_delay = 0)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(rope.head_dim), rope_(rope, max_positions),
-        layers_(layers), filter_(std::move(filter)), filter_delay_(filter_delay) {
+      : heads_(heads),
+        kv_heads_(kv_heads),
+        head_dim_(rope.head_dim),
+        rope_(rope, max_positions),
+        layers_(layers),
+        filter_(std::move(filter)),
+        filter_delay_(filter_delay) {
     if (layers == 0 || heads == 0 || kv_heads == 0 || heads % kv_heads != 0)
-      throw Error(ErrorCode::invalid_argument, "backend needs layers > 0 and heads a positive multiple of kv_heads (got " +
-                                                   std::to_string(heads) + " and " + std::to_string(kv_heads) + ")");
+      throw Error(ErrorCode::invalid_argument,
+                  "backend needs layers > 0 and heads a positive multiple of kv_heads (got " + std::to_string(heads) +
+                      " and " + std::to_string(kv_heads) + ")");
   }
 
   void append(std::size_t layer, std::size_t position, std::span<const float> k, std::span<const float> v) {
     Layer& L = layer_at(layer);
     const std::size_t kv_dim = kv_heads_ * head_dim_;
     if (k.size() != kv_dim || v.size() != kv_dim)
-      throw Error(ErrorCode::shape_mismatch, "layer " + std::to_string(layer) + ": k/v have " + std::to_string(k.size()) +
-                                                 "/" + std::to_string(v.size()) + " values, expected " +
-                                                 std::to_string(kv_dim));
+      throw Error(ErrorCode::shape_mismatch, "layer " + std::to_string(layer) + ": k/v have " +
+                                                 std::to_string(k.size()) + "/" + std::to_string(v.size()) +
+                                                 " values, expected " + std::to_string(kv_dim));
     if (position != L.length)
       throw Error(ErrorCode::out_of_order, "layer " + std::to_string(layer) + ": append at position " +
                                                std::to_string(position) + ", expected " + std::to_string(L.length));
@@ -101,14 +107,15 @@ class FullPrecisionBackend {
     const std::size_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
     if (tokens == 0 || q.size() != tokens * q_dim || out.size() != q.size() || k.size() != tokens * kv_dim ||
         v.size() != k.size())
-      throw Error(ErrorCode::shape_mismatch, "layer " + std::to_string(layer) + ": a chunk of " + std::to_string(tokens) +
-                                                 " tokens needs q/out of " + std::to_string(tokens * q_dim) +
-                                                 " and k/v of " + std::to_string(tokens * kv_dim) + " values, got " +
-                                                 std::to_string(q.size()) + "/" + std::to_string(out.size()) + " and " +
-                                                 std::to_string(k.size()) + "/" + std::to_string(v.size()));
+      throw Error(ErrorCode::shape_mismatch,
+                  "layer " + std::to_string(layer) + ": a chunk of " + std::to_string(tokens) +
+                      " tokens needs q/out of " + std::to_string(tokens * q_dim) + " and k/v of " +
+                      std::to_string(tokens * kv_dim) + " values, got " + std::to_string(q.size()) + "/" +
+                      std::to_string(out.size()) + " and " + std::to_string(k.size()) + "/" + std::to_string(v.size()));
     if (first_position != L.length)
       throw Error(ErrorCode::out_of_order, "layer " + std::to_string(layer) + ": a chunk at position " +
-                                               std::to_string(first_position) + ", expected " + std::to_string(L.length));
+                                               std::to_string(first_position) + ", expected " +
+                                               std::to_string(L.length));
     if (tokens > rope_.max_positions() - first_position)
       throw Error(ErrorCode::capacity_exceeded, "layer " + std::to_string(layer) + ": a chunk of " +
                                                     std::to_string(tokens) + " tokens at position " +
@@ -119,7 +126,8 @@ class FullPrecisionBackend {
       rope_.rotate_heads(std::span<float>(chunk_keys_).subspan(t * kv_dim, kv_dim), first_position + t);
     const float* values = (filter_ ? L.stored_values : L.values).data();
     for (std::size_t t = 0; t < tokens; ++t) {
-      query_.assign(q.begin() + static_cast<std::ptrdiff_t>(t * q_dim), q.begin() + static_cast<std::ptrdiff_t>((t + 1) * q_dim));
+      query_.assign(q.begin() + static_cast<std::ptrdiff_t>(t * q_dim),
+                    q.begin() + static_cast<std::ptrdiff_t>((t + 1) * q_dim));
       rope_.rotate_heads(query_, first_position + t);
       attend_rows(query_.data(), first_position + t + 1, L.rotated_keys.data(), values, first_position,
                   chunk_keys_.data(), v.data(), out.data() + t * q_dim);
@@ -150,7 +158,7 @@ class FullPrecisionBackend {
     std::vector<float> keys, rotated_keys, values;  // rotated copy so attention never re-rotates
     std::vector<float> stored_values;               // values through the filter, when there is one
     std::size_t length = 0;
-    std::size_t filtered = 0;                       // rows 0 .. filtered - 1 went through a delayed filter
+    std::size_t filtered = 0;  // rows 0 .. filtered - 1 went through a delayed filter
   };
 
   // All heads of one rotated query over `visible` positions: the first `stored` rows from the

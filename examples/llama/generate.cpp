@@ -43,13 +43,16 @@ int run(int argc, char** argv) {
         used = 0;
       }
       if (used != v.size() || v.empty() || v[0] == '-')
-        throw kvq::Error(kvq::ErrorCode::invalid_argument, std::string(arg) + " needs a non-negative integer, got '" + v + "'");
+        throw kvq::Error(kvq::ErrorCode::invalid_argument,
+                         std::string(arg) + " needs a non-negative integer, got '" + v + "'");
       (arg == "--prefill-chunk" ? prefill_chunk : steps) = n;
     } else if (arg == "--prompt") {
       prompt = value();
     } else if (arg == "--help" || arg == "-h") {
-      fmt::print("usage: llama-generate [--model PATH] [--steps N] [--prompt TEXT] [--prefill-chunk N]\n"
-                 "  default model: {}\n", model_path);
+      fmt::print(
+          "usage: llama-generate [--model PATH] [--steps N] [--prompt TEXT] [--prefill-chunk N]\n"
+          "  default model: {}\n",
+          model_path);
       return 0;
     } else {
       throw kvq::Error(kvq::ErrorCode::invalid_argument, "unknown argument '" + std::string(arg) + "' (try --help)");

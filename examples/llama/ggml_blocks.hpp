@@ -44,11 +44,11 @@ struct GgmlBlockFormat {
 /// Name of a ggml type number, converted or not ("Q4_K", "IQ2_XXS"), or "" if ggml has none.
 inline std::string_view ggml_type_name(std::uint32_t type) noexcept {
   static constexpr std::string_view names[] = {
-      "F32",     "F16",    "Q4_0",    "Q4_1",  "Q4_2",   "Q4_3",  "Q5_0",     "Q5_1",     "Q8_0",     "Q8_1",
-      "Q2_K",    "Q3_K",   "Q4_K",    "Q5_K",  "Q6_K",   "Q8_K",  "IQ2_XXS",  "IQ2_XS",   "IQ3_XXS",  "IQ1_S",
-      "IQ4_NL",  "IQ3_S",  "IQ2_S",   "IQ4_XS", "I8",    "I16",   "I32",      "I64",      "F64",      "IQ1_M",
-      "BF16",    "Q4_0_4_4", "Q4_0_4_8", "Q4_0_8_8", "TQ1_0", "TQ2_0", "IQ4_NL_4_4", "IQ4_NL_4_8", "IQ4_NL_8_8",
-      "MXFP4"};
+      "F32",      "F16",      "Q4_0",    "Q4_1",  "Q4_2",       "Q4_3",       "Q5_0",       "Q5_1",
+      "Q8_0",     "Q8_1",     "Q2_K",    "Q3_K",  "Q4_K",       "Q5_K",       "Q6_K",       "Q8_K",
+      "IQ2_XXS",  "IQ2_XS",   "IQ3_XXS", "IQ1_S", "IQ4_NL",     "IQ3_S",      "IQ2_S",      "IQ4_XS",
+      "I8",       "I16",      "I32",     "I64",   "F64",        "IQ1_M",      "BF16",       "Q4_0_4_4",
+      "Q4_0_4_8", "Q4_0_8_8", "TQ1_0",   "TQ2_0", "IQ4_NL_4_4", "IQ4_NL_4_8", "IQ4_NL_8_8", "MXFP4"};
   return type < std::size(names) ? names[type] : std::string_view();
 }
 
@@ -192,30 +192,42 @@ inline void dequantize_q6_k(const std::uint8_t* src, std::size_t blocks, float* 
 inline const GgmlBlockFormat* ggml_block_format(std::uint32_t type) noexcept {
   using namespace detail;
   static constexpr GgmlBlockFormat f32{"F32", 1, 4, dequantize_f32}, f16{"F16", 1, 2, dequantize_f16},
-      bf16{"BF16", 1, 2, dequantize_bf16},
-      q4_0{"Q4_0", 32, 18, ggml::dequantize_blocks<ggml::BlockType::q4_0>},
+      bf16{"BF16", 1, 2, dequantize_bf16}, q4_0{"Q4_0", 32, 18, ggml::dequantize_blocks<ggml::BlockType::q4_0>},
       q4_1{"Q4_1", 32, 20, ggml::dequantize_blocks<ggml::BlockType::q4_1>},
       q5_0{"Q5_0", 32, 22, ggml::dequantize_blocks<ggml::BlockType::q5_0>},
       q5_1{"Q5_1", 32, 24, ggml::dequantize_blocks<ggml::BlockType::q5_1>},
-      q8_0{"Q8_0", 32, 34, ggml::dequantize_blocks<ggml::BlockType::q8_0>},
-      q2_k{"Q2_K", 256, 84, dequantize_q2_k}, q3_k{"Q3_K", 256, 110, dequantize_q3_k},
-      q4_k{"Q4_K", 256, 144, dequantize_q4_q5_k<false>}, q5_k{"Q5_K", 256, 176, dequantize_q4_q5_k<true>},
-      q6_k{"Q6_K", 256, 210, dequantize_q6_k};
+      q8_0{"Q8_0", 32, 34, ggml::dequantize_blocks<ggml::BlockType::q8_0>}, q2_k{"Q2_K", 256, 84, dequantize_q2_k},
+      q3_k{"Q3_K", 256, 110, dequantize_q3_k}, q4_k{"Q4_K", 256, 144, dequantize_q4_q5_k<false>},
+      q5_k{"Q5_K", 256, 176, dequantize_q4_q5_k<true>}, q6_k{"Q6_K", 256, 210, dequantize_q6_k};
   switch (type) {
-    case ggml_type_f32: return &f32;
-    case ggml_type_f16: return &f16;
-    case ggml_type_bf16: return &bf16;
-    case ggml_type_q4_0: return &q4_0;
-    case ggml_type_q4_1: return &q4_1;
-    case ggml_type_q5_0: return &q5_0;
-    case ggml_type_q5_1: return &q5_1;
-    case ggml_type_q8_0: return &q8_0;
-    case ggml_type_q2_k: return &q2_k;
-    case ggml_type_q3_k: return &q3_k;
-    case ggml_type_q4_k: return &q4_k;
-    case ggml_type_q5_k: return &q5_k;
-    case ggml_type_q6_k: return &q6_k;
-    default: return nullptr;
+    case ggml_type_f32:
+      return &f32;
+    case ggml_type_f16:
+      return &f16;
+    case ggml_type_bf16:
+      return &bf16;
+    case ggml_type_q4_0:
+      return &q4_0;
+    case ggml_type_q4_1:
+      return &q4_1;
+    case ggml_type_q5_0:
+      return &q5_0;
+    case ggml_type_q5_1:
+      return &q5_1;
+    case ggml_type_q8_0:
+      return &q8_0;
+    case ggml_type_q2_k:
+      return &q2_k;
+    case ggml_type_q3_k:
+      return &q3_k;
+    case ggml_type_q4_k:
+      return &q4_k;
+    case ggml_type_q5_k:
+      return &q5_k;
+    case ggml_type_q6_k:
+      return &q6_k;
+    default:
+      return nullptr;
   }
 }
 

@@ -45,8 +45,19 @@ void resize_with_huge_pages(std::vector<T>& buffer, std::size_t n) {
 }
 
 enum class GgufType : std::uint32_t {
-  uint8 = 0, int8 = 1, uint16 = 2, int16 = 3, uint32 = 4, int32 = 5, float32 = 6, boolean = 7,
-  string = 8, array = 9, uint64 = 10, int64 = 11, float64 = 12,
+  uint8 = 0,
+  int8 = 1,
+  uint16 = 2,
+  int16 = 3,
+  uint32 = 4,
+  int32 = 5,
+  float32 = 6,
+  boolean = 7,
+  string = 8,
+  array = 9,
+  uint64 = 10,
+  int64 = 11,
+  float64 = 12,
 };
 
 struct GgufValue;
@@ -67,8 +78,8 @@ struct GgufTensor {
   std::string name;
   std::vector<std::uint64_t> dims;  // fastest-varying first: [ne0, ne1] is ne1 rows of ne0
   std::uint32_t type = ggml_type_f32;
-  std::uint64_t offset = 0;         // relative to the start of the data section
-  std::vector<float> data;          // converted to float
+  std::uint64_t offset = 0;  // relative to the start of the data section
+  std::vector<float> data;   // converted to float
 
   std::size_t elements() const noexcept {
     std::size_t n = 1;
@@ -81,19 +92,32 @@ namespace detail {
 
 inline std::string gguf_type_name(GgufType t) {
   switch (t) {
-    case GgufType::uint8: return "uint8";
-    case GgufType::int8: return "int8";
-    case GgufType::uint16: return "uint16";
-    case GgufType::int16: return "int16";
-    case GgufType::uint32: return "uint32";
-    case GgufType::int32: return "int32";
-    case GgufType::float32: return "float32";
-    case GgufType::boolean: return "bool";
-    case GgufType::string: return "string";
-    case GgufType::array: return "array";
-    case GgufType::uint64: return "uint64";
-    case GgufType::int64: return "int64";
-    case GgufType::float64: return "float64";
+    case GgufType::uint8:
+      return "uint8";
+    case GgufType::int8:
+      return "int8";
+    case GgufType::uint16:
+      return "uint16";
+    case GgufType::int16:
+      return "int16";
+    case GgufType::uint32:
+      return "uint32";
+    case GgufType::int32:
+      return "int32";
+    case GgufType::float32:
+      return "float32";
+    case GgufType::boolean:
+      return "bool";
+    case GgufType::string:
+      return "string";
+    case GgufType::array:
+      return "array";
+    case GgufType::uint64:
+      return "uint64";
+    case GgufType::int64:
+      return "int64";
+    case GgufType::float64:
+      return "float64";
   }
   return "type " + std::to_string(static_cast<std::uint32_t>(t));
 }
@@ -151,11 +175,24 @@ static_assert(std::endian::native == std::endian::little, "the GGUF reader assum
 // Fewest bytes one value of a type occupies, so that counts can be checked before allocating.
 inline std::size_t gguf_min_size(GgufType t) noexcept {
   switch (t) {
-    case GgufType::uint8: case GgufType::int8: case GgufType::boolean: return 1;
-    case GgufType::uint16: case GgufType::int16: return 2;
-    case GgufType::uint32: case GgufType::int32: case GgufType::float32: return 4;
-    case GgufType::uint64: case GgufType::int64: case GgufType::float64: case GgufType::string: return 8;
-    case GgufType::array: return 12;
+    case GgufType::uint8:
+    case GgufType::int8:
+    case GgufType::boolean:
+      return 1;
+    case GgufType::uint16:
+    case GgufType::int16:
+      return 2;
+    case GgufType::uint32:
+    case GgufType::int32:
+    case GgufType::float32:
+      return 4;
+    case GgufType::uint64:
+    case GgufType::int64:
+    case GgufType::float64:
+    case GgufType::string:
+      return 8;
+    case GgufType::array:
+      return 12;
   }
   return 1;
 }
@@ -166,23 +203,45 @@ inline GgufValue read_value(GgufReader& in, GgufType type, const std::string& ke
   GgufValue v;
   v.type = type;
   switch (type) {
-    case GgufType::uint8: v.data = std::uint64_t{in.read<std::uint8_t>("a uint8 value")}; break;
-    case GgufType::int8: v.data = std::int64_t{in.read<std::int8_t>("an int8 value")}; break;
-    case GgufType::uint16: v.data = std::uint64_t{in.read<std::uint16_t>("a uint16 value")}; break;
-    case GgufType::int16: v.data = std::int64_t{in.read<std::int16_t>("an int16 value")}; break;
-    case GgufType::uint32: v.data = std::uint64_t{in.read<std::uint32_t>("a uint32 value")}; break;
-    case GgufType::int32: v.data = std::int64_t{in.read<std::int32_t>("an int32 value")}; break;
-    case GgufType::uint64: v.data = in.read<std::uint64_t>("a uint64 value"); break;
-    case GgufType::int64: v.data = in.read<std::int64_t>("an int64 value"); break;
-    case GgufType::float32: v.data = double{in.read<float>("a float32 value")}; break;
-    case GgufType::float64: v.data = in.read<double>("a float64 value"); break;
+    case GgufType::uint8:
+      v.data = std::uint64_t{in.read<std::uint8_t>("a uint8 value")};
+      break;
+    case GgufType::int8:
+      v.data = std::int64_t{in.read<std::int8_t>("an int8 value")};
+      break;
+    case GgufType::uint16:
+      v.data = std::uint64_t{in.read<std::uint16_t>("a uint16 value")};
+      break;
+    case GgufType::int16:
+      v.data = std::int64_t{in.read<std::int16_t>("an int16 value")};
+      break;
+    case GgufType::uint32:
+      v.data = std::uint64_t{in.read<std::uint32_t>("a uint32 value")};
+      break;
+    case GgufType::int32:
+      v.data = std::int64_t{in.read<std::int32_t>("an int32 value")};
+      break;
+    case GgufType::uint64:
+      v.data = in.read<std::uint64_t>("a uint64 value");
+      break;
+    case GgufType::int64:
+      v.data = in.read<std::int64_t>("an int64 value");
+      break;
+    case GgufType::float32:
+      v.data = double{in.read<float>("a float32 value")};
+      break;
+    case GgufType::float64:
+      v.data = in.read<double>("a float64 value");
+      break;
     case GgufType::boolean: {
       const auto b = in.read<std::uint8_t>("a bool value");
       if (b > 1) in.fail("metadata '" + key + "' has bool value " + std::to_string(b) + " (must be 0 or 1)");
       v.data = b == 1;
       break;
     }
-    case GgufType::string: v.data = in.read_string("a string value"); break;
+    case GgufType::string:
+      v.data = in.read_string("a string value");
+      break;
     case GgufType::array: {
       if (depth >= 4) in.fail("metadata '" + key + "' nests arrays too deeply");
       const auto raw = in.read<std::uint32_t>("an array's element type");
@@ -294,8 +353,7 @@ class GgufFile {
       if (t.offset % alignment != 0)
         in.fail("tensor '" + t.name + "' offset " + std::to_string(t.offset) + " is not a multiple of the alignment " +
                 std::to_string(alignment));
-      if (!f.index_.emplace(t.name, f.tensors_.size()).second)
-        in.fail("tensor name '" + t.name + "' appears twice");
+      if (!f.index_.emplace(t.name, f.tensors_.size()).second) in.fail("tensor name '" + t.name + "' appears twice");
       f.tensors_.push_back(std::move(t));
     }
 
@@ -315,7 +373,8 @@ class GgufFile {
     for (const GgufTensor& t : f.tensors_) {
       const GgmlBlockFormat* format = ggml_block_format(t.type);
       const std::string_view name = ggml_type_name(t.type);
-      const std::string type = "ggml type " + std::to_string(t.type) + (name.empty() ? "" : " (" + std::string(name) + ")");
+      const std::string type =
+          "ggml type " + std::to_string(t.type) + (name.empty() ? "" : " (" + std::string(name) + ")");
       if (format == nullptr)
         in.fail("tensor '" + t.name + "' has " + type + ", which this reader does not convert (it converts " +
                 ggml_converted_types() + ")");
@@ -332,12 +391,14 @@ class GgufFile {
     }
     // Aliased tensors would be converted once per name: two thousand infos over the same bytes
     // would turn a 1 MB file into gigabytes of floats. ggml never writes overlapping tensors.
-    std::stable_sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+    std::stable_sort(extents.begin(), extents.end(),
+                     [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
     for (std::size_t i = 1; i < extents.size(); ++i)
       if (extents[i].begin < extents[i - 1].end)
         in.fail("tensor '" + extents[i].tensor->name + "' data (data bytes " + std::to_string(extents[i].begin) + ".." +
-                std::to_string(extents[i].end) + ") overlaps tensor '" + extents[i - 1].tensor->name + "' (data bytes " +
-                std::to_string(extents[i - 1].begin) + ".." + std::to_string(extents[i - 1].end) + ")");
+                std::to_string(extents[i].end) + ") overlaps tensor '" + extents[i - 1].tensor->name +
+                "' (data bytes " + std::to_string(extents[i - 1].begin) + ".." + std::to_string(extents[i - 1].end) +
+                ")");
 
     for (GgufTensor& t : f.tensors_) {
       const GgmlBlockFormat& format = *ggml_block_format(t.type);

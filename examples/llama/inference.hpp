@@ -56,7 +56,8 @@ std::vector<float> prefill_logits(const Model& model, Backend& kv, std::span<con
     }
     return logits;
   } else {
-    throw Error(ErrorCode::unsupported, "this KV backend takes one token at a time, not chunks of " + std::to_string(chunk));
+    throw Error(ErrorCode::unsupported,
+                "this KV backend takes one token at a time, not chunks of " + std::to_string(chunk));
   }
 }
 
@@ -106,9 +107,10 @@ struct TeacherForced {
 /// Run `tokens` through the model with a fresh backend from `make_backend()` (called once), one
 /// token at a time or in chunks of `chunk` tokens (see prefill_logits).
 template <class MakeBackend>
-  requires KVBackend<std::invoke_result_t<MakeBackend&>>
-TeacherForced teacher_forced(const Model& model, MakeBackend&& make_backend, std::span<const int> tokens,
-                             std::size_t chunk = 0) {
+requires KVBackend<std::invoke_result_t<MakeBackend&>> TeacherForced teacher_forced(const Model& model,
+                                                                                    MakeBackend&& make_backend,
+                                                                                    std::span<const int> tokens,
+                                                                                    std::size_t chunk = 0) {
   for (const int t : tokens)
     if (t < 0 || static_cast<std::size_t>(t) >= model.config().vocab)
       throw Error(ErrorCode::invalid_argument, "token " + std::to_string(t) + " is outside the vocabulary");

@@ -30,7 +30,7 @@ namespace kvq::llama {
 /// q, k and v, so an evaluator that wants to inspect them wraps a backend.
 template <class B>
 concept KVBackend = requires(B& kv, std::size_t index, std::span<const float> in, std::span<float> out) {
-  kv.append(index, index, in, in);  // (layer, position, k, v)
+  kv.append(index, index, in, in);   // (layer, position, k, v)
   kv.attend(index, index, in, out);  // (layer, position, q, out)
 };
 
@@ -41,8 +41,8 @@ concept KVBackend = requires(B& kv, std::size_t index, std::span<const float> in
 /// quantizing cache does not quantize a chunk before the chunk attends to it. The model appends
 /// the T keys and values afterwards.
 template <class B>
-concept ChunkedKVBackend = KVBackend<B> && requires(B& kv, std::size_t index, std::span<const float> in,
-                                                    std::span<float> out) {
+concept ChunkedKVBackend = KVBackend<B> &&
+    requires(B& kv, std::size_t index, std::span<const float> in, std::span<float> out) {
   kv.attend_chunk(index, index, index, in, in, in, out);  // (layer, first_position, tokens, q, k, v, out)
 };
 
@@ -62,8 +62,8 @@ struct LlamaConfig {
   RopeScaling rope_scaling{};      // <arch>.rope.scaling.* and the rope_freqs.weight tensor
   // llama.cpp's rope type by architecture: "normal" (adjacent pairs) for llama, NeoX for qwen2.
   RopeStyle rope_style = RopeStyle::adjacent_pairs;
-  bool qkv_bias = false;           // blk.N.attn_{q,k,v}.bias present (required for qwen2)
-  int bos = 1, eos = 2;            // tokenizer.ggml.{bos,eos}_token_id
+  bool qkv_bias = false;  // blk.N.attn_{q,k,v}.bias present (required for qwen2)
+  int bos = 1, eos = 2;   // tokenizer.ggml.{bos,eos}_token_id
 
   std::size_t q_dim() const noexcept { return heads * head_dim; }
   std::size_t kv_dim() const noexcept { return kv_heads * head_dim; }
@@ -112,8 +112,10 @@ class Model {
                 " kv) do not divide embedding length " + std::to_string(c.dim) + " and each other");
     if (!(c.norm_eps > 0.0f) || !std::isfinite(c.norm_eps)) file.fail("RMSNorm epsilon must be positive");
     c.head_dim = c.dim / c.heads;
-    if (file.find("tokenizer.ggml.bos_token_id")) c.bos = static_cast<int>(hyper(file, "tokenizer.ggml.bos_token_id", 0));
-    if (file.find("tokenizer.ggml.eos_token_id")) c.eos = static_cast<int>(hyper(file, "tokenizer.ggml.eos_token_id", 0));
+    if (file.find("tokenizer.ggml.bos_token_id"))
+      c.bos = static_cast<int>(hyper(file, "tokenizer.ggml.bos_token_id", 0));
+    if (file.find("tokenizer.ggml.eos_token_id"))
+      c.eos = static_cast<int>(hyper(file, "tokenizer.ggml.eos_token_id", 0));
     if (file.find(key("rope.dimension_count"))) c.rope_dims = hyper(file, key("rope.dimension_count"));
     c.rope_scaling = read_rope_scaling(file, arch + ".rope.");
     validate_rope(file);
@@ -197,7 +199,8 @@ class Model {
         k += L.bk;
         v += L.bv;
       }
-      kv.append(l, position, std::span<const float>(k.data(), c.kv_dim()), std::span<const float>(v.data(), c.kv_dim()));
+      kv.append(l, position, std::span<const float>(k.data(), c.kv_dim()),
+                std::span<const float>(v.data(), c.kv_dim()));
       kv.attend(l, position, std::span<const float>(q.data(), c.q_dim()), std::span<float>(att.data(), c.q_dim()));
       x.noalias() += L.wo() * att;
 
@@ -227,14 +230,16 @@ class Model {
                                                      std::to_string(c.vocab));
     if (logits.size() / c.vocab != tokens.size() || logits.size() % c.vocab != 0)
       throw Error(ErrorCode::shape_mismatch, "forward_chunk: logits buffer has " + std::to_string(logits.size()) +
-                                                 " entries, " + std::to_string(tokens.size()) + " tokens x vocabulary " +
-                                                 std::to_string(c.vocab) + " needed");
+                                                 " entries, " + std::to_string(tokens.size()) +
+                                                 " tokens x vocabulary " + std::to_string(c.vocab) + " needed");
     const auto T = static_cast<Eigen::Index>(tokens.size());
     const auto dim = static_cast<Eigen::Index>(c.dim);
     Matrix x(T, dim), xb(T, dim), q(T, c.q_dim()), k(T, c.kv_dim()), v(T, c.kv_dim()), att(T, c.q_dim());
     Matrix gate(T, c.ffn_dim), up(T, c.ffn_dim);
     for (Eigen::Index t = 0; t < T; ++t) x.row(t) = embedding_().row(tokens[static_cast<std::size_t>(t)]);
-    const auto all = [](const Matrix& m) { return std::span<const float>(m.data(), static_cast<std::size_t>(m.size())); };
+    const auto all = [](const Matrix& m) {
+      return std::span<const float>(m.data(), static_cast<std::size_t>(m.size()));
+    };
     const auto row = [](const Matrix& m, Eigen::Index t) {
       return std::span<const float>(m.data() + t * m.cols(), static_cast<std::size_t>(m.cols()));
     };
@@ -251,7 +256,8 @@ class Model {
       }
       kv.attend_chunk(l, first_position, tokens.size(), all(q), all(k), all(v),
                       std::span<float>(att.data(), static_cast<std::size_t>(att.size())));
-      for (Eigen::Index t = 0; t < T; ++t) kv.append(l, first_position + static_cast<std::size_t>(t), row(k, t), row(v, t));
+      for (Eigen::Index t = 0; t < T; ++t)
+        kv.append(l, first_position + static_cast<std::size_t>(t), row(k, t), row(v, t));
       x.noalias() += att * L.wo().transpose();
 
       rms_norm_rows(x, L.ffn_norm, xb);
@@ -287,12 +293,16 @@ class Model {
     RopeScaling s;
     const std::string type_key = prefix + "scaling.type", factor_key = prefix + "scaling.factor";
     const std::string context_key = prefix + "scaling.original_context_length", legacy_key = prefix + "scale_linear";
-    const std::string type = file.find(type_key) ? file.get_string(type_key) : file.find(legacy_key) ? "linear" : "none";
-    if (type == "linear") s.type = RopeScalingType::linear;
-    else if (type == "yarn") s.type = RopeScalingType::yarn;
+    const std::string type = file.find(type_key)     ? file.get_string(type_key)
+                             : file.find(legacy_key) ? "linear"
+                                                     : "none";
+    if (type == "linear")
+      s.type = RopeScalingType::linear;
+    else if (type == "yarn")
+      s.type = RopeScalingType::yarn;
     else if (type != "none")
-      throw Error(ErrorCode::unsupported, file.source() + ": " + type_key + " = '" + type +
-                                              "'; this engine knows none, linear and yarn");
+      throw Error(ErrorCode::unsupported,
+                  file.source() + ": " + type_key + " = '" + type + "'; this engine knows none, linear and yarn");
     if (s.type == RopeScalingType::none) return s;
     const std::string& key = file.find(factor_key) ? factor_key : legacy_key;
     if (file.find(key)) s.factor = static_cast<float>(file.get_float(key));
@@ -334,13 +344,15 @@ class Model {
     if (file.find_tensor("output.weight")) shaped(file, "output.weight", {c.dim, c.vocab}, key("embedding_length"));
     shaped(file, "output_norm.weight", {c.dim}, key("embedding_length"));
     // rope_freqs.weight: llama.cpp's Llama-3 frequency divisors, shape-checked where they are read.
-    std::set<std::string, std::less<>> used = {"token_embd.weight", "output.weight", "output_norm.weight", "rope_freqs.weight"};
+    std::set<std::string, std::less<>> used = {"token_embd.weight", "output.weight", "output_norm.weight",
+                                               "rope_freqs.weight"};
     for (std::size_t l = 0; l < c.layers; ++l) {
       const std::string p = block_prefix(l);
       const auto need = [&](const char* name, std::vector<std::uint64_t> dims, const std::string& meta) {
         used.insert(p + name);
         if (file.find_tensor(p + name) == nullptr)
-          file.fail(key("block_count") + " = " + std::to_string(c.layers) + " but tensor '" + p + name + "' is missing");
+          file.fail(key("block_count") + " = " + std::to_string(c.layers) + " but tensor '" + p + name +
+                    "' is missing");
         shaped(file, p + name, std::move(dims), meta);
       };
       need("attn_norm.weight", {c.dim}, key("embedding_length"));
@@ -392,7 +404,8 @@ class Model {
   static Weights load_matrix(const GgufFile& file, GgufFile* take_from, const std::string& name, std::size_t ne0,
                              std::size_t ne1) {
     const GgufTensor& t = shaped(file, name, {ne0, ne1});
-    Weights w{take_from ? take_from->take_data(name) : t.data, static_cast<Eigen::Index>(ne1), static_cast<Eigen::Index>(ne0)};
+    Weights w{take_from ? take_from->take_data(name) : t.data, static_cast<Eigen::Index>(ne1),
+              static_cast<Eigen::Index>(ne0)};
     if (w.data.size() != ne0 * ne1) file.fail("tensor '" + name + "' holds no data (its weights were taken already)");
     return w;
   }
@@ -404,9 +417,7 @@ class Model {
   }
 
   // As llama2.c computes it (float, eps inside the root), so greedy decoding matches its tokens.
-  void rms_norm(const Vector& x, const Vector& weight, Vector& out) const {
-    rms_norm(x.data(), weight, out.data());
-  }
+  void rms_norm(const Vector& x, const Vector& weight, Vector& out) const { rms_norm(x.data(), weight, out.data()); }
   void rms_norm(const float* x, const Vector& weight, float* out) const {
     const Eigen::Index n = weight.size();
     float ss = 0.0f;

@@ -121,9 +121,15 @@ inline std::vector<std::string_view> pre_tokenize(PreTokenizer scheme, std::stri
       std::size_t next = i + 1;
       switch (scheme) {
         case PreTokenizer::gpt2:
-        case PreTokenizer::smollm: next = match.gpt2(i); break;
-        case PreTokenizer::llama3: next = match.llama3(i, 3); break;
-        case PreTokenizer::qwen2: next = match.llama3(i, 1); break;
+        case PreTokenizer::smollm:
+          next = match.gpt2(i);
+          break;
+        case PreTokenizer::llama3:
+          next = match.llama3(i, 3);
+          break;
+        case PreTokenizer::qwen2:
+          next = match.llama3(i, 1);
+          break;
       }
       emit(i, next);
       i = next;

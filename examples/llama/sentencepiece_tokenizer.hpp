@@ -143,7 +143,8 @@ class SentencePieceTokenizer {
 
   static std::vector<std::string> pieces_of(const GgufFile& file) {
     if (file.find("tokenizer.ggml.model") != nullptr && file.get_string("tokenizer.ggml.model") != "llama")
-      throw Error(ErrorCode::unsupported, file.source() + ": tokenizer model '" + file.get_string("tokenizer.ggml.model") +
+      throw Error(ErrorCode::unsupported, file.source() + ": tokenizer model '" +
+                                              file.get_string("tokenizer.ggml.model") +
                                               "' is not supported (only SentencePiece 'llama')");
     std::vector<std::string> pieces;
     for (const GgufValue& v : file.get_array("tokenizer.ggml.tokens", GgufType::string))
@@ -180,8 +181,7 @@ class SentencePieceTokenizer {
   }
 
   int byte_id(unsigned char b) const {
-    if (byte_ids_[b] < 0)
-      throw Error(ErrorCode::unsupported, "vocabulary has no byte-fallback piece " + byte_piece(b));
+    if (byte_ids_[b] < 0) throw Error(ErrorCode::unsupported, "vocabulary has no byte-fallback piece " + byte_piece(b));
     return byte_ids_[b];
   }
 

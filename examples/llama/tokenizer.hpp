@@ -33,7 +33,9 @@ class Tokenizer {
     return std::visit([](const auto& t) { return t.eos(); }, impl_);
   }
   /// Whether the model expects BOS before a text: always for SentencePiece, as the GGUF says for BPE.
-  bool adds_bos() const { return !std::holds_alternative<BpeTokenizer>(impl_) || std::get<BpeTokenizer>(impl_).adds_bos(); }
+  bool adds_bos() const {
+    return !std::holds_alternative<BpeTokenizer>(impl_) || std::get<BpeTokenizer>(impl_).adds_bos();
+  }
   const std::string& piece(int id) const {
     return std::visit([&](const auto& t) -> const std::string& { return t.piece(id); }, impl_);
   }

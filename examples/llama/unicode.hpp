@@ -32,8 +32,8 @@ inline bool in_ranges(std::span<const CodePointRange> ranges, char32_t c) noexce
 }
 
 inline bool is_whitespace(char32_t c) noexcept {
-  return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) ||
-         c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+  return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
 inline CharClass classify(char32_t c) noexcept {
@@ -51,10 +51,14 @@ inline Char decode_at(std::string_view s, std::size_t i) noexcept {
   const unsigned char lead = byte(i);
   std::size_t n = 0;
   char32_t value = 0, min = 0;
-  if (lead < 0x80) n = 1, value = lead;
-  else if ((lead & 0xE0) == 0xC0) n = 2, value = lead & 0x1F, min = 0x80;
-  else if ((lead & 0xF0) == 0xE0) n = 3, value = lead & 0x0F, min = 0x800;
-  else if ((lead & 0xF8) == 0xF0) n = 4, value = lead & 0x07, min = 0x10000;
+  if (lead < 0x80)
+    n = 1, value = lead;
+  else if ((lead & 0xE0) == 0xC0)
+    n = 2, value = lead & 0x1F, min = 0x80;
+  else if ((lead & 0xF0) == 0xE0)
+    n = 3, value = lead & 0x0F, min = 0x800;
+  else if ((lead & 0xF8) == 0xF0)
+    n = 4, value = lead & 0x07, min = 0x10000;
   bool valid = n != 0 && i + n <= s.size();
   for (std::size_t k = 1; valid && k < n; ++k) {
     valid = (byte(i + k) & 0xC0) == 0x80;

@@ -42,8 +42,14 @@ class PoolBackend {
   /// keys and values, which the model appends afterwards.
   void attend_chunk(std::size_t layer, std::size_t first_position, std::size_t tokens, std::span<const float> q,
                     std::span<const float> k, std::span<const float> v, std::span<float> out) {
-    kvq::attend(kvq::AttentionRequest{.cache = &pool_.sequence(id_), .layer = layer, .first_position = first_position,
-                                      .tokens = tokens, .queries = q, .new_keys = k, .new_values = v, .out = out});
+    kvq::attend(kvq::AttentionRequest{.cache = &pool_.sequence(id_),
+                                      .layer = layer,
+                                      .first_position = first_position,
+                                      .tokens = tokens,
+                                      .queries = q,
+                                      .new_keys = k,
+                                      .new_values = v,
+                                      .out = out});
   }
 
  private:
@@ -54,14 +60,15 @@ static_assert(kvq::llama::ChunkedKVBackend<PoolBackend>);
 
 /// Feeds tokens[from, size): with `chunk` > 0 all but the last in chunks of that many tokens,
 /// then one token at a time (the last for its logits); then generates `steps` greedy tokens.
-std::vector<int> continue_greedy(const kvq::llama::Model& model, PoolBackend kv, std::vector<int> tokens, std::size_t from,
-                                 std::size_t steps, std::size_t chunk) {
+std::vector<int> continue_greedy(const kvq::llama::Model& model, PoolBackend kv, std::vector<int> tokens,
+                                 std::size_t from, std::size_t steps, std::size_t chunk) {
   const std::size_t vocab = model.config().vocab;
   std::vector<float> logits(vocab), chunk_logits(chunk * vocab);
   std::size_t pos = from;
   while (chunk > 0 && pos + 1 < tokens.size()) {
     const std::size_t n = std::min(chunk, tokens.size() - 1 - pos);
-    model.forward_chunk(std::span<const int>(tokens).subspan(pos, n), pos, kv, std::span<float>(chunk_logits).first(n * vocab));
+    model.forward_chunk(std::span<const int>(tokens).subspan(pos, n), pos, kv,
+                        std::span<float>(chunk_logits).first(n * vocab));
     pos += n;
   }
   for (; pos < tokens.size(); ++pos) model.forward(tokens[pos], pos, kv, logits);
@@ -80,7 +87,8 @@ std::size_t parse_count(std::string_view flag, const std::string& v) {
     used = 0;
   }
   if (used != v.size() || v.empty() || v[0] == '-' || n == 0)
-    throw kvq::Error(kvq::ErrorCode::invalid_argument, std::string(flag) + " needs a positive integer, got '" + v + "'");
+    throw kvq::Error(kvq::ErrorCode::invalid_argument,
+                     std::string(flag) + " needs a positive integer, got '" + v + "'");
   return n;
 }
 
@@ -93,14 +101,20 @@ int run(int argc, char** argv) {
       if (i + 1 >= argc) throw kvq::Error(kvq::ErrorCode::invalid_argument, std::string(arg) + " needs a value");
       return argv[++i];
     };
-    if (arg == "--model") model_path = value();
-    else if (arg == "--config") config_text = value();
-    else if (arg == "--conversations") conversations = parse_count(arg, value());
-    else if (arg == "--steps") steps = parse_count(arg, value());
-    else if (arg == "--prefill-chunk") chunk = parse_count(arg, value());
+    if (arg == "--model")
+      model_path = value();
+    else if (arg == "--config")
+      config_text = value();
+    else if (arg == "--conversations")
+      conversations = parse_count(arg, value());
+    else if (arg == "--steps")
+      steps = parse_count(arg, value());
+    else if (arg == "--prefill-chunk")
+      chunk = parse_count(arg, value());
     else if (arg == "--help" || arg == "-h") {
-      fmt::print("usage: kvq-conversations [--model PATH] [--config TEXT] [--conversations N] [--steps N] "
-                 "[--prefill-chunk N (default 64)]\n");
+      fmt::print(
+          "usage: kvq-conversations [--model PATH] [--config TEXT] [--conversations N] [--steps N] "
+          "[--prefill-chunk N (default 64)]\n");
       return 0;
     } else {
       throw kvq::Error(kvq::ErrorCode::invalid_argument, "unknown argument '" + std::string(arg) + "' (try --help)");
@@ -110,8 +124,8 @@ int run(int argc, char** argv) {
     throw kvq::Error(kvq::ErrorCode::io, kvq::llama::data_help() + " (or pass --model PATH)");
   const kvq::CacheConfig config = kvq::parse_cache_config(config_text);
   if (config.key_rope != kvq::KeyRope::pre)
-    throw kvq::Error(kvq::ErrorCode::unsupported, "kvq-conversations hands the cache pre-RoPE keys: drop -post from '" +
-                                                      config_text + "'");
+    throw kvq::Error(kvq::ErrorCode::unsupported,
+                     "kvq-conversations hands the cache pre-RoPE keys: drop -post from '" + config_text + "'");
   auto file = kvq::llama::GgufFile::load(model_path);
   const kvq::llama::Model model = kvq::llama::Model::take_weights(file);  // the tokenizer reads the metadata
   const kvq::llama::Tokenizer tokenizer(file);
@@ -127,8 +141,8 @@ int run(int argc, char** argv) {
     system_prompt = longer;
   }
   if (system_prompt.empty()) throw kvq::Error(kvq::ErrorCode::io, kvq::llama::data_help());
-  const std::vector<std::string> openings = {" Then Roxy said,", " The next day,", " Billy flew to", " Suddenly, a",
-                                             " Roxy smiled and", " Far away,"};
+  const std::vector<std::string> openings = {" Then Roxy said,", " The next day,",   " Billy flew to",
+                                             " Suddenly, a",     " Roxy smiled and", " Far away,"};
   const std::vector<int> prompt = tokenizer.encode(system_prompt, true);
 
   const kvq::RopeConfig rope = model.rope_config();
@@ -154,7 +168,8 @@ int run(int argc, char** argv) {
     std::vector<int> start = prompt;
     for (const int t : tokenizer.encode(openings[c % openings.size()], false)) start.push_back(t);
     if (start.size() + steps > m.context_length)
-      throw kvq::Error(kvq::ErrorCode::invalid_argument, "--steps " + std::to_string(steps) + " runs past the model's " +
+      throw kvq::Error(kvq::ErrorCode::invalid_argument, "--steps " + std::to_string(steps) +
+                                                             " runs past the model's " +
                                                              std::to_string(m.context_length) + " positions");
     ids.push_back(shared.fork(base, prompt.size()));
     texts[c] = continue_greedy(model, PoolBackend(shared, ids.back()), start, prompt.size(), steps, chunk);
@@ -162,7 +177,8 @@ int run(int argc, char** argv) {
     // values a model computes (a chunk sees its own exact, the rest quantized).
     const kvq::SequenceId own = separate.add_sequence();
     (void)continue_greedy(model, PoolBackend(separate, own), prompt, 0, 0, chunk);
-    const std::vector<int> alone = continue_greedy(model, PoolBackend(separate, own), start, prompt.size(), steps, chunk);
+    const std::vector<int> alone =
+        continue_greedy(model, PoolBackend(separate, own), start, prompt.size(), steps, chunk);
     same_text = same_text && alone == texts[c];
   }
 
@@ -173,9 +189,10 @@ int run(int argc, char** argv) {
   fmt::print("{} ({} layers, {} KV heads x {}), {}, blocks of {} positions\n",
              std::filesystem::path(model_path).filename().string(), m.layers, m.kv_heads, m.head_dim, config_text,
              shape.block_tokens);
-  fmt::print("  prompt shared by fork:   {:8.1f} KiB used, {:6.1f} KiB per conversation ({:.1f} KiB of blocks shared;\n"
-             "                           the prompt's own sequence counted too)\n",
-             double(with.used) / kib, double(with.used) / kib / double(conversations), double(with.shared) / kib);
+  fmt::print(
+      "  prompt shared by fork:   {:8.1f} KiB used, {:6.1f} KiB per conversation ({:.1f} KiB of blocks shared;\n"
+      "                           the prompt's own sequence counted too)\n",
+      double(with.used) / kib, double(with.used) / kib / double(conversations), double(with.shared) / kib);
   fmt::print("  each its own prompt:     {:8.1f} KiB used, {:6.1f} KiB per conversation\n", double(without.used) / kib,
              double(without.used) / kib / double(conversations));
   fmt::print("  same text either way:    {}\n", same_text ? "yes" : "NO");
@@ -193,7 +210,8 @@ int run(int argc, char** argv) {
   const kvq::SequenceId plain = shared.fork(base, prompt.size());
   const std::vector<int> opened(texts.front().begin(), texts.front().end() - std::ptrdiff_t(steps));
   (void)continue_greedy(model, PoolBackend(shared, plain), opened, prompt.size(), 0, chunk);
-  const std::vector<int> reference = continue_greedy(model, PoolBackend(shared, plain), texts.front(), opened.size(), 16, 0);
+  const std::vector<int> reference =
+      continue_greedy(model, PoolBackend(shared, plain), texts.front(), opened.size(), 16, 0);
   fmt::print("  rollback of {} drafts:    {}\n", drafted.size() - texts.front().size(),
              after == reference ? "exact (same tokens as never drafting)" : "DIFFERS");
   fmt::print("\nconversation 0 after the prompt:{}\n",

@@ -8,28 +8,37 @@
 namespace kvq::inline v0 {
 
 enum class ErrorCode {
-  invalid_argument,     // a parameter outside its documented range
-  shape_mismatch,       // a buffer whose size does not match the declared shape
-  non_finite_input,     // NaN or Inf in data to be stored
-  unrepresentable,      // a scale or zero point that overflows its storage type
-  capacity_exceeded,    // appending past the cache's capacity
-  out_of_order,         // a position that does not continue the sequence
-  unsupported,          // a configuration the library does not implement
-  io,                   // a file that cannot be read or is malformed
-  out_of_memory,        // an allocation the system refused (the message says how many bytes)
+  invalid_argument,   // a parameter outside its documented range
+  shape_mismatch,     // a buffer whose size does not match the declared shape
+  non_finite_input,   // NaN or Inf in data to be stored
+  unrepresentable,    // a scale or zero point that overflows its storage type
+  capacity_exceeded,  // appending past the cache's capacity
+  out_of_order,       // a position that does not continue the sequence
+  unsupported,        // a configuration the library does not implement
+  io,                 // a file that cannot be read or is malformed
+  out_of_memory,      // an allocation the system refused (the message says how many bytes)
 };
 
 constexpr const char* to_string(ErrorCode code) noexcept {
   switch (code) {
-    case ErrorCode::invalid_argument: return "invalid argument";
-    case ErrorCode::shape_mismatch: return "shape mismatch";
-    case ErrorCode::non_finite_input: return "non-finite input";
-    case ErrorCode::unrepresentable: return "unrepresentable parameter";
-    case ErrorCode::capacity_exceeded: return "capacity exceeded";
-    case ErrorCode::out_of_order: return "position out of order";
-    case ErrorCode::unsupported: return "unsupported";
-    case ErrorCode::io: return "i/o";
-    case ErrorCode::out_of_memory: return "out of memory";
+    case ErrorCode::invalid_argument:
+      return "invalid argument";
+    case ErrorCode::shape_mismatch:
+      return "shape mismatch";
+    case ErrorCode::non_finite_input:
+      return "non-finite input";
+    case ErrorCode::unrepresentable:
+      return "unrepresentable parameter";
+    case ErrorCode::capacity_exceeded:
+      return "capacity exceeded";
+    case ErrorCode::out_of_order:
+      return "position out of order";
+    case ErrorCode::unsupported:
+      return "unsupported";
+    case ErrorCode::io:
+      return "i/o";
+    case ErrorCode::out_of_memory:
+      return "out of memory";
   }
   return "unknown";
 }

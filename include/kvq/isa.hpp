@@ -18,8 +18,8 @@
 #if defined(__clang__)  // -Wmaybe-uninitialized and -Wpsabi are GCC's; clang warns about unknown names
 #define KVQ_INTRINSIC_WARNINGS_OFF _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")
 #else
-#define KVQ_INTRINSIC_WARNINGS_OFF                                                                         \
-  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")           \
+#define KVQ_INTRINSIC_WARNINGS_OFF                                                           \
+  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"") \
       _Pragma("GCC diagnostic ignored \"-Wuninitialized\"") _Pragma("GCC diagnostic ignored \"-Wpsabi\"")
 #endif
 #define KVQ_INTRINSIC_WARNINGS_ON _Pragma("GCC diagnostic pop")
@@ -45,10 +45,9 @@ inline Level detected() noexcept {
 #if defined(KVQ_HAVE_X86_KERNELS)
   static const Level level = [] {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("bmi2") && has_f16c() &&
-        __builtin_cpu_supports("fma"))
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("bmi2") &&
+        has_f16c() && __builtin_cpu_supports("fma"))
       return Level::avx512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c()) return Level::avx2;
     return Level::scalar;

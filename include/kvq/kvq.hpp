@@ -26,6 +26,7 @@
 #include "kvq/cache/serialize.hpp"
 #include "kvq/pool/kv_pool.hpp"
 #include "kvq/parallel/executor.hpp"
+#include "kvq/attention/options.hpp"
 #include "kvq/attention/reference.hpp"
 #include "kvq/attention/decode.hpp"
 #include "kvq/attention/attend.hpp"

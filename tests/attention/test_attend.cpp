@@ -35,15 +35,15 @@ BasicKVCache filled(const char* config, std::size_t kv_heads, std::size_t dim, s
 
 /// The oracle with new tokens: the cache's rows before p0 as stored, then the new rows exact.
 std::vector<float> oracle_with_new(const BasicKVCache& cache, std::size_t layer, std::size_t p0, std::size_t tokens,
-                                   const std::vector<float>& q, const std::vector<float>& nk, const std::vector<float>& nv,
-                                   const kvq::ScoreOptions& rule = {}) {
+                                   const std::vector<float>& q, const std::vector<float>& nk,
+                                   const std::vector<float>& nv, const kvq::ScoreOptions& rule = {}) {
   std::vector<float> out(q.size());
   kvq::reference_prefill_attention(cache, layer, p0, tokens, q, nk, nv, out, rule);
   return out;
 }
 
-const char* const kConfigs[] = {"k4c32-v2t32-r20-s3", "k4c32-v2t32-r16-s0-post", "k8c32-v8t32-r8-s1-f32", "k2c16-v4t32-r0-s2",
-                                "k16-v16-r0-s0-post", "k3c8-v5t16-r5-s0"};
+const char* const kConfigs[] = {"k4c32-v2t32-r20-s3", "k4c32-v2t32-r16-s0-post", "k8c32-v8t32-r8-s1-f32",
+                                "k2c16-v4t32-r0-s2",  "k16-v16-r0-s0-post",      "k3c8-v5t16-r5-s0"};
 
 // Speculative verification: T stored positions, every query seeing the prefix and the drafts
 // before it; groups of up to 64 rows per KV head, and more (T x GQA = 5 x 16 = 80 rows).
@@ -73,8 +73,14 @@ TEST(Attend, PrefillChunksAttendTheirNewTokensExactly) {
       const auto nk = kvq::test::outlier_keys(tokens, kv_heads, dim, 3, 4.0f, 9);
       const auto nv = kvq::test::normal_vector(tokens * kv_heads * dim, 10);
       std::vector<float> out(q.size());
-      kvq::attend({.cache = &cache, .layer = 0, .first_position = p0, .tokens = tokens, .queries = q, .new_keys = nk,
-                   .new_values = nv, .out = out});
+      kvq::attend({.cache = &cache,
+                   .layer = 0,
+                   .first_position = p0,
+                   .tokens = tokens,
+                   .queries = q,
+                   .new_keys = nk,
+                   .new_values = nv,
+                   .out = out});
       EXPECT_LT(relative_error(out, oracle_with_new(cache, 0, p0, tokens, q, nk, nv)), 1e-5) << text << " p0=" << p0;
     }
 }
@@ -99,13 +105,21 @@ TEST(Attend, PrefillChunksOfEverySizeOnAwkwardShapes) {
           if (windowed) rule.window = 200;
           const auto oracle = oracle_with_new(cache, 0, p0, tokens, q, nk, nv, rule);
           const std::string what = std::string(text) + " dim " + std::to_string(shape.dim) + " group " +
-                                   std::to_string(shape.group) + " T=" + std::to_string(tokens) + (windowed ? " window" : "");
+                                   std::to_string(shape.group) + " T=" + std::to_string(tokens) +
+                                   (windowed ? " window" : "");
           for (const Tier tier : {Tier::exact, Tier::integer}) {
             std::vector<float> out(q.size());
-            kvq::attend({.cache = &cache, .layer = 0, .first_position = p0, .tokens = tokens, .queries = q, .new_keys = nk,
-                         .new_values = nv, .out = out},
+            kvq::attend({.cache = &cache,
+                         .layer = 0,
+                         .first_position = p0,
+                         .tokens = tokens,
+                         .queries = q,
+                         .new_keys = nk,
+                         .new_values = nv,
+                         .out = out},
                         {.tier = tier, .chunk_tokens = 128, .scores = rule});
-            EXPECT_LT(relative_error(out, oracle), tier == Tier::exact ? 1e-5 : 2.5e-2) << what << " " << kvq::to_string(tier);
+            EXPECT_LT(relative_error(out, oracle), tier == Tier::exact ? 1e-5 : 2.5e-2)
+                << what << " " << kvq::to_string(tier);
           }
         }
       }
@@ -126,8 +140,12 @@ TEST(Attend, ChunkSizesAgreeOnALosslessCache) {
       const auto rows = [&](const std::vector<float>& x, std::size_t width) {
         return std::span(x).subspan(p * width, n * width);
       };
-      kvq::attend({.cache = &cache, .first_position = p, .tokens = n, .queries = rows(q, heads * dim),
-                   .new_keys = rows(k, kv_heads * dim), .new_values = rows(v, kv_heads * dim),
+      kvq::attend({.cache = &cache,
+                   .first_position = p,
+                   .tokens = n,
+                   .queries = rows(q, heads * dim),
+                   .new_keys = rows(k, kv_heads * dim),
+                   .new_values = rows(v, kv_heads * dim),
                    .out = std::span(out).subspan(p * heads * dim, n * heads * dim)});
       cache.append(0, p, rows(k, kv_heads * dim), rows(v, kv_heads * dim));
     }
@@ -152,7 +170,13 @@ TEST(Attend, ExactChunksBeatAttendingToThePackedPrompt) {
   std::vector<float> truth(q.size()), chunk(q.size()), after(q.size());
   kvq::reference_attention_block(exact, 0, 0, tokens, q, truth);
   BasicKVCache empty(shape, kvq::parse_cache_config("k2c32-v2t32-r16-s0"));
-  kvq::attend({.cache = &empty, .first_position = 0, .tokens = tokens, .queries = q, .new_keys = k, .new_values = v, .out = chunk});
+  kvq::attend({.cache = &empty,
+               .first_position = 0,
+               .tokens = tokens,
+               .queries = q,
+               .new_keys = k,
+               .new_values = v,
+               .out = chunk});
   kvq::attend({.cache = &packed, .first_position = 0, .tokens = tokens, .queries = q, .out = after});
   EXPECT_LT(relative_error(chunk, truth), 1e-5);
   EXPECT_GT(relative_error(after, truth), 1e-2);
@@ -161,7 +185,8 @@ TEST(Attend, ExactChunksBeatAttendingToThePackedPrompt) {
 // A batch of requests over caches of different lengths and configurations: each output equals the
 // request run alone, one position equals decode_attention, and threads change no bit.
 TEST(Attend, BatchesAreBitIdenticalToSingleRequestsAndDecode) {
-  const BasicKVCache a = filled("k4c32-v2t32-r20-s3", 2, 64, 700, 14, 64), b = filled("k4c32-v2t32-r16-s0-post", 2, 64, 301, 15);
+  const BasicKVCache a = filled("k4c32-v2t32-r20-s3", 2, 64, 700, 14, 64),
+                     b = filled("k4c32-v2t32-r16-s0-post", 2, 64, 301, 15);
   const BasicKVCache c = filled("k16-v16-r0-s0-post", 2, 64, 90, 16);
   const auto qa = kvq::test::normal_vector(4 * 4 * 64, 17, 0.4f), qb = kvq::test::normal_vector(1 * 4 * 64, 18, 0.4f);
   const auto qc = kvq::test::normal_vector(3 * 4 * 64, 19, 0.4f);
@@ -171,7 +196,14 @@ TEST(Attend, BatchesAreBitIdenticalToSingleRequestsAndDecode) {
     const AttentionRequest batch[] = {
         {.cache = &a, .layer = 1, .first_position = 696, .tokens = 4, .queries = qa, .out = oa},
         {.cache = &b, .layer = 0, .first_position = 300, .tokens = 1, .queries = qb, .out = ob},
-        {.cache = &c, .layer = 0, .first_position = 90, .tokens = 3, .queries = qc, .new_keys = nk, .new_values = nv, .out = oc},
+        {.cache = &c,
+         .layer = 0,
+         .first_position = 90,
+         .tokens = 3,
+         .queries = qc,
+         .new_keys = nk,
+         .new_values = nv,
+         .out = oc},
     };
     kvq::ThreadPool threads(2);
     kvq::attend(batch, {.tier = tier, .chunk_tokens = 128, .executor = &threads});
@@ -180,7 +212,8 @@ TEST(Attend, BatchesAreBitIdenticalToSingleRequestsAndDecode) {
       std::vector<float> out(alone.out.size());
       alone.out = out;
       kvq::attend(alone, {.tier = tier, .chunk_tokens = 128});
-      EXPECT_TRUE(std::equal(out.begin(), out.end(), batch[i].out.begin())) << "request " << i << " " << kvq::to_string(tier);
+      EXPECT_TRUE(std::equal(out.begin(), out.end(), batch[i].out.begin()))
+          << "request " << i << " " << kvq::to_string(tier);
     }
     std::vector<float> decoded(qb.size());
     kvq::decode_attention(b, 0, 300, qb, decoded, {.tier = tier, .chunk_tokens = 128});
@@ -200,7 +233,8 @@ TEST(Attend, ScaleWindowAndSoftcapMatchTheOracle) {
   rules[4].softcap = 2.0f;
   rules[5] = {.scale = 0.2f, .window = 100, .softcap = 3.0f};
   const std::size_t kv_heads = 2, dim = 64, group = 3, heads = kv_heads * group;
-  for (const char* text : {"k4c32-v2t32-r20-s3", "k4c32-v2t32-r16-s0-post", "k16-v16-r0-s0-post", "k8c32-v8t32-r8-s1-f32"}) {
+  for (const char* text :
+       {"k4c32-v2t32-r20-s3", "k4c32-v2t32-r16-s0-post", "k16-v16-r0-s0-post", "k8c32-v8t32-r8-s1-f32"}) {
     const BasicKVCache cache = filled(text, kv_heads, dim, 533, 31, 64);
     const BasicKVCache prefix = filled(text, kv_heads, dim, 200, 31, 64);
     const auto q1 = kvq::test::normal_vector(heads * dim, 32, 0.4f);
@@ -222,7 +256,8 @@ TEST(Attend, ScaleWindowAndSoftcapMatchTheOracle) {
           EXPECT_LT(relative_error(out, oracle), 1e-5) << what << " decode at " << position << " on " << kernel;
           kvq::decode_attention(cache, 1, position, q1, out,
                                 {.tier = Tier::integer, .chunk_tokens = 64, .kernel = kernel, .scores = rule});
-          EXPECT_LT(relative_error(out, oracle), 2.5e-2) << what << " integer decode at " << position << " on " << kernel;
+          EXPECT_LT(relative_error(out, oracle), 2.5e-2)
+              << what << " integer decode at " << position << " on " << kernel;
         }
       }
       const std::size_t tokens = 7, p0 = 533 - tokens;
@@ -233,10 +268,17 @@ TEST(Attend, ScaleWindowAndSoftcapMatchTheOracle) {
                   {.chunk_tokens = 64, .scores = rule});
       EXPECT_LT(relative_error(stored, block), 1e-5) << what << " stored block";
       std::vector<float> fresh(q.size());
-      kvq::attend({.cache = &prefix, .layer = 0, .first_position = 200, .tokens = 37, .queries = q, .new_keys = nk,
-                   .new_values = nv, .out = fresh},
+      kvq::attend({.cache = &prefix,
+                   .layer = 0,
+                   .first_position = 200,
+                   .tokens = 37,
+                   .queries = q,
+                   .new_keys = nk,
+                   .new_values = nv,
+                   .out = fresh},
                   {.chunk_tokens = 64, .scores = rule});
-      EXPECT_LT(relative_error(fresh, oracle_with_new(prefix, 0, 200, 37, q, nk, nv, rule)), 1e-5) << what << " prefill";
+      EXPECT_LT(relative_error(fresh, oracle_with_new(prefix, 0, 200, 37, q, nk, nv, rule)), 1e-5)
+          << what << " prefill";
     }
   }
 }
@@ -255,7 +297,10 @@ TEST(Attend, BadScoreOptionsThrowBeforeWritingAnything) {
     const kvq::DecodeOptions options{.scores = rules[i]};
     for (const std::size_t tokens : {1u, 2u}) {
       try {
-        kvq::attend({.cache = &cache, .first_position = 98, .tokens = tokens, .queries = std::span(q).first(tokens * 4 * 64),
+        kvq::attend({.cache = &cache,
+                     .first_position = 98,
+                     .tokens = tokens,
+                     .queries = std::span(q).first(tokens * 4 * 64),
                      .out = std::span(out).first(tokens * 4 * 64)},
                     options);
         ADD_FAILURE() << "accepted: " << parts[i];
@@ -287,8 +332,8 @@ TEST(Attend, BadRequestsThrowBeforeWritingAnything) {
     EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 7.0f; }));
     EXPECT_TRUE(std::all_of(other.begin(), other.end(), [](float x) { return x == 7.0f; }));
   };
-  const AttentionRequest good{.cache = &cache, .first_position = 98, .tokens = 2, .queries = q,
-                              .out = std::span(out).first(q.size())};
+  const AttentionRequest good{
+      .cache = &cache, .first_position = 98, .tokens = 2, .queries = q, .out = std::span(out).first(q.size())};
   AttentionRequest r = good;
   r.tokens = 0;
   expect_error({r}, kvq::ErrorCode::invalid_argument, "zero query tokens");

@@ -80,7 +80,8 @@ void check_case(const Case& c, unsigned seed) {
   for (const std::string& kernel : kernels()) {
     SCOPED_TRACE("kernel '" + kernel + "'");
     DecodeOptions o = options_for(kernel);
-    const bool accepted = kernel.empty() || entry(kernel)->accepts(cache.keys(0, 0, 0), cache.values(0, 0, 0), c.group, rope);
+    const bool accepted =
+        kernel.empty() || entry(kernel)->accepts(cache.keys(0, 0, 0), cache.values(0, 0, 0), c.group, rope);
     if (kernel == "avx2" || kernel == "vector-avx2") {
       EXPECT_EQ(accepted, c.dim % 8 == 0);  // they take every head_dim that is a multiple of 8, and only those
     }
@@ -98,15 +99,14 @@ void check_case(const Case& c, unsigned seed) {
 
 TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
   unsigned seed = 1;
-  for (const char* config : {"k4c32-v2t32-r40-s1", "k2c32-v2t32-r16-s0-post", "k8c16-v8t16-r8-s3",
-                             "k4c32-v4t32-r20-s2-post", "k2c32-v4t64-r0-s1-f32", "k3c32-v3t32-r16-s1",
-                             "k4c32s.bf16-v2t32s.f32-r16-s1-post", "k4c48-v2t16-r8-s0-post", "k16-v16-r0-s0",
-                             "k4c32-v2t32-r16-s1-bf16", "k2t32-v2c32-r16-s1-post", "k8c32-v8t32-r16-s0-post",
-                             // unquantized caches on the dense kernel (fp16 and fp32, with sinks)
-                             "k16-v16-r0-s0-post", "k16-v16-r0-s3-post-f32",
-                             // integer kernel: K2 with V4 and V8, K8 with V2
-                             "k2c32-v8t32-r16-s0-post", "k8c32-v2t32-r16-s1-post",
-                             "k4c64-v2t32-r16-s1-post", "k4c16-v4t32-r16-s0-post"}) {
+  for (const char* config :
+       {"k4c32-v2t32-r40-s1", "k2c32-v2t32-r16-s0-post", "k8c16-v8t16-r8-s3", "k4c32-v4t32-r20-s2-post",
+        "k2c32-v4t64-r0-s1-f32", "k3c32-v3t32-r16-s1", "k4c32s.bf16-v2t32s.f32-r16-s1-post", "k4c48-v2t16-r8-s0-post",
+        "k16-v16-r0-s0", "k4c32-v2t32-r16-s1-bf16", "k2t32-v2c32-r16-s1-post", "k8c32-v8t32-r16-s0-post",
+        // unquantized caches on the dense kernel (fp16 and fp32, with sinks)
+        "k16-v16-r0-s0-post", "k16-v16-r0-s3-post-f32",
+        // integer kernel: K2 with V4 and V8, K8 with V2
+        "k2c32-v8t32-r16-s0-post", "k8c32-v2t32-r16-s1-post", "k4c64-v2t32-r16-s1-post", "k4c16-v4t32-r16-s0-post"}) {
     for (const auto& [kv, group] : {std::pair<std::size_t, std::size_t>{2, 1}, {1, 4}, {2, 8}}) {
       for (const std::size_t dim : {64, 128}) {
         check_case({config, kv, group, dim, 301, 300}, seed++);
@@ -120,8 +120,8 @@ TEST(DecodeAttention, HalfSplitRopeShortContextsAndOddDims) {
   unsigned seed = 100;
   for (const char* config : {"k4c32-v2t32-r16-s1", "k8c32-v4t32-r16-s2", "k2c32-v2t32-r16-s0-post"}) {
     check_case({config, 2, 4, 128, 200, 199, kvq::RopeStyle::half_split}, seed++);
-    check_case({config, 2, 4, 64, 3, 0}, seed++);     // one token, maybe a sink
-    check_case({config, 2, 4, 128, 17, 16}, seed++); // nothing quantized yet
+    check_case({config, 2, 4, 64, 3, 0}, seed++);      // one token, maybe a sink
+    check_case({config, 2, 4, 128, 17, 16}, seed++);   // nothing quantized yet
     check_case({config, 1, 3, 48, 150, 149}, seed++);  // head_dim 48: no AVX-512 kernel, AVX2 takes it
   }
 }
@@ -141,9 +141,9 @@ TEST(DecodeAttention, Avx2EdgeShapes) {
   // not a multiple of 8 (scalar rotation tail), 3 and 16 value groups per row, GQA ratios that
   // leave 1 or 2 heads of the last 4, every residual type, symmetric parameters, per-channel
   // values, keys per token, and widths without fast unpacking in both tiers.
-  for (const char* config : {"k4c32-v2t8-r16-s1-post", "k4c32-v2t8-r16-s1", "k3c32-v5t32-r16-s2-post", "k2c32-v4c32-r16-s1-post",
-                             "k4c32s-v4t32s-r16-s1-post", "k4t8-v2t8-r16-s1-bf16", "k8c32-v8t32-r8-s1-post-f32",
-                             "k16-v16-r0-s2-bf16", "k6c16-v2t8-r16-s0"}) {
+  for (const char* config : {"k4c32-v2t8-r16-s1-post", "k4c32-v2t8-r16-s1", "k3c32-v5t32-r16-s2-post",
+                             "k2c32-v4c32-r16-s1-post", "k4c32s-v4t32s-r16-s1-post", "k4t8-v2t8-r16-s1-bf16",
+                             "k8c32-v8t32-r8-s1-post-f32", "k16-v16-r0-s2-bf16", "k6c16-v2t8-r16-s0"}) {
     for (const std::size_t dim : {40, 72, 96, 136}) {
       check_case({config, 2, 5, dim, 200, 199}, seed++);
       check_case({config, 1, 6, dim, 200, 150, kvq::RopeStyle::half_split}, seed++);
@@ -168,8 +168,8 @@ TEST(DecodeAttention, LargeQueriesStayFinite) {
           const BasicKVCache cache = make_cache(c, seed);
           const auto q = kvq::test::normal_vector(c.kv_heads * c.group * c.dim, seed++ + 7, stddev);
           for (const std::size_t position : {129, 192, 299}) {
-            SCOPED_TRACE(c.config + " gqa=" + std::to_string(group) + " d=" + std::to_string(dim) +
-                         " q*" + std::to_string(int(stddev)) + " pos=" + std::to_string(position));
+            SCOPED_TRACE(c.config + " gqa=" + std::to_string(group) + " d=" + std::to_string(dim) + " q*" +
+                         std::to_string(int(stddev)) + " pos=" + std::to_string(position));
             std::vector<float> ref(q.size()), ref_int(q.size());
             kvq::reference_attention(cache, 0, position, q, ref);
             DecodeOptions r = options_for("reference");
@@ -177,15 +177,17 @@ TEST(DecodeAttention, LargeQueriesStayFinite) {
             kvq::decode_attention(cache, 0, position, q, ref_int, r);
             for (const std::string& kernel : kernels()) {
               SCOPED_TRACE("kernel '" + kernel + "'");
-              if (!kernel.empty() && !entry(kernel)->accepts(cache.keys(0, 0, 0), cache.values(0, 0, 0), group,
-                                                           cache.config().key_rope == kvq::KeyRope::pre ? &cache.rope() : nullptr))
+              if (!kernel.empty() &&
+                  !entry(kernel)->accepts(cache.keys(0, 0, 0), cache.values(0, 0, 0), group,
+                                          cache.config().key_rope == kvq::KeyRope::pre ? &cache.rope() : nullptr))
                 continue;
               DecodeOptions o = options_for(kernel);
               for (const Tier tier : {Tier::exact, Tier::integer}) {
                 o.tier = tier;
                 std::vector<float> out(q.size());
                 kvq::decode_attention(cache, 0, position, q, out, o);
-                EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return std::isfinite(x); })) << to_string(tier);
+                EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return std::isfinite(x); }))
+                    << to_string(tier);
                 const double err = tier == Tier::exact ? relative_error(out, ref) : relative_error(out, ref_int);
                 EXPECT_LT(err, tier == Tier::exact ? exact_bound : integer_bound) << to_string(tier);
               }
@@ -218,7 +220,8 @@ TEST(DecodeAttention, Avx2IntegerTierFollowsTheReferenceKernel) {
       for (const std::size_t group : {1, 3, 6}) {
         for (const float stddev : {2.0f, 15.0f}) {
           const Case c{config, 1, group, dim, 301, 300};
-          SCOPED_TRACE(c.config + " gqa=" + std::to_string(group) + " d=" + std::to_string(dim) + " q*" + std::to_string(int(stddev)));
+          SCOPED_TRACE(c.config + " gqa=" + std::to_string(group) + " d=" + std::to_string(dim) + " q*" +
+                       std::to_string(int(stddev)));
           const BasicKVCache cache = make_cache(c, seed);
           const auto q = kvq::test::normal_vector(c.kv_heads * c.group * c.dim, seed++ + 7, stddev);
           for (const std::size_t position : {300, 229}) {
@@ -240,30 +243,30 @@ TEST(DecodeAttention, IdenticalForEveryThreadCountAndCloseForEveryChunkSize) {
   // packed post- and pre-RoPE (integer and exact kernels) and fp16 (dense kernel) caches
   for (const char* config : {"k4c32-v2t32-r64-s1-post", "k2c32-v2t32-r16-s3-post", "k16-v16-r0-s1-post",
                              "k4c32-v2t32-r64-s3", "k2c16-v4t32-r16-s0"}) {
-  SCOPED_TRACE(config);
-  const Case c{config, 4, 4, 128, 1500, 1499};
-  const BasicKVCache cache = make_cache(c, 9);
-  const auto q = kvq::test::normal_vector(c.kv_heads * c.group * c.dim, 10);
-  for (const std::string& kernel : kernels())
-  for (const Tier tier : {Tier::exact, Tier::integer}) {
-    SCOPED_TRACE("kernel '" + kernel + "'");
-    DecodeOptions o = options_for(kernel);
-    o.tier = tier;
-    o.chunk_tokens = 256;
-    const auto serial = run(cache, c, q, o);
-    for (const std::size_t threads : {1u, 2u, 3u}) {
-      kvq::ThreadPool pool(threads);
-      o.executor = &pool;
-      EXPECT_EQ(run(cache, c, q, o), serial) << threads << " threads";
-    }
-    o.executor = nullptr;
-    for (const std::size_t chunk : {1u, 32u, 100u, 4096u}) {
-      o.chunk_tokens = chunk;
-      // fp32 sums over 1500 positions merged in another order: up to 1.02e-6 measured (the vector
-      // kernel on AVX2 ops, fp16 cache).
-      EXPECT_LT(relative_error(run(cache, c, q, o), serial), tier == Tier::exact ? 2e-6 : 2e-3) << chunk;
-    }
-  }
+    SCOPED_TRACE(config);
+    const Case c{config, 4, 4, 128, 1500, 1499};
+    const BasicKVCache cache = make_cache(c, 9);
+    const auto q = kvq::test::normal_vector(c.kv_heads * c.group * c.dim, 10);
+    for (const std::string& kernel : kernels())
+      for (const Tier tier : {Tier::exact, Tier::integer}) {
+        SCOPED_TRACE("kernel '" + kernel + "'");
+        DecodeOptions o = options_for(kernel);
+        o.tier = tier;
+        o.chunk_tokens = 256;
+        const auto serial = run(cache, c, q, o);
+        for (const std::size_t threads : {1u, 2u, 3u}) {
+          kvq::ThreadPool pool(threads);
+          o.executor = &pool;
+          EXPECT_EQ(run(cache, c, q, o), serial) << threads << " threads";
+        }
+        o.executor = nullptr;
+        for (const std::size_t chunk : {1u, 32u, 100u, 4096u}) {
+          o.chunk_tokens = chunk;
+          // fp32 sums over 1500 positions merged in another order: up to 1.02e-6 measured (the vector
+          // kernel on AVX2 ops, fp16 cache).
+          EXPECT_LT(relative_error(run(cache, c, q, o), serial), tier == Tier::exact ? 2e-6 : 2e-3) << chunk;
+        }
+      }
   }
 }
 
@@ -307,7 +310,8 @@ TEST(DecodeAttention, KernelRegistry) {
   const BasicKVCache odd = make_cache({"k4c32-v2t32-r16-s1", 1, 3, 42, 40, 39}, 4);
   for (const auto& e : table) {
     if (std::string(e.name) == "reference") continue;
-    EXPECT_THROW(kvq::decode_kernel(odd, 3, options_for(e.name)), kvq::Error) << e.name;  // 42 channels, or no CPU for it
+    EXPECT_THROW(kvq::decode_kernel(odd, 3, options_for(e.name)), kvq::Error)
+        << e.name;  // 42 channels, or no CPU for it
   }
 }
 
@@ -332,7 +336,8 @@ TEST(DecodeAttention, KernelSelection) {
     EXPECT_STREQ(kvq::decode_kernel(cache, 8, {.tier = e.tier, .kernel = "reference"}), "reference");
 #if defined(KVQ_HAVE_X86_KERNELS)
     if (kvq::kernels::attention::avx512::supported()) {
-      EXPECT_STREQ(kvq::decode_kernel(cache, 8, {.tier = e.tier}), e.avx512) << e.config << " " << kvq::to_string(e.tier);
+      EXPECT_STREQ(kvq::decode_kernel(cache, 8, {.tier = e.tier}), e.avx512)
+          << e.config << " " << kvq::to_string(e.tier);
     }
 #elif defined(__aarch64__)
     EXPECT_STREQ(kvq::decode_kernel(cache, 8, {.tier = e.tier}), "vector-neon") << e.config;

@@ -90,13 +90,16 @@ TEST(DecodeRopeVariants, ScalingChangesTheOutput) {
   const auto q = kvq::test::normal_vector(4 * dim, 7, 2.0f);
   std::vector<float> plain(q.size());
   for (const Variant& variant : variants(dim)) {
-    kvq::BasicKVCache cache({1, 1, dim, length, kvq::RopeStyle::half_split, 10000.0f, variant.rope_dims, variant.scaling},
-                            kvq::parse_cache_config("k16-v16-r0-s0"));
+    kvq::BasicKVCache cache(
+        {1, 1, dim, length, kvq::RopeStyle::half_split, 10000.0f, variant.rope_dims, variant.scaling},
+        kvq::parse_cache_config("k16-v16-r0-s0"));
     cache.append(0, 0, k, v);
     std::vector<float> out(q.size());
     kvq::decode_attention(cache, 0, length - 1, q, out);
-    if (variant.name == "full none") plain = out;
-    else EXPECT_GT(kvq::test::relative_error(out, plain), 1e-3) << variant.name;
+    if (variant.name == "full none")
+      plain = out;
+    else
+      EXPECT_GT(kvq::test::relative_error(out, plain), 1e-3) << variant.name;
   }
 }
 

@@ -41,7 +41,8 @@ TEST(BlockStore, RefusesPastItsLimitAndNamesWhoAsked) {
     FAIL() << "a third block was handed out";
   } catch (const kvq::Error& e) {
     EXPECT_EQ(e.code(), kvq::ErrorCode::capacity_exceeded);
-    EXPECT_NE(std::string(e.what()).find("sequence 7 needs another block, but all 2 blocks"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("sequence 7 needs another block, but all 2 blocks"), std::string::npos)
+        << e.what();
   }
   EXPECT_EQ(store.counts().in_use, 2u);
   EXPECT_THROW(kvq::BlockStore(0, 4), kvq::Error);

@@ -73,8 +73,8 @@ TEST(KVCacheWindow, QuantizesExactlyWhatTheRuleSays) {
 // residual type stored them: whether the block was read in place from the ring or, where it wraps
 // around the ring's end (windows that are not a multiple of the group), through floats.
 TEST(KVCacheWindow, PackedKeyBlocksAreTheReferenceQuantizationOfTheStoredRows) {
-  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4t32-r32-s0-bf16", "k8c32-v8t32-r128-s1-f32", "k3c8-v5t16-r5-s0",
-                           "k4c32s-v2t32-r40-s0"}) {
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4t32-r32-s0-bf16", "k8c32-v8t32-r128-s1-f32",
+                           "k3c8-v5t16-r5-s0", "k4c32s-v2t32-r40-s0"}) {
     const CacheShape shape{1, 2, 64, 400};
     const std::size_t n = 301, dim = 64;
     const auto k = kvq::test::outlier_keys(n, 2, dim, 3, 8.0f, 12), v = kvq::test::normal_vector(n * 2 * dim, 13);
@@ -93,13 +93,16 @@ TEST(KVCacheWindow, PackedKeyBlocksAreTheReferenceQuantizationOfTheStoredRows) {
           kvq::load_row(s.residual, stored.data(), dim, rows.data() + r * dim);
         }
         std::vector<std::uint8_t> codes(g * s.row_bytes), scales(dim * param_bytes), zeros(dim * param_bytes);
-        kvq::kernels::reference::quantize_block_per_channel(s.spec, rows.data(), g, dim, dim, scales.data(), zeros.data(),
-                                                           codes.data(), s.row_bytes);
+        kvq::kernels::reference::quantize_block_per_channel(s.spec, rows.data(), g, dim, dim, scales.data(),
+                                                            zeros.data(), codes.data(), s.row_bytes);
         const std::size_t p = s.param_index(b0) * param_bytes;
-        EXPECT_TRUE(std::equal(codes.begin(), codes.end(), s.code_row(b0))) << text << " head " << h << " block at " << b0;
-        EXPECT_TRUE(std::equal(scales.begin(), scales.end(), s.scales + p)) << text << " head " << h << " block at " << b0;
+        EXPECT_TRUE(std::equal(codes.begin(), codes.end(), s.code_row(b0)))
+            << text << " head " << h << " block at " << b0;
+        EXPECT_TRUE(std::equal(scales.begin(), scales.end(), s.scales + p))
+            << text << " head " << h << " block at " << b0;
         if (s.zeros != nullptr) {
-          EXPECT_TRUE(std::equal(zeros.begin(), zeros.end(), s.zeros + p)) << text << " head " << h << " block at " << b0;
+          EXPECT_TRUE(std::equal(zeros.begin(), zeros.end(), s.zeros + p))
+              << text << " head " << h << " block at " << b0;
         }
       }
     }
@@ -115,7 +118,8 @@ TEST(KVCacheWindow, ZeroWindowQuantizesEveryCompleteGroupAtOnce) {
 }
 
 TEST(KVCacheChunking, StorageIsByteIdenticalHoweverTokensArrive) {
-  for (const char* text : {"k4c32-v2t32-r20-s3", "k3c8-v5t16-r0-s0", "k2t32-v2c32-r7-s1", "k8c16s-v4t64s-r33-s2-bf16"}) {
+  for (const char* text :
+       {"k4c32-v2t32-r20-s3", "k3c8-v5t16-r0-s0", "k2t32-v2c32-r7-s1", "k8c16s-v4t64s-r33-s2-bf16"}) {
     const CacheShape shape{2, 2, 64, 300};
     const std::size_t n = 257, row = 2 * 64;
     const auto k = kvq::test::outlier_keys(n, 2, 64, 3, 8.0f, 5), v = kvq::test::normal_vector(n * row, 6);
@@ -283,10 +287,13 @@ TEST(KVCacheOperations, EraseMovesLaterTokensDownUnchanged) {
     const CacheConfig config = config_of(text);
     const CacheShape shape{2, 2, 64, 400};
     const std::size_t n = 300, row = 2 * 64, s = config.sinks;
-    const auto k = kvq::test::outlier_keys(n + 40, 2, 64, 3, 8.0f, 31), v = kvq::test::normal_vector((n + 40) * row, 32);
+    const auto k = kvq::test::outlier_keys(n + 40, 2, 64, 3, 8.0f, 31),
+               v = kvq::test::normal_vector((n + 40) * row, 32);
     BasicKVCache original(shape, config);
     append_all(original, k, v, 0, n);
-    struct Range { std::size_t first, count; };
+    struct Range {
+      std::size_t first, count;
+    };
     std::vector<Range> ranges{{s, 64}, {s + 96, 32}, {s + 32, 160}};
     if (config.window >= 20) ranges.push_back({n - 9, 5});  // pending rows only
     for (const Range& r : ranges) {
@@ -320,7 +327,8 @@ TEST(KVCacheOperations, EraseMovesLaterTokensDownUnchanged) {
         EXPECT_EQ(cache.quantized_end(kvq::Tensor::keys, l), fresh.quantized_end(kvq::Tensor::keys, l));
         EXPECT_EQ(cache.quantized_end(kvq::Tensor::values, l), fresh.quantized_end(kvq::Tensor::values, l));
       }
-      for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) EXPECT_EQ(attend(cache, 1, tier), attend(fresh, 1, tier));
+      for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer})
+        EXPECT_EQ(attend(cache, 1, tier), attend(fresh, 1, tier));
       append_all(cache, kept_k, kept_v, n - r.count, n - r.count + 40);
       append_all(fresh, kept_k, kept_v, n - r.count, n - r.count + 40);
       EXPECT_EQ(attend(cache, 0, kvq::Tier::exact), attend(fresh, 0, kvq::Tier::exact));
@@ -333,7 +341,8 @@ TEST(KVCacheOperations, EraseMovesLaterTokensDownUnchanged) {
 TEST(KVCacheOperations, EraseRejectsWhatItCannotMoveAndChangesNothing) {
   const CacheShape shape{2, 1, 64, 200};
   const auto k = kvq::test::normal_vector(150 * 64, 41), v = kvq::test::normal_vector(150 * 64, 42);
-  auto expect_rejected = [&](const char* text, std::size_t first, std::size_t count, kvq::ErrorCode code, const char* needle) {
+  auto expect_rejected = [&](const char* text, std::size_t first, std::size_t count, kvq::ErrorCode code,
+                             const char* needle) {
     SCOPED_TRACE(std::string(text) + " erase [" + std::to_string(first) + ", +" + std::to_string(count) + ")");
     BasicKVCache cache(shape, config_of(text));
     append_all(cache, k, v, 0, 150);
@@ -353,7 +362,8 @@ TEST(KVCacheOperations, EraseRejectsWhatItCannotMoveAndChangesNothing) {
   // 150 tokens, r20, one sink: keys packed up to 1 + 4 * 32 = 129, values up to 130
   expect_rejected("k4c32-v2t32-r20-s1", 0, 32, kvq::ErrorCode::invalid_argument, "sink");
   expect_rejected("k4c32-v2t32-r20-s1", 140, 11, kvq::ErrorCode::invalid_argument, "layer 1 holds 150");
-  expect_rejected("k4c32-v2t32-r20-s1", 17, 32, kvq::ErrorCode::unsupported, "split the packed key group starting at 1");
+  expect_rejected("k4c32-v2t32-r20-s1", 17, 32, kvq::ErrorCode::unsupported,
+                  "split the packed key group starting at 1");
   expect_rejected("k4c32-v2t32-r20-s1", 33, 20, kvq::ErrorCode::unsupported, "move packed key groups by 20");
   expect_rejected("k4c32-v2t32-r20-s1-post", 33, 32, kvq::ErrorCode::unsupported, "post-RoPE");
   expect_rejected("k16-v4c16-r0-s0", 8, 16, kvq::ErrorCode::unsupported, "value group starting at 0");
@@ -373,8 +383,9 @@ TEST(KVCacheOperations, EraseRejectsWhatItCannotMoveAndChangesNothing) {
 // longest length held: after every step the cache equals one fed the surviving tokens directly.
 TEST(KVCacheRollback, RandomRollbacksEqualAFreshCache) {
   std::size_t rollbacks = 0, reopened = 0;
-  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4c16-r0-s0", "k16-v16-r0-s2", "k8c16-v4t32s-r33-s2-bf16",
-                           "k3c8-v5t16-r5-s0-d5", "k2t32-v2c32-r7-s1-d40", "k4c8-v2t8-r8-s0-d1", "k4c32-v2t32-r128-s1"}) {
+  for (const char* text :
+       {"k4c32-v2t32-r20-s3", "k2c16-v4c16-r0-s0", "k16-v16-r0-s2", "k8c16-v4t32s-r33-s2-bf16", "k3c8-v5t16-r5-s0-d5",
+        "k2t32-v2c32-r7-s1-d40", "k4c8-v2t8-r8-s0-d1", "k4c32-v2t32-r128-s1"}) {
     const CacheConfig config = config_of(text);
     const std::size_t D = config.rollback_depth, dim = 32, heads = 2, row = heads * dim, capacity = 400;
     const CacheShape shape{2, heads, dim, capacity};
@@ -407,7 +418,8 @@ TEST(KVCacheRollback, RandomRollbacksEqualAFreshCache) {
       }
       BasicKVCache fresh(shape, config);
       append_all(fresh, k, v, 0, length);
-      const std::string where = std::string(text) + " step " + std::to_string(step) + " length " + std::to_string(length);
+      const std::string where =
+          std::string(text) + " step " + std::to_string(step) + " length " + std::to_string(length);
       kvq::test::expect_same_state(cache, fresh, where);
       for (std::size_t l = 0; l < 2; ++l) {  // the newest R keys and values are full precision
         for (const kvq::Tensor t : {kvq::Tensor::keys, kvq::Tensor::values}) {
@@ -478,7 +490,9 @@ TEST(KVCacheRollback, DeeperCutsThrowAndChangeNothing) {
   };
   // 200 tokens, r20, 3 sinks, D = 16: keys packed to 163, copies of the last 48 from 115, their
   // ring (52 rows) from 148; values packed to 180, copies of the last 17 from 163, ring from 179.
-  expect_rejected("k4c32-v2t32-r20-s3", 182, "layer 0: truncating from 200 to 182 tokens would re-open quantized value positions [162, 180), but full-precision rows are kept only from position 163 (rollback depth 16)");
+  expect_rejected("k4c32-v2t32-r20-s3", 182,
+                  "layer 0: truncating from 200 to 182 tokens would re-open quantized value positions [162, 180), but "
+                  "full-precision rows are kept only from position 163 (rollback depth 16)");
   expect_rejected("k4c32-v2t32-r20-s3-d0", 198, "value positions [178, 180)");
   expect_rejected("k4c32-v16-r20-s3-d0", 180, "key positions [131, 163)");
   BasicKVCache cache(shape, config_of("k4c32-v16-r20-s3-d0"));

@@ -27,8 +27,8 @@ std::vector<float> random_rows(std::size_t n, std::mt19937& rng) {
   return v;
 }
 
-const std::vector<kvq::CacheConfig> mixed = kvq::parse_layer_configs(
-    "k8c32-v4t24-r16-s2;k2c32-v2t24-r0-s0;k16-v16-r0-s0-f32;k4c32-v2t24-r32-s0-post", 4);
+const std::vector<kvq::CacheConfig> mixed =
+    kvq::parse_layer_configs("k8c32-v4t24-r16-s2;k2c32-v2t24-r0-s0;k16-v16-r0-s0-f32;k4c32-v2t24-r32-s0-post", 4);
 
 TEST(LayeredKVCache, EachLayerHoldsWhatACacheOfItsConfigurationHolds) {
   kvq::LayeredKVCache layered(shape(4), mixed);

@@ -103,7 +103,8 @@ TEST(CacheFile, RoundTripRestoresEverything) {
 TEST(CacheFile, SavesToAndLoadsFromAFile) {
   const CacheShape shape{2, 2, 32, 128};
   const BasicKVCache original = sample_cache(shape, config_of("k4c8-v2t8-r8-s1"), 60, 3);
-  const auto path = std::filesystem::temp_directory_path() / ("kvq_test_serialize_" + std::to_string(::getpid()) + ".kvq");
+  const auto path =
+      std::filesystem::temp_directory_path() / ("kvq_test_serialize_" + std::to_string(::getpid()) + ".kvq");
   kvq::save_file(original, path);
   BasicKVCache into(shape, original.config());
   kvq::load_file(into, path);
@@ -156,7 +157,8 @@ TEST(CacheFile, PartialAndScaledRopeRoundTrips) {
     const BasicKVCache fresh = kvq::load(in);
     EXPECT_TRUE(fresh.shape().rope_scaling == shape.rope_scaling);
     EXPECT_EQ(fresh.shape().rope().dims(), shape.rope().dims());
-    kvq::test::expect_same_state(fresh, original, "loaded as a new cache");  // reference attention rotates with the file's RoPE
+    kvq::test::expect_same_state(fresh, original,
+                                 "loaded as a new cache");  // reference attention rotates with the file's RoPE
     EXPECT_EQ(saved(fresh), bytes);
     // Any other RoPE is a mismatch naming it; the target keeps what it held.
     for (const CacheShape& other : rope_shapes()) {
@@ -255,7 +257,8 @@ TEST(CacheFile, SizeFollowsTheTokensHeldNotTheCapacity) {
   const std::size_t layers = 2, heads = 4, dim = 128;
   std::size_t previous = 0;
   for (const std::size_t tokens : {300u, 600u, 1200u}) {
-    BasicKVCache small(CacheShape{layers, heads, dim, 1500}, config), large(CacheShape{layers, heads, dim, 6000}, config);
+    BasicKVCache small(CacheShape{layers, heads, dim, 1500}, config),
+        large(CacheShape{layers, heads, dim, 6000}, config);
     append_random(small, tokens, 5);
     append_random(large, tokens, 5);
     const std::size_t size = saved(small).size();
@@ -293,7 +296,8 @@ class DamagedFile : public ::testing::Test {
   }
 
   // Loading `bytes` throws kvq::Error with `code` (mentioning `needle`) and leaves the target as it was.
-  void expect_rejected(const std::string& bytes, kvq::ErrorCode code, const std::string& needle, const std::string& what) {
+  void expect_rejected(const std::string& bytes, kvq::ErrorCode code, const std::string& needle,
+                       const std::string& what) {
     const auto before = snapshot(target);
     const std::size_t l0 = target.length(0), l1 = target.length(1);
     try {
@@ -325,7 +329,8 @@ TEST_F(DamagedFile, EveryBitFlipThrowsIo) {
     for (int bit = 0; bit < 8; ++bit) {
       std::string bytes = file;
       bytes[i] = char(bytes[i] ^ (1 << bit));
-      expect_rejected(bytes, kvq::ErrorCode::io, "offset", "bit " + std::to_string(bit) + " of byte " + std::to_string(i));
+      expect_rejected(bytes, kvq::ErrorCode::io, "offset",
+                      "bit " + std::to_string(bit) + " of byte " + std::to_string(i));
       if (HasFailure()) return;
     }
 }
@@ -424,11 +429,21 @@ TEST_F(DamagedFile, MutationFuzzOnlySucceedsOrThrows) {
     for (int m = 0; m < mutations; ++m) {
       const std::size_t at = bytes.empty() ? 0 : rng() % bytes.size();
       switch (rng() % 5) {
-        case 0: if (!bytes.empty()) bytes[at] = char(rng()); break;
-        case 1: bytes.insert(bytes.begin() + std::ptrdiff_t(at), char(rng())); break;
-        case 2: if (!bytes.empty()) bytes.erase(at, 1 + rng() % 16); break;
-        case 3: bytes.resize(at); break;
-        default: if (!bytes.empty()) bytes[at] = char(bytes[at] ^ (1 << (rng() % 8))); break;
+        case 0:
+          if (!bytes.empty()) bytes[at] = char(rng());
+          break;
+        case 1:
+          bytes.insert(bytes.begin() + std::ptrdiff_t(at), char(rng()));
+          break;
+        case 2:
+          if (!bytes.empty()) bytes.erase(at, 1 + rng() % 16);
+          break;
+        case 3:
+          bytes.resize(at);
+          break;
+        default:
+          if (!bytes.empty()) bytes[at] = char(bytes[at] ^ (1 << (rng() % 8)));
+          break;
       }
     }
     const bool into_target = iteration % 2 == 0;

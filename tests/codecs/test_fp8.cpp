@@ -10,27 +10,27 @@
 
 namespace {
 
-using kvq::Fp8Format;
 using kvq::float_to_fp8;
 using kvq::fp8_to_float;
+using kvq::Fp8Format;
 
 constexpr Fp8Format e4 = Fp8Format::e4m3fn, e5 = Fp8Format::e5m2;
 
 TEST(Fp8, E4M3HandWorked) {
-  EXPECT_EQ(float_to_fp8(e4, 1.0f), 0x38);           // 0 0111 000: 2^(7-7)
-  EXPECT_EQ(float_to_fp8(e4, -2.0f), 0xC0);          // 1 1000 000
-  EXPECT_EQ(float_to_fp8(e4, 448.0f), 0x7E);         // 0 1111 110: 1.75 * 2^8, the largest
-  EXPECT_EQ(float_to_fp8(e4, 0x1p-6f), 0x08);        // smallest normal
-  EXPECT_EQ(float_to_fp8(e4, 0x1p-9f), 0x01);        // smallest subnormal: 1/8 * 2^-6
-  EXPECT_EQ(float_to_fp8(e4, 1.0625f), 0x38);        // halfway 1 / 1.125: to the even 1.0
-  EXPECT_EQ(float_to_fp8(e4, 1.1875f), 0x3A);        // halfway 1.125 / 1.25: to the even 1.25
+  EXPECT_EQ(float_to_fp8(e4, 1.0f), 0x38);     // 0 0111 000: 2^(7-7)
+  EXPECT_EQ(float_to_fp8(e4, -2.0f), 0xC0);    // 1 1000 000
+  EXPECT_EQ(float_to_fp8(e4, 448.0f), 0x7E);   // 0 1111 110: 1.75 * 2^8, the largest
+  EXPECT_EQ(float_to_fp8(e4, 0x1p-6f), 0x08);  // smallest normal
+  EXPECT_EQ(float_to_fp8(e4, 0x1p-9f), 0x01);  // smallest subnormal: 1/8 * 2^-6
+  EXPECT_EQ(float_to_fp8(e4, 1.0625f), 0x38);  // halfway 1 / 1.125: to the even 1.0
+  EXPECT_EQ(float_to_fp8(e4, 1.1875f), 0x3A);  // halfway 1.125 / 1.25: to the even 1.25
   EXPECT_EQ(float_to_fp8(e4, 1.19f), 0x3A);
-  EXPECT_EQ(float_to_fp8(e4, 0x1p-10f), 0x00);       // halfway 0 / 2^-9: to even 0
-  EXPECT_EQ(float_to_fp8(e4, 3 * 0x1p-10f), 0x02);   // halfway 1 / 2 subnormal quanta: 2
-  EXPECT_EQ(float_to_fp8(e4, 7.5f * 0x1p-9f), 0x08); // halfway largest subnormal / smallest normal
+  EXPECT_EQ(float_to_fp8(e4, 0x1p-10f), 0x00);        // halfway 0 / 2^-9: to even 0
+  EXPECT_EQ(float_to_fp8(e4, 3 * 0x1p-10f), 0x02);    // halfway 1 / 2 subnormal quanta: 2
+  EXPECT_EQ(float_to_fp8(e4, 7.5f * 0x1p-9f), 0x08);  // halfway largest subnormal / smallest normal
   EXPECT_EQ(float_to_fp8(e4, -0.0f), 0x80);
-  EXPECT_EQ(float_to_fp8(e4, 464.0f), 0x7E);         // halfway 448 / (480): to the even 448
-  EXPECT_EQ(float_to_fp8(e4, 465.0f), 0x7E);         // rounds past 448: saturates
+  EXPECT_EQ(float_to_fp8(e4, 464.0f), 0x7E);  // halfway 448 / (480): to the even 448
+  EXPECT_EQ(float_to_fp8(e4, 465.0f), 0x7E);  // rounds past 448: saturates
   EXPECT_EQ(float_to_fp8(e4, -1e9f), 0xFE);
   EXPECT_EQ(float_to_fp8(e4, 465.0f, false), 0x7F);  // no infinity: NaN when not saturating
   EXPECT_EQ(float_to_fp8(e4, INFINITY), 0x7E);
@@ -42,12 +42,12 @@ TEST(Fp8, E4M3HandWorked) {
 }
 
 TEST(Fp8, E5M2HandWorked) {
-  EXPECT_EQ(float_to_fp8(e5, 1.0f), 0x3C);           // 0 01111 00
-  EXPECT_EQ(float_to_fp8(e5, 57344.0f), 0x7B);       // 0 11110 11: 1.75 * 2^15
-  EXPECT_EQ(float_to_fp8(e5, 0x1p-16f), 0x01);       // smallest subnormal
-  EXPECT_EQ(float_to_fp8(e5, 1.125f), 0x3C);         // halfway 1 / 1.25: to even
-  EXPECT_EQ(float_to_fp8(e5, 1.375f), 0x3E);         // halfway 1.25 / 1.5: to even 1.5
-  EXPECT_EQ(float_to_fp8(e5, 61440.0f), 0x7B);       // halfway 57344 / 65536: rounds up, saturates
+  EXPECT_EQ(float_to_fp8(e5, 1.0f), 0x3C);             // 0 01111 00
+  EXPECT_EQ(float_to_fp8(e5, 57344.0f), 0x7B);         // 0 11110 11: 1.75 * 2^15
+  EXPECT_EQ(float_to_fp8(e5, 0x1p-16f), 0x01);         // smallest subnormal
+  EXPECT_EQ(float_to_fp8(e5, 1.125f), 0x3C);           // halfway 1 / 1.25: to even
+  EXPECT_EQ(float_to_fp8(e5, 1.375f), 0x3E);           // halfway 1.25 / 1.5: to even 1.5
+  EXPECT_EQ(float_to_fp8(e5, 61440.0f), 0x7B);         // halfway 57344 / 65536: rounds up, saturates
   EXPECT_EQ(float_to_fp8(e5, 61440.0f, false), 0x7C);  // ... or overflows to infinity
   EXPECT_EQ(float_to_fp8(e5, 61439.0f, false), 0x7B);
   EXPECT_EQ(float_to_fp8(e5, -INFINITY, false), 0xFC);

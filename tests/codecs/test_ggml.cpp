@@ -122,9 +122,9 @@ TEST(GgmlCodecs, Q4_1StoresScaleAndMin) {
   std::vector<int> q(32, 1);  // 0 -> int(1.5) = 1
   x[0] = -1.0f, q[0] = 0;
   x[1] = 14.0f, q[1] = 15;
-  x[2] = 0.5f, q[2] = 2;     // int(2.0)
-  x[3] = 0.49f, q[3] = 1;    // int(1.99)
-  x[20] = 6.7f, q[20] = 8;   // int(8.2)
+  x[2] = 0.5f, q[2] = 2;    // int(2.0)
+  x[3] = 0.49f, q[3] = 1;   // int(1.99)
+  x[20] = 6.7f, q[20] = 8;  // int(8.2)
   const Bytes b = quantize(BlockType::q4_1, x);
   EXPECT_EQ(b, concat({{0x00, 0x3C, 0x00, 0xBC}, nibbles(q)}));
   EXPECT_EQ(dequantize(BlockType::q4_1, b)[20], 7.0f);
@@ -136,9 +136,9 @@ TEST(GgmlCodecs, Q5_0AndQ5_1PutTheFifthBitInQh) {
   std::vector<int> q(32, 16);  // fifth bit set on every zero
   x[0] = -16.0f, q[0] = 0;
   x[1] = 15.0f, q[1] = 31;
-  x[2] = 15.6f, q[2] = 31;   // int(32.1) capped
-  x[3] = -0.5f, q[3] = 16;   // int(16.0)
-  x[4] = -1.0f, q[4] = 15;   // int(15.5): fifth bit clear
+  x[2] = 15.6f, q[2] = 31;  // int(32.1) capped
+  x[3] = -0.5f, q[3] = 16;  // int(16.0)
+  x[4] = -1.0f, q[4] = 15;  // int(15.5): fifth bit clear
   x[31] = 2.0f, q[31] = 18;
   EXPECT_EQ(quantize(BlockType::q5_0, x), concat({{0x00, 0x3C}, fifth_bits(q), nibbles(q)}));
   // Every zero has code 16, so qh is all ones but for values 0 and 4: 0xFFFFFFEE.

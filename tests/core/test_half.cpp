@@ -50,9 +50,12 @@ bool have_f16c() { return false; }
 double plain_fp16_value(std::uint16_t h) {
   const int sign = h >> 15, e = (h >> 10) & 0x1f, m = h & 0x3ff;
   double v;
-  if (e == 0x1f) v = m == 0 ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
-  else if (e == 0) v = std::ldexp(double(m), -24);
-  else v = std::ldexp(double(1024 + m), e - 25);
+  if (e == 0x1f)
+    v = m == 0 ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
+  else if (e == 0)
+    v = std::ldexp(double(m), -24);
+  else
+    v = std::ldexp(double(1024 + m), e - 25);
   return sign ? -v : v;
 }
 
@@ -93,8 +96,10 @@ std::uint16_t plain_to_bf16(float x) {
   const double da = a - std::fabs(double(float_of(std::uint32_t(down) << 16)));
   if (da == 0) return down;
   double ub;
-  if ((up & 0x7fff) == 0x7f80) ub = std::ldexp(1.0, 128);  // where the next binade would start
-  else ub = std::fabs(double(float_of(std::uint32_t(up) << 16)));
+  if ((up & 0x7fff) == 0x7f80)
+    ub = std::ldexp(1.0, 128);  // where the next binade would start
+  else
+    ub = std::fabs(double(float_of(std::uint32_t(up) << 16)));
   const double du = ub - a;
   if (da < du) return down;
   if (du < da) return up;
@@ -143,14 +148,14 @@ TEST(Fp16, HandWrittenCases) {
   EXPECT_EQ(kvq::to_fp16(-65520.0f).bits, 0xfc00);
   EXPECT_EQ(kvq::to_fp16(1e9f).bits, 0x7c00);
   EXPECT_EQ(kvq::to_fp16(std::numeric_limits<float>::infinity()).bits, 0x7c00);
-  EXPECT_EQ(kvq::to_fp16(std::ldexp(1.0f, -24)).bits, 0x0001);          // least subnormal
-  EXPECT_EQ(kvq::to_fp16(std::ldexp(1.0f, -25)).bits, 0x0000);          // half of it: tie to even (0)
+  EXPECT_EQ(kvq::to_fp16(std::ldexp(1.0f, -24)).bits, 0x0001);  // least subnormal
+  EXPECT_EQ(kvq::to_fp16(std::ldexp(1.0f, -25)).bits, 0x0000);  // half of it: tie to even (0)
   EXPECT_EQ(kvq::to_fp16(std::nextafter(std::ldexp(1.0f, -25), 1.0f)).bits, 0x0001);
-  EXPECT_EQ(kvq::to_fp16(std::ldexp(3.0f, -25)).bits, 0x0002);          // 1.5 ulp: tie to even (2)
-  EXPECT_EQ(kvq::to_fp16(std::ldexp(5.0f, -25)).bits, 0x0002);          // 2.5 ulp: tie to even (2)
+  EXPECT_EQ(kvq::to_fp16(std::ldexp(3.0f, -25)).bits, 0x0002);                          // 1.5 ulp: tie to even (2)
+  EXPECT_EQ(kvq::to_fp16(std::ldexp(5.0f, -25)).bits, 0x0002);                          // 2.5 ulp: tie to even (2)
   EXPECT_EQ(kvq::to_fp16(std::ldexp(1.0f, -14) - std::ldexp(1.0f, -25)).bits, 0x0400);  // carry into normal
-  EXPECT_EQ(kvq::to_fp16(1.0f + std::ldexp(1.0f, -11)).bits, 0x3c00);        // tie to even
-  EXPECT_EQ(kvq::to_fp16(1.0f + 3 * std::ldexp(1.0f, -11)).bits, 0x3c02);    // tie to even (up)
+  EXPECT_EQ(kvq::to_fp16(1.0f + std::ldexp(1.0f, -11)).bits, 0x3c00);                   // tie to even
+  EXPECT_EQ(kvq::to_fp16(1.0f + 3 * std::ldexp(1.0f, -11)).bits, 0x3c02);               // tie to even (up)
   EXPECT_EQ(kvq::to_fp16(2047.5f).bits, 0x6800);  // 2047.5 -> tie between 2047 and 2048: 2048 (even)
   EXPECT_TRUE(is_fp16_nan(kvq::to_fp16(std::numeric_limits<float>::quiet_NaN()).bits));
   EXPECT_TRUE(is_fp16_nan(kvq::to_fp16(float_of(0x7f800001u)).bits));  // signalling NaN with a low payload

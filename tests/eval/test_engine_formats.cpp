@@ -94,7 +94,8 @@ TEST(EngineFormats, RowCodecIsTheCodecOnWholeRowsWithTheRotationAroundIt) {
       EXPECT_NE(*x, *original) << bits << " bits: something was quantized";
     }
     double key_error = 0, value_error = 0;
-    for (std::size_t i = 0; i < 64; ++i) key_error += std::pow(key[i] - k[i], 2), value_error += std::pow(value[i] - v[i], 2);
+    for (std::size_t i = 0; i < 64; ++i)
+      key_error += std::pow(key[i] - k[i], 2), value_error += std::pow(value[i] - v[i], 2);
     EXPECT_LT(value_error, key_error) << "8 bits lose less than 3";
   }
   // Rows of 24 values are not whole ggml blocks; fp8 has no blocks.
@@ -105,12 +106,14 @@ TEST(EngineFormats, RowCodecIsTheCodecOnWholeRowsWithTheRotationAroundIt) {
 TEST(EngineFormats, BackendAttendsOverFilteredRowsAndAThrowingFilterStoresNothing) {
   const kvq::RopeConfig rope{8, kvq::RopeStyle::adjacent_pairs, 10000.0f};
   int calls = 0;
-  kvq::llama::FullPrecisionBackend plain(1, 2, 1, rope, 4), zeroed(1, 2, 1, rope, 4, [&](std::span<float> k, std::span<float> v) {
-    ++calls;
-    for (float& x : v) x = 0.0f;
-    if (k[0] > 100.0f) throw std::runtime_error("refused");
-  });
-  const std::vector<float> k = kvq::test::normal_vector(8, 3), v = kvq::test::normal_vector(8, 4), q = kvq::test::normal_vector(16, 5);
+  kvq::llama::FullPrecisionBackend plain(1, 2, 1, rope, 4),
+      zeroed(1, 2, 1, rope, 4, [&](std::span<float> k, std::span<float> v) {
+        ++calls;
+        for (float& x : v) x = 0.0f;
+        if (k[0] > 100.0f) throw std::runtime_error("refused");
+      });
+  const std::vector<float> k = kvq::test::normal_vector(8, 3), v = kvq::test::normal_vector(8, 4),
+                           q = kvq::test::normal_vector(16, 5);
   plain.append(0, 0, k, v);
   zeroed.append(0, 0, k, v);
   std::vector<float> out(16);
@@ -142,7 +145,8 @@ TEST(EngineFormats, HuggingFaceFormatsQuantizeGroupsOf64Affine) {
   for (const std::size_t head_dim : {std::size_t{128}, std::size_t{8}})
     for (const int bits : {4, 2}) {
       EngineRowCodec codec(parse_engine_format(bits == 4 ? "hf-int4" : "hf-int2"), 2, head_dim);
-      const std::vector<float> k0 = kvq::test::normal_vector(2 * head_dim, 11), v0 = kvq::test::normal_vector(2 * head_dim, 12);
+      const std::vector<float> k0 = kvq::test::normal_vector(2 * head_dim, 11),
+                               v0 = kvq::test::normal_vector(2 * head_dim, 12);
       std::vector<float> k = k0, v = v0;
       codec(k, v);
       const std::size_t group = std::min<std::size_t>(64, head_dim);
@@ -166,10 +170,13 @@ TEST(EngineFormats, HuggingFaceFormatsQuantizeGroupsOf64Affine) {
 TEST(EngineFormats, DelayedFilterWaitsForTheResidualToFill) {
   const kvq::RopeConfig rope{4, kvq::RopeStyle::adjacent_pairs, 10000.0f};
   int calls = 0;
-  kvq::llama::FullPrecisionBackend kv(1, 1, 1, rope, 8, [&](std::span<float>, std::span<float> v) {
-    ++calls;
-    for (float& x : v) x = 0.0f;
-  }, 3);
+  kvq::llama::FullPrecisionBackend kv(
+      1, 1, 1, rope, 8,
+      [&](std::span<float>, std::span<float> v) {
+        ++calls;
+        for (float& x : v) x = 0.0f;
+      },
+      3);
   const std::vector<float> zero(4, 0.0f), q(4, 0.0f);  // equal keys: uniform attention
   std::vector<float> out(4);
   for (std::size_t p = 0; p < 3; ++p) kv.append(0, p, zero, std::vector<float>(4, float(p + 1)));

@@ -15,14 +15,17 @@
 #include <vector>
 
 #include "eval/cli.hpp"
+#include "eval/printed_advice.hpp"
 #include "llama/llama_test_support.hpp"
 
 namespace {
 
-using kvq::eval::SyntheticSpec;
 using kvq::eval::synthetic_errors;
+using kvq::eval::SyntheticSpec;
 
-kvq::AttentionErrors synthetic(const char* config) { return synthetic_errors(SyntheticSpec{}, kvq::parse_cache_config(config)); }
+kvq::AttentionErrors synthetic(const char* config) {
+  return synthetic_errors(SyntheticSpec{}, kvq::parse_cache_config(config));
+}
 
 // KIVI's error table, row by row: per-token vs per-channel.
 TEST(EvalSynthetic, ReproducesTheDirectionOfEveryRowOfKivisErrorTable) {
@@ -43,8 +46,9 @@ TEST(EvalSynthetic, PerChannelValuesCollapseWhenSinksDominate) {
   // Without a sink the per-channel penalty on values shrinks: the sink is what collapses it.
   SyntheticSpec no_sink;
   no_sink.sink_logit = 0.0f;
-  const double ratio_no_sink = synthetic_errors(no_sink, kvq::parse_cache_config("k2c32-v2c32-r0-s0")).output_error_values /
-                               synthetic_errors(no_sink, kvq::parse_cache_config("k2c32-v2t32-r0-s0")).output_error_values;
+  const double ratio_no_sink =
+      synthetic_errors(no_sink, kvq::parse_cache_config("k2c32-v2c32-r0-s0")).output_error_values /
+      synthetic_errors(no_sink, kvq::parse_cache_config("k2c32-v2t32-r0-s0")).output_error_values;
   EXPECT_LT(ratio_no_sink, wrong_values.output_error_values / right.output_error_values);
 }
 
@@ -77,7 +81,8 @@ class EvalModel : public ::testing::Test {
     file_ = new kvq::llama::GgufFile(kvq::llama::GgufFile::load(kvq::llama::default_model_path()));
     model_ = new kvq::llama::Model(*file_);
     const kvq::llama::Tokenizer tok(*file_);
-    const std::string text = kvq::eval::read_file(kvq::llama::data_dir() / "text" / "tinystories_valid_excerpt.txt", "text");
+    const std::string text =
+        kvq::eval::read_file(kvq::llama::data_dir() / "text" / "tinystories_valid_excerpt.txt", "text");
     eval_stories_ = kvq::eval::tokenize_stories(text, tok, 160, 4);
     eval_ = new kvq::eval::ModelEvaluation(*model_, eval_stories_, 2);
   }
@@ -218,13 +223,14 @@ TEST_F(EvalModel, FreeRunningGenerationFromBos) {
 TEST_F(EvalModel, GenerationColumnsEndToEnd) {
   const auto dir = std::filesystem::temp_directory_path() / "kvq_eval_test_generate";
   std::ostringstream out, err;
-  ASSERT_EQ(kvq::eval::run_eval({"--context", "64", "--stories", "2", "--metric-stories", "0", "--generate", "16",
-                                 "--prompt", "8", "--configs", "k16-v16-r0-s0-f32,k2t8-v2t8-r0-s0", "--out",
-                                 dir.string()},
-                                out, err),
-            0)
+  ASSERT_EQ(
+      kvq::eval::run_eval({"--context", "64", "--stories", "2", "--metric-stories", "0", "--generate", "16", "--prompt",
+                           "8", "--configs", "k16-v16-r0-s0-f32,k2t8-v2t8-r0-s0", "--out", dir.string()},
+                          out, err),
+      0)
       << err.str();
-  EXPECT_NE(out.str().find("free-running generation: 2 prompts, 16 greedy tokens each"), std::string::npos) << out.str();
+  EXPECT_NE(out.str().find("free-running generation: 2 prompts, 16 greedy tokens each"), std::string::npos)
+      << out.str();
   // fp32 storage keeps every continuation: 16 identical tokens, all runs, all positions.
   EXPECT_NE(out.str().find(fmt::format("{:<28} {:>10.1f} {:>10.3f} {:>10.4f}", "k16-v16-r0-s0-f32", 16.0, 1.0, 1.0)),
             std::string::npos)
@@ -294,7 +300,8 @@ TEST(EvalCli, Qwen2ModelRunsOnTokenIds) {
         w.tensor_f32(std::string(layer) + name, {std::uint64_t(n)}, bias);
       }
   });
-  std::ofstream(dir / "tiny-qwen2.gguf", std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), long(bytes.size()));
+  std::ofstream(dir / "tiny-qwen2.gguf", std::ios::binary)
+      .write(reinterpret_cast<const char*>(bytes.data()), long(bytes.size()));
   {
     std::ofstream ids(dir / "ids.txt");
     for (int i = 0; i < 96; ++i) ids << (i * 17 + 3) % 40 << ' ';
@@ -314,7 +321,8 @@ TEST(EvalCli, Qwen2ModelRunsOnTokenIds) {
   EXPECT_NE(s.find(fmt::format("{:<28} {:>10.1f} {:>10.3f} {:>10.4f}", "k16-v16-r0-s0-f32", 8.0, 1.0, 1.0)),
             std::string::npos)
       << s;
-  EXPECT_NE(s.find("k16-v16-r0-s0-f32            K full / V full   32.00  +0.0000   0.00000  1.0000"), std::string::npos)
+  EXPECT_NE(s.find("k16-v16-r0-s0-f32            K full / V full   32.00  +0.0000   0.00000  1.0000"),
+            std::string::npos)
       << s;
 }
 
@@ -383,7 +391,8 @@ TEST(EvalCli, BadInputGivesOneClearMessage) {
   kvq::llama::testing::GgufWriter w;
   w.str("general.architecture", "gpt2");
   const auto bytes = w.bytes();
-  std::ofstream(dir / "gpt2.gguf", std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), long(bytes.size()));
+  std::ofstream(dir / "gpt2.gguf", std::ios::binary)
+      .write(reinterpret_cast<const char*>(bytes.data()), long(bytes.size()));
   EXPECT_EQ(run_cli({"--model", (dir / "gpt2.gguf").string()}, msg), 1);
   EXPECT_NE(msg.find("gpt2"), std::string::npos) << msg;
   std::ofstream(dir / "short.gguf", std::ios::binary).write("GGUF\3\0\0\0", 8);
@@ -416,7 +425,8 @@ TEST(EvalCli, CountsArePlainDigits) {
   EXPECT_EQ(run_cli({"--prefill-chunk", "0"}, msg), 1);
   EXPECT_NE(msg.find("--prefill-chunk must be at least 1"), std::string::npos) << msg;
   EXPECT_EQ(run_cli({"--prefill-chunk", "sixty"}, msg), 1);
-  EXPECT_NE(msg.find("--prefill-chunk needs a non-negative whole number in plain digits, got 'sixty'"), std::string::npos)
+  EXPECT_NE(msg.find("--prefill-chunk needs a non-negative whole number in plain digits, got 'sixty'"),
+            std::string::npos)
       << msg;
   EXPECT_EQ(kvq::eval::parse_options({}).prefill_chunk, 0u);  // token by token unless asked
   EXPECT_EQ(kvq::eval::parse_options({"--prefill-chunk", "64"}).prefill_chunk, 64u);
@@ -436,8 +446,15 @@ TEST(EvalCli, PrefillChunksAreStatedAndNoWorse) {
     row >> name >> axis1 >> axis2 >> axis3 >> axis4 >> axis5 >> bits >> dppl >> kl;
     return kl;
   };
-  const std::vector<std::string> common = {"--configs", "k4c32-v2t8-r0-s0", "--stories", "2", "--context", "128",
-                                           "--metric-stories", "0", "--out",
+  const std::vector<std::string> common = {"--configs",
+                                           "k4c32-v2t8-r0-s0",
+                                           "--stories",
+                                           "2",
+                                           "--context",
+                                           "128",
+                                           "--metric-stories",
+                                           "0",
+                                           "--out",
                                            (std::filesystem::temp_directory_path() / "kvq_eval_prefill").string()};
   std::ostringstream token_by_token, chunked, err;
   ASSERT_EQ(kvq::eval::run_eval(common, token_by_token, err), 0) << err.str();
@@ -564,8 +581,8 @@ TEST(EvalAdvisor, ChoiceMatchesExhaustiveSearch) {
 
 TEST_F(EvalModel, AdvisorBeatsOrMatchesTheBestUniformConfigurationWithinItsBudget) {
   std::vector<kvq::CacheConfig> candidates;
-  for (const char* c : {"k16-v16-r0-s0", "k2c32-v2c32-r0-s0", "k3c32-v2c32-r0-s0", "k4c32-v2c32-r0-s0", "k2c32-v4c32-r0-s0",
-                        "k4c32-v4c32-r0-s0", "k8c32-v8c32-r0-s0", "k2t8-v2t8-r0-s0"})
+  for (const char* c : {"k16-v16-r0-s0", "k2c32-v2c32-r0-s0", "k3c32-v2c32-r0-s0", "k4c32-v2c32-r0-s0",
+                        "k2c32-v4c32-r0-s0", "k4c32-v4c32-r0-s0", "k8c32-v8c32-r0-s0", "k2t8-v2t8-r0-s0"})
     candidates.push_back(kvq::parse_cache_config(c));
   const std::size_t layers = model_->config().layers;
   const auto serial = [](std::size_t n, auto job) {
@@ -574,7 +591,8 @@ TEST_F(EvalModel, AdvisorBeatsOrMatchesTheBestUniformConfigurationWithinItsBudge
   // Two stories of 96 tokens: three whole key groups each, so 2-bit keys and values cost 3 bits.
   const std::vector<std::vector<int>> stories(eval_stories_.begin(), eval_stories_.begin() + 2);
   std::vector<std::vector<int>> short_stories;
-  for (const auto& s : stories) short_stories.emplace_back(s.begin(), s.begin() + std::min<std::ptrdiff_t>(96, std::ssize(s)));
+  for (const auto& s : stories)
+    short_stories.emplace_back(s.begin(), s.begin() + std::min<std::ptrdiff_t>(96, std::ssize(s)));
   const kvq::eval::ModelEvaluation evaluation(*model_, short_stories, 0);
   const double budget = 3.4;
   const kvq::eval::Advice a = kvq::eval::advise(evaluation, layers, candidates, budget, serial);
@@ -643,19 +661,19 @@ TEST(EvalCli, AdvisesAmongGivenCandidates) {
   KVQ_REQUIRE_LLAMA_DATA();
   const std::string candidates = "k4c32-v4c32-r0-s0,k2c32-v2c32-r0-s0";
   std::ostringstream printed, errors;
-  ASSERT_EQ(kvq::eval::run_eval({"--advise", "--configs", candidates, "--budget", "4", "--stories", "2", "--context", "96"},
-                                printed, errors),
-            0)
+  ASSERT_EQ(
+      kvq::eval::run_eval({"--advise", "--configs", candidates, "--budget", "4", "--stories", "2", "--context", "96"},
+                          printed, errors),
+      0)
       << errors.str();
   std::string out = printed.str();
   EXPECT_NE(out.find("(2 candidates per layer"), std::string::npos) << out;
-  out.erase(out.find_last_not_of('\n') + 1);
-  const std::string text = out.substr(out.find_first_not_of(' ', out.rfind('\n') + 1));  // the last line, indented
-  const std::vector<kvq::CacheConfig> layers = kvq::parse_layer_configs(text, 5);
+  const std::vector<kvq::CacheConfig> layers = kvq::test::printed_advice(out, 5);
   for (const kvq::CacheConfig& c : layers)
     EXPECT_TRUE(c == kvq::parse_cache_config("k4c32-v4c32-r0-s0") || c == kvq::parse_cache_config("k2c32-v2c32-r0-s0"))
         << kvq::to_string(c);
-  EXPECT_EQ(run_cli({"--advise", "--configs", candidates, "--budget", "2", "--stories", "1", "--context", "96"}, out), 1);
+  EXPECT_EQ(run_cli({"--advise", "--configs", candidates, "--budget", "2", "--stories", "1", "--context", "96"}, out),
+            1);
   EXPECT_NE(out.find("below the smallest configuration"), std::string::npos) << out;
 }
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "eval/cli.hpp"
+#include "eval/printed_advice.hpp"
 #include "kvq/kvq.hpp"
 #include "llama/full_precision_backend.hpp"
 #include "llama/inference.hpp"
@@ -64,7 +65,7 @@ TEST_F(LlamaShape, LoadsTokenizerWeightsAndRopeScaling) {
   const std::string text = "Once upon a time, Lily saw 3 cats!";
   const std::vector<int> ids = tokenizer.encode(text);
   ASSERT_FALSE(ids.empty());
-  EXPECT_EQ(ids.front(), 128000);  // llama-bpe adds <|begin_of_text|>
+  EXPECT_EQ(ids.front(), 128000);      // llama-bpe adds <|begin_of_text|>
   EXPECT_LT(ids.size(), text.size());  // the letter-pair merges applied
   EXPECT_EQ(tokenizer.decode(std::span<const int>(ids).subspan(1)), text);
 
@@ -112,8 +113,8 @@ TEST_F(LlamaShape, LoadsTokenizerWeightsAndRopeScaling) {
 // one per layer of it.
 TEST_F(LlamaShape, EvaluatesAndGeneratesFromQuantizedCaches) {
   std::string out, err;
-  ASSERT_EQ(run({"--context", "40", "--stories", "1", "--configs", "k4c32-v2t32-r0-s0,k2c32-v2t32-r0-s0-post", "--generate",
-                 "2", "--prompt", "8", "--metric-stories", "1", "--prefill-chunk", "8"},
+  ASSERT_EQ(run({"--context", "40", "--stories", "1", "--configs", "k4c32-v2t32-r0-s0,k2c32-v2t32-r0-s0-post",
+                 "--generate", "2", "--prompt", "8", "--metric-stories", "1", "--prefill-chunk", "8"},
                 out, err),
             0)
       << err;
@@ -138,9 +139,7 @@ TEST_F(LlamaShape, AdvisesAPerLayerConfigurationTheLibraryLoads) {
             0)
       << err;
   EXPECT_NE(out.find("(2 candidates per layer"), std::string::npos) << out;
-  out.erase(out.find_last_not_of('\n') + 1);
-  const std::string text = out.substr(out.find_first_not_of(' ', out.rfind('\n') + 1));  // the last line, indented
-  const std::vector<kvq::CacheConfig> layers = kvq::parse_layer_configs(text, 16);
+  const std::vector<kvq::CacheConfig> layers = kvq::test::printed_advice(out, 16);
   for (const kvq::CacheConfig& c : layers)
     EXPECT_TRUE(c == kvq::parse_cache_config("k8t32-v8t32-r0-s0") || c == kvq::parse_cache_config("k2t32-v2t32-r0-s0"))
         << kvq::to_string(c);

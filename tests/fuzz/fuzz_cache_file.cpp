@@ -15,15 +15,22 @@ namespace {
 
 kvq::CacheShape cache_shape() {
   kvq::CacheShape s{.layers = 2, .kv_heads = 1, .head_dim = 16, .capacity = 48, .rope_dims = 8};
-  s.rope_scaling.type = kvq::RopeScalingType::llama3, s.rope_scaling.factor = 8.0f, s.rope_scaling.original_context = 32;
+  s.rope_scaling.type = kvq::RopeScalingType::llama3, s.rope_scaling.factor = 8.0f,
+  s.rope_scaling.original_context = 32;
   s.rope_scaling.frequency_divisors = {1.0f, 2.0f, 4.0f, 8.0f};
   return s;
 }
 
 kvq::PoolShape pool_shape() {
   const kvq::CacheShape c = cache_shape();
-  return kvq::PoolShape{.layers = 2, .kv_heads = 1, .head_dim = 16, .max_tokens = 128, .block_tokens = 64,
-                        .memory_blocks = 16, .rope_dims = c.rope_dims, .rope_scaling = c.rope_scaling};
+  return kvq::PoolShape{.layers = 2,
+                        .kv_heads = 1,
+                        .head_dim = 16,
+                        .max_tokens = 128,
+                        .block_tokens = 64,
+                        .memory_blocks = 16,
+                        .rope_dims = c.rope_dims,
+                        .rope_scaling = c.rope_scaling};
 }
 
 const kvq::CacheConfig& config() {
@@ -39,7 +46,8 @@ const std::vector<kvq::CacheConfig>& layer_configs() {
 
 /// Reads every row and attends at the newest position of every layer, as an engine would.
 void use(const kvq::BasicKVCache& cache) {
-  std::vector<float> row(cache.shape().head_dim), q(2 * cache.shape().kv_heads * cache.shape().head_dim, 0.25f), out(q.size());
+  std::vector<float> row(cache.shape().head_dim), q(2 * cache.shape().kv_heads * cache.shape().head_dim, 0.25f),
+      out(q.size());
   for (std::size_t l = 0; l < cache.shape().layers; ++l) {
     for (std::size_t h = 0; h < cache.shape().kv_heads; ++h)
       for (std::size_t p = 0; p < cache.length(l); ++p)
@@ -125,7 +133,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         if (layered.contains(id))
           for (std::size_t l = 0; l < 2; ++l) use(layered.layer(id, l).cache);
     } catch (const kvq::Error&) {
-      if (layered.sequence_count() != 0 || layered.blocks(0).counts().in_use != 0 || layered.blocks(1).counts().in_use != 0)
+      if (layered.sequence_count() != 0 || layered.blocks(0).counts().in_use != 0 ||
+          layered.blocks(1).counts().in_use != 0)
         __builtin_trap();
     }
     for (kvq::SequenceId id = 0; id < 8; ++id)

@@ -39,25 +39,42 @@ TEST(Limits, ShapeProductsThatWrapAreRefused) {
   // kv_heads = 2^61 x head_dim 8 once made a cache of 0 bytes whose first append divided by zero.
   for (const std::size_t kv_heads : {std::size_t(1) << 61, std::size_t(1) << 58, size_max}) {
     SCOPED_TRACE(kv_heads);
-    expect_error([&] { BasicKVCache c(CacheShape{1, kv_heads, 8, 16}, config("k4c32-v2t8-r0-s0")); }, ErrorCode::invalid_argument,
-                 "overflows");
+    expect_error(
+        [&] {
+          BasicKVCache c(CacheShape{1, kv_heads, 8, 16}, config("k4c32-v2t8-r0-s0"));
+        },
+        ErrorCode::invalid_argument, "overflows");
   }
-  expect_error([&] { BasicKVCache c(CacheShape{size_max, 2, 8, 16}, config("k4c32-v2t8-r0-s0")); }, ErrorCode::invalid_argument,
-               "layers x kv_heads");
-  expect_error([&] { BasicKVCache c(CacheShape{1, 1, 2048, 16}, kvq::full_precision_config()); },
-               ErrorCode::invalid_argument, "head_dim");
-  expect_error([&] { BasicKVCache c(CacheShape{1, 1, 0, 16}, CacheConfig{}); }, ErrorCode::invalid_argument, "head_dim");
+  expect_error(
+      [&] {
+        BasicKVCache c(CacheShape{size_max, 2, 8, 16}, config("k4c32-v2t8-r0-s0"));
+      },
+      ErrorCode::invalid_argument, "layers x kv_heads");
+  expect_error(
+      [&] {
+        BasicKVCache c(CacheShape{1, 1, 2048, 16}, kvq::full_precision_config());
+      },
+      ErrorCode::invalid_argument, "head_dim");
+  expect_error(
+      [&] {
+        BasicKVCache c(CacheShape{1, 1, 0, 16}, CacheConfig{});
+      },
+      ErrorCode::invalid_argument, "head_dim");
 }
 
 TEST(Limits, CapacityBeyondTheLimitIsRefusedBeforeAnyTable) {
   // 2^62 crashed in the RoPE table, SIZE_MAX wrote past it, 2^40 ended in std::bad_alloc.
   for (const std::size_t capacity : {std::size_t(1) << 62, size_max, std::size_t(1) << 40, kvq::max_capacity + 1}) {
     SCOPED_TRACE(capacity);
-    expect_error([&] { BasicKVCache c(CacheShape{1, 1, 64, capacity}, CacheConfig{}); }, ErrorCode::invalid_argument,
-                 "capacity");
+    expect_error(
+        [&] {
+          BasicKVCache c(CacheShape{1, 1, 64, capacity}, CacheConfig{});
+        },
+        ErrorCode::invalid_argument, "capacity");
   }
   volatile std::size_t opaque = size_max;  // not a constant: GCC would warn about the loop it guards
-  expect_error([&] { kvq::RopeTable t(kvq::RopeConfig{64}, opaque); }, ErrorCode::invalid_argument, "RoPE table positions");
+  expect_error([&] { kvq::RopeTable t(kvq::RopeConfig{64}, opaque); }, ErrorCode::invalid_argument,
+               "RoPE table positions");
   expect_error([] { kvq::AlignedBuffer b(size_max - 10); }, ErrorCode::out_of_memory, "bytes");
 }
 
@@ -75,7 +92,8 @@ TEST(Limits, HugeWindowsAndSinksNeverQuantizeAndNeverWrap) {
       BasicKVCache cache(CacheShape{1, heads, dim, 128}, c);
       for (std::size_t t = 0; t < tokens; t += 7) {  // chunks, so the checks run at many lengths
         const std::size_t n = std::min<std::size_t>(7, tokens - t), at = t * heads * dim;
-        cache.append(0, t, std::span(keys).subspan(at, n * heads * dim), std::span(values).subspan(at, n * heads * dim));
+        cache.append(0, t, std::span(keys).subspan(at, n * heads * dim),
+                     std::span(values).subspan(at, n * heads * dim));
       }
       EXPECT_EQ(cache.memory().code_bytes, 0u);
       std::vector<float> row(dim);
@@ -128,7 +146,8 @@ TEST(Limits, AttentionPositionsThatWouldWrapAreRefused) {
 // is sum|q| x key_peak x 2 sqrt(2) / sqrt(d) <= FLT_MAX / 64: just past it a call is refused with
 // nothing written, just below it every tier stays finite.
 TEST(Limits, QueriesWhoseScoresOverflowFloatAreRefusedAndLargeOnesStayFinite) {
-  for (const char* text : {"k4c32-v2t32-r0-s0", "k4c32-v2t32-r0-s0-post", "k3c4s-v3t8s-r0-s0-post", "k16-v16-r0-s0-f32"}) {
+  for (const char* text :
+       {"k4c32-v2t32-r0-s0", "k4c32-v2t32-r0-s0-post", "k3c4s-v3t8s-r0-s0-post", "k16-v16-r0-s0-f32"}) {
     SCOPED_TRACE(text);
     const BasicKVCache cache = filled_cache(text, 100);
     const auto q = kvq::test::normal_vector(4 * 64, 8);
@@ -170,8 +189,8 @@ using kvq::test::relative_error;
 TEST(Limits, IntegerTierKeepsItsBoundOnOutlierData) {
   const std::size_t dim = 64, heads = 2, tokens = 200, query_heads = 8;
   const auto q = kvq::test::normal_vector(query_heads * dim, 3);
-  for (const char* text : {"k3c4s-v3t8s-r0-s0-post", "k4c32-v2t32-r0-s0-post", "k2c32-v4t32-r8-s1-post",
-                           "k8c32-v8t32-r0-s0-post"}) {
+  for (const char* text :
+       {"k3c4s-v3t8s-r0-s0-post", "k4c32-v2t32-r0-s0-post", "k2c32-v4t32-r8-s1-post", "k8c32-v8t32-r0-s0-post"}) {
     for (const char* where : {"keys", "values", "both"}) {
       for (const float magnitude : {1e3f, 7e3f, 6e4f}) {
         SCOPED_TRACE(std::string(text) + ", " + where + ", " + std::to_string(magnitude));

@@ -93,7 +93,8 @@ class GgufWriter {
     ++tensor_count_;
     return *this;
   }
-  GgufWriter& tensor_f32(std::string_view name, const std::vector<std::uint64_t>& dims, const std::vector<float>& values) {
+  GgufWriter& tensor_f32(std::string_view name, const std::vector<std::uint64_t>& dims,
+                         const std::vector<float>& values) {
     std::vector<std::uint8_t> bytes;
     for (const float f : values) put(bytes, f);
     return tensor(name, dims, 0, bytes);

@@ -23,8 +23,8 @@
 namespace kvq::llama::testing {
 
 // Skips the calling test (with how to obtain the data) when the shared data folder is absent.
-#define KVQ_REQUIRE_LLAMA_DATA()                                                                  \
-  do {                                                                                            \
+#define KVQ_REQUIRE_LLAMA_DATA()                                                                                 \
+  do {                                                                                                           \
     if (!std::filesystem::exists(::kvq::llama::default_model_path())) GTEST_SKIP() << ::kvq::llama::data_help(); \
   } while (0)
 
@@ -95,9 +95,10 @@ struct TinyShape {
 /// A small random model of `arch` (dim 4, 1 layer, 2 heads, 1 kv head, ffn 3, vocab 5 unless
 /// `shape` says otherwise; no tokenizer), with a hook to rename or reshape tensors and one to add
 /// metadata or tensors.
-inline std::vector<std::uint8_t> tiny_model(const std::string& arch, const TinyShape& shape = {},
-                                            const std::function<void(std::string&, std::vector<std::uint64_t>&)>& tweak = {},
-                                            const std::function<void(GgufWriter&)>& extra = {}) {
+inline std::vector<std::uint8_t> tiny_model(
+    const std::string& arch, const TinyShape& shape = {},
+    const std::function<void(std::string&, std::vector<std::uint64_t>&)>& tweak = {},
+    const std::function<void(GgufWriter&)>& extra = {}) {
   const TinyShape& s = shape;
   const std::uint64_t head_dim = s.dim / s.heads, kv = s.kv_heads * head_dim;
   GgufWriter w;
@@ -113,10 +114,16 @@ inline std::vector<std::uint8_t> tiny_model(const std::string& arch, const TinyS
                                                                              {"output_norm.weight", {s.dim}}};
   for (std::uint64_t l = 0; l < s.layers; ++l) {
     const std::string p = "blk." + std::to_string(l) + ".";
-    for (auto t : std::vector<std::pair<std::string, std::vector<std::uint64_t>>>{
-             {p + "attn_norm.weight", {s.dim}}, {p + "attn_q.weight", {s.dim, s.dim}}, {p + "attn_k.weight", {s.dim, kv}},
-             {p + "attn_v.weight", {s.dim, kv}}, {p + "attn_output.weight", {s.dim, s.dim}}, {p + "ffn_norm.weight", {s.dim}},
-             {p + "ffn_gate.weight", {s.dim, s.ffn}}, {p + "ffn_up.weight", {s.dim, s.ffn}}, {p + "ffn_down.weight", {s.ffn, s.dim}}})
+    for (auto t :
+         std::vector<std::pair<std::string, std::vector<std::uint64_t>>>{{p + "attn_norm.weight", {s.dim}},
+                                                                         {p + "attn_q.weight", {s.dim, s.dim}},
+                                                                         {p + "attn_k.weight", {s.dim, kv}},
+                                                                         {p + "attn_v.weight", {s.dim, kv}},
+                                                                         {p + "attn_output.weight", {s.dim, s.dim}},
+                                                                         {p + "ffn_norm.weight", {s.dim}},
+                                                                         {p + "ffn_gate.weight", {s.dim, s.ffn}},
+                                                                         {p + "ffn_up.weight", {s.dim, s.ffn}},
+                                                                         {p + "ffn_down.weight", {s.ffn, s.dim}}})
       tensors.push_back(std::move(t));
   }
   float seed = 0.1f;

@@ -69,10 +69,13 @@ inline std::vector<float> llama3_frequency_divisors(const SyntheticLlamaShape& s
   for (std::uint32_t i = 0; i < s.head_dim(); i += 2) {
     const double freq = std::pow(double(s.rope_base), -double(i) / s.head_dim());
     const double wavelength = 2 * std::numbers::pi / freq;
-    if (wavelength < high_wavelength) divisors.push_back(1.0f);
-    else if (wavelength > low_wavelength) divisors.push_back(s.rope_factor);
+    if (wavelength < high_wavelength)
+      divisors.push_back(1.0f);
+    else if (wavelength > low_wavelength)
+      divisors.push_back(s.rope_factor);
     else {
-      const double smooth = (s.original_context / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+      const double smooth =
+          (s.original_context / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
       divisors.push_back(float(1.0 / ((1 - smooth) / s.rope_factor + smooth)));
     }
   }
@@ -106,7 +109,9 @@ inline void add_synthetic_bpe_vocabulary(GgufWriter& w, const SyntheticLlamaShap
   while (tokens.size() < normal)
     tokens.push_back("<|filler_" + std::to_string(tokens.size()) + "|>"), types.push_back(int(TokenType::unused));
   for (std::uint32_t i = 0; i < s.special_tokens; ++i) {
-    tokens.push_back(i == 0 ? "<|begin_of_text|>" : i == 1 ? "<|end_of_text|>" : "<|reserved_special_token_" + std::to_string(i) + "|>");
+    tokens.push_back(i == 0   ? "<|begin_of_text|>"
+                     : i == 1 ? "<|end_of_text|>"
+                              : "<|reserved_special_token_" + std::to_string(i) + "|>");
     types.push_back(int(TokenType::control));
   }
   w.str("tokenizer.ggml.model", "gpt2")
@@ -122,10 +127,12 @@ inline void add_synthetic_bpe_vocabulary(GgufWriter& w, const SyntheticLlamaShap
 /// F32 norms, Llama 3 RoPE and the synthetic vocabulary. Same seed, same bytes.
 inline std::vector<std::uint8_t> synthetic_llama_gguf(const SyntheticLlamaShape& s = {}, std::uint64_t seed = 1) {
   if (s.heads == 0 || s.kv_heads == 0 || s.dim % s.heads != 0 || s.dim % 256 != 0 || s.ffn % 256 != 0)
-    throw Error(ErrorCode::invalid_argument, "synthetic Llama shape: dim and ffn must be multiples of 256 and of the heads");
+    throw Error(ErrorCode::invalid_argument,
+                "synthetic Llama shape: dim and ffn must be multiples of 256 and of the heads");
   if (s.special_tokens < 2 || s.special_tokens >= s.vocab)
-    throw Error(ErrorCode::invalid_argument, "synthetic Llama shape: the vocabulary needs room for BOS and EOS among "
-                                             "fewer special tokens than it holds");
+    throw Error(ErrorCode::invalid_argument,
+                "synthetic Llama shape: the vocabulary needs room for BOS and EOS among "
+                "fewer special tokens than it holds");
   GgufWriter w;
   const std::string a = "llama.";
   w.str("general.architecture", "llama")
@@ -165,7 +172,8 @@ inline std::vector<std::uint8_t> synthetic_llama_gguf(const SyntheticLlamaShape&
 }
 
 /// Writes synthetic_llama_gguf(s, seed) to `path`.
-inline void write_synthetic_llama(const std::filesystem::path& path, const SyntheticLlamaShape& s = {}, std::uint64_t seed = 1) {
+inline void write_synthetic_llama(const std::filesystem::path& path, const SyntheticLlamaShape& s = {},
+                                  std::uint64_t seed = 1) {
   const std::vector<std::uint8_t> bytes = synthetic_llama_gguf(s, seed);
   std::ofstream out(path, std::ios::binary);
   out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));

@@ -78,7 +78,8 @@ TEST(PreTokenizer, Llama3Splits) {
   EXPECT_EQ(split("llama-bpe", "a \n\n  b"), (Words{"a", " \n\n", " ", " b"}));
   EXPECT_EQ(split("llama-bpe", "x  7"), (Words{"x", " ", " ", "7"}));
   EXPECT_EQ(split("llama-bpe", "3.14"), (Words{"3", ".", "14"}));
-  EXPECT_EQ(split("llama-bpe", "\u0663\u0664\u0665\u0666 \u00bd"), (Words{"\u0663\u0664\u0665", "\u0666", " ", "\u00bd"}));
+  EXPECT_EQ(split("llama-bpe", "\u0663\u0664\u0665\u0666 \u00bd"),
+            (Words{"\u0663\u0664\u0665", "\u0666", " ", "\u00bd"}));
   EXPECT_EQ(split("llama-bpe", "tail  "), (Words{"tail", "  "}));
 }
 
@@ -91,8 +92,25 @@ TEST(PreTokenizer, Qwen2AndSmolLMIsolateDigits) {
 
 TEST(PreTokenizer, WordsCoverTheTextOnRandomBytes) {
   std::mt19937 rng(11);
-  const std::vector<std::string> pieces = {"a", "Z", "7", " ", "  ", "\n", "\r\n", "\t", "'", "'s", "!", "\u00e9",
-                                           "\u4e2d", "\u0663", "\u00a0", "\u3000", "\xF0\x9F\x98\x80", "\xFF", "\xC3"};
+  const std::vector<std::string> pieces = {"a",
+                                           "Z",
+                                           "7",
+                                           " ",
+                                           "  ",
+                                           "\n",
+                                           "\r\n",
+                                           "\t",
+                                           "'",
+                                           "'s",
+                                           "!",
+                                           "\u00e9",
+                                           "\u4e2d",
+                                           "\u0663",
+                                           "\u00a0",
+                                           "\u3000",
+                                           "\xF0\x9F\x98\x80",
+                                           "\xFF",
+                                           "\xC3"};
   for (const char* name : {"gpt2", "llama-bpe", "qwen2", "smollm"}) {
     for (int trial = 0; trial < 300; ++trial) {
       std::string text;
@@ -241,7 +259,9 @@ TEST(BpeTokenizer, AddedAndControlTokens) {
   std::vector<int> expected;
   for (int i = 0; i < 200; ++i) {
     text += i % 3 == 0 ? "<tool>ab" : i % 3 == 1 ? "<|begin|><tool>" : "ab<|end|>";
-    for (const int id : i % 3 == 0 ? std::vector<int>{258, 259} : i % 3 == 1 ? std::vector<int>{256, 258} : std::vector<int>{259, 257})
+    for (const int id : i % 3 == 0   ? std::vector<int>{258, 259}
+                        : i % 3 == 1 ? std::vector<int>{256, 258}
+                                     : std::vector<int>{259, 257})
       expected.push_back(id);
   }
   EXPECT_EQ(tok.encode(text, false, false, true), expected);
@@ -249,8 +269,8 @@ TEST(BpeTokenizer, AddedAndControlTokens) {
 }
 
 TEST(BpeTokenizer, ConstructionErrors) {
-  EXPECT_THROW(tiny({}, {}), Error);                    // no merges
-  EXPECT_THROW(tiny({}, {"ab"}), Error);                // a merge without its space
+  EXPECT_THROW(tiny({}, {}), Error);                       // no merges
+  EXPECT_THROW(tiny({}, {"ab"}), Error);                   // a merge without its space
   EXPECT_THROW(BpeTokenizer({}, {}, {"a b"}, {}), Error);  // empty vocabulary
   BpeTokenizer::Options o;
   o.add_bos = true;  // but no BOS id
@@ -258,7 +278,7 @@ TEST(BpeTokenizer, ConstructionErrors) {
   o.bos = 999;
   EXPECT_THROW(tiny({}, {"a b"}, o), Error);
   EXPECT_THROW(BpeTokenizer(byte_vocabulary({}), {TokenType::normal}, {"a b"}, {}), Error);  // types count
-  EXPECT_THROW((void)tiny({}, {"a b"}).encode("x", true), Error);  // BOS asked, none exists
+  EXPECT_THROW((void)tiny({}, {"a b"}).encode("x", true), Error);                            // BOS asked, none exists
   EXPECT_THROW((void)tiny({}, {"a b"}).decode(std::vector<int>{256}), Error);
 }
 

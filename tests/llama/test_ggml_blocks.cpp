@@ -42,11 +42,20 @@ std::vector<int> codes(std::size_t n, int bits, unsigned seed) {
 }
 
 TEST(GgmlBlocks, FormatsMatchGgmlBlockSizes) {
-  const std::array<std::tuple<std::uint32_t, const char*, std::size_t, std::size_t>, 13> expected{{
-      {0, "F32", 1, 4},       {1, "F16", 1, 2},       {30, "BF16", 1, 2},     {2, "Q4_0", 32, 18},
-      {3, "Q4_1", 32, 20},    {6, "Q5_0", 32, 22},    {7, "Q5_1", 32, 24},    {8, "Q8_0", 32, 34},
-      {10, "Q2_K", 256, 84},  {11, "Q3_K", 256, 110}, {12, "Q4_K", 256, 144}, {13, "Q5_K", 256, 176},
-      {14, "Q6_K", 256, 210}}};
+  const std::array<std::tuple<std::uint32_t, const char*, std::size_t, std::size_t>, 13> expected{
+      {{0, "F32", 1, 4},
+       {1, "F16", 1, 2},
+       {30, "BF16", 1, 2},
+       {2, "Q4_0", 32, 18},
+       {3, "Q4_1", 32, 20},
+       {6, "Q5_0", 32, 22},
+       {7, "Q5_1", 32, 24},
+       {8, "Q8_0", 32, 34},
+       {10, "Q2_K", 256, 84},
+       {11, "Q3_K", 256, 110},
+       {12, "Q4_K", 256, 144},
+       {13, "Q5_K", 256, 176},
+       {14, "Q6_K", 256, 210}}};
   for (const auto& [type, name, elements, bytes] : expected) {
     const GgmlBlockFormat* f = ggml_block_format(type);
     ASSERT_NE(f, nullptr) << name;
@@ -55,7 +64,8 @@ TEST(GgmlBlocks, FormatsMatchGgmlBlockSizes) {
     EXPECT_EQ(f->elements, elements) << name;
     EXPECT_EQ(f->bytes, bytes) << name;
   }
-  for (const std::uint32_t refused : {4u, 5u, 9u, 15u, 16u, 17u, 18u, 19u, 20u, 21u, 22u, 23u, 24u, 28u, 29u, 34u, 39u, 99u})
+  for (const std::uint32_t refused :
+       {4u, 5u, 9u, 15u, 16u, 17u, 18u, 19u, 20u, 21u, 22u, 23u, 24u, 28u, 29u, 34u, 39u, 99u})
     EXPECT_EQ(ggml_block_format(refused), nullptr) << refused;
   EXPECT_EQ(ggml_type_name(20), "IQ4_NL");
   EXPECT_EQ(ggml_type_name(99), "");
@@ -89,9 +99,9 @@ TEST(GgmlBlocks, Q4_0AndQ4_1) {
   const Bytes qs = nibbles();
   b.insert(b.end(), qs.begin(), qs.end());
   const auto y = load(ggml_type_q4_0, b, 32);
-  EXPECT_EQ(y[0], -4.0f);   // (0 - 8) * 0.5
-  EXPECT_EQ(y[15], 3.5f);   // (15 - 8) * 0.5
-  EXPECT_EQ(y[16], 3.5f);   // high nibble of byte 0: 15
+  EXPECT_EQ(y[0], -4.0f);  // (0 - 8) * 0.5
+  EXPECT_EQ(y[15], 3.5f);  // (15 - 8) * 0.5
+  EXPECT_EQ(y[16], 3.5f);  // high nibble of byte 0: 15
   EXPECT_EQ(y[31], -4.0f);
   for (int j = 0; j < 16; ++j) {
     EXPECT_EQ(y[j], 0.5f * float(j - 8)) << j;
@@ -120,10 +130,10 @@ TEST(GgmlBlocks, Q5_0AndQ5_1) {
   for (const int byte : {0x55, 0x55, 0xAA, 0xAA}) b.push_back(static_cast<std::uint8_t>(byte));
   b.insert(b.end(), qs.begin(), qs.end());
   const auto y = load(ggml_type_q5_0, b, 32);
-  EXPECT_EQ(y[0], 0.0f);     // 0 | 16, minus 16
-  EXPECT_EQ(y[1], -15.0f);   // 1, minus 16
-  EXPECT_EQ(y[16], -1.0f);   // 15, minus 16
-  EXPECT_EQ(y[17], 14.0f);   // 14 | 16, minus 16
+  EXPECT_EQ(y[0], 0.0f);    // 0 | 16, minus 16
+  EXPECT_EQ(y[1], -15.0f);  // 1, minus 16
+  EXPECT_EQ(y[16], -1.0f);  // 15, minus 16
+  EXPECT_EQ(y[17], 14.0f);  // 14 | 16, minus 16
   for (int j = 0; j < 16; ++j) {
     EXPECT_EQ(y[j], float((j | (j % 2 == 0 ? 16 : 0)) - 16)) << j;
     EXPECT_EQ(y[j + 16], float(((15 - j) | (j % 2 == 1 ? 16 : 0)) - 16)) << j;
@@ -147,7 +157,8 @@ TEST(GgmlBlocks, Q5_0AndQ5_1) {
 // bits 2*((e%128)/32).
 Bytes pack_2bit(const std::vector<int>& L) {
   Bytes qs(64, 0);
-  for (int e = 0; e < 256; ++e) qs[32 * (e / 128) + e % 32] |= static_cast<std::uint8_t>((L[e] & 3) << (2 * ((e % 128) / 32)));
+  for (int e = 0; e < 256; ++e)
+    qs[32 * (e / 128) + e % 32] |= static_cast<std::uint8_t>((L[e] & 3) << (2 * ((e % 128) / 32)));
   return qs;
 }
 
@@ -232,7 +243,8 @@ std::vector<float> check_q4_q5_k(bool fifth_bit) {
     b.insert(b.end(), qh.begin(), qh.end());
   }
   Bytes qs(128, 0);  // value e: byte 32*(e/64) + e%32, low nibble for e%64 < 32
-  for (int e = 0; e < 256; ++e) qs[32 * (e / 64) + e % 32] |= static_cast<std::uint8_t>((L[e] & 0xF) << (e % 64 < 32 ? 0 : 4));
+  for (int e = 0; e < 256; ++e)
+    qs[32 * (e / 64) + e % 32] |= static_cast<std::uint8_t>((L[e] & 0xF) << (e % 64 < 32 ? 0 : 4));
   b.insert(b.end(), qs.begin(), qs.end());
   EXPECT_EQ(b.size(), fifth_bit ? 176u : 144u);
   const auto y = load(fifth_bit ? ggml_type_q5_k : ggml_type_q4_k, b, 256);
@@ -274,7 +286,7 @@ TEST(GgmlBlocks, Q6_K) {
   const auto y = load(ggml_type_q6_k, b, 256);
   for (int e = 0; e < 256; ++e) EXPECT_EQ(y[e], 0.5f * float(scale[e / 16]) * float(L[e] - 32)) << e;
   EXPECT_EQ(scale[0], -127);
-  EXPECT_EQ(L[0], 44);  // (0 + 44) % 64
+  EXPECT_EQ(L[0], 44);       // (0 + 44) % 64
   EXPECT_EQ(y[0], -762.0f);  // 0.5 * -127 * 12
 }
 

@@ -36,7 +36,8 @@ void expect_io_error(std::span<const std::uint8_t> bytes, std::initializer_list<
     EXPECT_EQ(e.code(), ErrorCode::io) << e.what();
     const std::string message = e.what();
     EXPECT_NE(message.find("test.gguf"), std::string::npos) << message;
-    for (const auto part : parts) EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' not in: " << message;
+    for (const auto part : parts)
+      EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' not in: " << message;
   }
 }
 
@@ -129,10 +130,13 @@ TEST(Gguf, EveryMetadataType) {
 TEST(Gguf, ConvertsF16AndBf16) {
   // F16: 1, -2, 0.5, 65504, smallest subnormal; BF16: 1, -2.5, 3.140625, 0.
   std::vector<std::uint8_t> f16, b16;
-  for (const int bits : {0x3C00, 0xC000, 0x3800, 0x7BFF, 0x0001}) GgufWriter::put(f16, static_cast<std::uint16_t>(bits));
+  for (const int bits : {0x3C00, 0xC000, 0x3800, 0x7BFF, 0x0001})
+    GgufWriter::put(f16, static_cast<std::uint16_t>(bits));
   for (const int bits : {0x3F80, 0xC020, 0x4049, 0x0000}) GgufWriter::put(b16, static_cast<std::uint16_t>(bits));
   GgufWriter w;
-  w.alignment(64).tensor("half", {5}, ggml_type_f16, f16).tensor("brain", {2, 2}, ggml_type_bf16, b16)
+  w.alignment(64)
+      .tensor("half", {5}, ggml_type_f16, f16)
+      .tensor("brain", {2, 2}, ggml_type_bf16, b16)
       .tensor_f32("single", {3}, {1.0f, -0.0f, 7.25f});
   const auto bytes = w.bytes();
   const auto f = GgufFile::parse(bytes);
@@ -153,7 +157,7 @@ TEST(Gguf, UnsupportedTensorTypeNamesTensorAndType) {
   expect_io_error(with_type(23, 136), {"blk.0.attn_q.weight", "type 23 (IQ4_XS)"});
   expect_io_error(with_type(15, 292), {"type 15 (Q8_K)"});  // ggml's dot-product intermediate, never a weight
   expect_io_error(with_type(9, 288), {"type 9 (Q8_1)"});
-  expect_io_error(with_type(4, 256), {"type 4 (Q4_2)"});    // removed from ggml
+  expect_io_error(with_type(4, 256), {"type 4 (Q4_2)"});   // removed from ggml
   expect_io_error(with_type(1000, 1024), {"type 1000,"});  // unknown number
 }
 
@@ -179,7 +183,8 @@ TEST(Gguf, RefusesOverlappingTensorData) {
 
 TEST(Gguf, RefusesDirectoriesAndNonRegularFilesByName) {
   const auto dir = std::filesystem::temp_directory_path();
-  for (const auto& [path, words] : {std::pair{dir, "is a directory"}, std::pair{std::filesystem::path("/dev/null"), "not a regular file"}}) {
+  for (const auto& [path, words] :
+       {std::pair{dir, "is a directory"}, std::pair{std::filesystem::path("/dev/null"), "not a regular file"}}) {
     try {
       (void)GgufFile::load(path);
       ADD_FAILURE() << path << " loaded";
@@ -276,9 +281,9 @@ TEST(Gguf, TruncatedRealFileAlwaysThrows) {
   const auto bytes = read_bytes(default_model_path());
   ASSERT_NO_THROW((void)GgufFile::parse(bytes));
   std::set<std::size_t> lengths;
-  for (std::size_t n = 0; n < 160; ++n) lengths.insert(n);                  // header, first keys
-  for (std::size_t n = 160; n < 14400; n += 37) lengths.insert(n);          // metadata, infos, padding
-  for (std::size_t n = 14140; n < 14200; ++n) lengths.insert(n);            // end of infos, start of data
+  for (std::size_t n = 0; n < 160; ++n) lengths.insert(n);                     // header, first keys
+  for (std::size_t n = 160; n < 14400; n += 37) lengths.insert(n);             // metadata, infos, padding
+  for (std::size_t n = 14140; n < 14200; ++n) lengths.insert(n);               // end of infos, start of data
   for (std::size_t n = 14400; n < bytes.size(); n += 9973) lengths.insert(n);  // data
   for (std::size_t k = 1; k <= 8; ++k) lengths.insert(bytes.size() - k);
   for (const std::size_t n : lengths) {
@@ -324,11 +329,11 @@ TEST(Gguf, AbsurdCountsInRealFile) {
   const std::uint64_t huge = 0xffffffffffffff00ull;
   expect_io_error(patch(8, huge), {"tensor count"});
   expect_io_error(patch(16, huge), {"metadata count"});
-  expect_io_error(patch(24, huge), {"length"});                     // first key length
+  expect_io_error(patch(24, huge), {"length"});  // first key length
   // tokenizer.ggml.tokens: key at 24 (8 + 21 bytes), type at 53, element type at 57, count at 61.
   expect_io_error(patch(61, huge), {"tokenizer.ggml.tokens", "array elements"});
   expect_io_error(patch(61, std::uint64_t{600000}), {"tokenizer.ggml.tokens"});
-  expect_io_error(patch(69, huge), {"length"});                     // first token string length
+  expect_io_error(patch(69, huge), {"length"});  // first token string length
   expect_io_error(patch(57, std::uint32_t{77}), {"tokenizer.ggml.tokens", "unknown value type 77"});
 
   // First tensor info: find its name and patch n_dims, a dim, the type and the offset.

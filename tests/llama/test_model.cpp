@@ -63,7 +63,8 @@ TEST(Model, GreedyDecodingReproducesGoldenTokens) {
   EXPECT_EQ(kv.keys(4).size(), 256u * model.config().kv_dim());
 
   // Teacher forcing the golden tokens must agree: each position's argmax is the next token.
-  const auto tf = teacher_forced(model, [&] { return FullPrecisionBackend(model, 512); }, golden.tokens);
+  const auto tf = teacher_forced(
+      model, [&] { return FullPrecisionBackend(model, 512); }, golden.tokens);
   ASSERT_EQ(tf.log_probs.size(), 257u * 512u);
   ASSERT_EQ(tf.nll.size(), 256u);
   for (std::size_t i = 0; i + 1 < golden.tokens.size(); ++i) EXPECT_EQ(argmax(tf.row(i)), golden.tokens[i + 1]) << i;
@@ -80,7 +81,8 @@ TEST(Model, HeldOutPerplexity) {
   for (const auto& story : testing::read_stories()) {
     auto tokens = tok.encode(story);
     if (tokens.size() > context) tokens.resize(context);
-    const auto tf = teacher_forced(model, [&] { return FullPrecisionBackend(model, context); }, tokens);
+    const auto tf = teacher_forced(
+        model, [&] { return FullPrecisionBackend(model, context); }, tokens);
     total += tf.total_nll();
     count += tf.nll.size();
   }
@@ -104,9 +106,9 @@ TEST(Model, BackendRejectsMisuse) {
   EXPECT_THROW(model.forward(1, 2, kv, small), Error);     // logits buffer size
   const std::vector<float> k(32), q(64);
   std::vector<float> out(64);
-  EXPECT_THROW(kv.append(5, 0, k, k), Error);                                   // layer
-  EXPECT_THROW(kv.append(0, 2, std::span(k).first(8), k), Error);               // shape
-  EXPECT_THROW(kv.attend(0, 2, q, out), Error);                                 // not stored
+  EXPECT_THROW(kv.append(5, 0, k, k), Error);                      // layer
+  EXPECT_THROW(kv.append(0, 2, std::span(k).first(8), k), Error);  // shape
+  EXPECT_THROW(kv.attend(0, 2, q, out), Error);                    // not stored
   kv.clear();
   EXPECT_EQ(kv.length(0), 0u);
   model.forward(1, 0, kv, logits);
@@ -191,9 +193,12 @@ Qwen2Run run_tokens(const Model& model, const std::vector<int>& tokens) {
   return r;
 }
 
-std::vector<std::uint8_t> tiny_qwen2(const std::vector<float>& bq, const std::vector<float>& bk, const std::vector<float>& bv) {
+std::vector<std::uint8_t> tiny_qwen2(const std::vector<float>& bq, const std::vector<float>& bk,
+                                     const std::vector<float>& bv) {
   return tiny_llama("qwen2", {}, [&](GgufWriter& w) {
-    w.tensor_f32("blk.0.attn_q.bias", {4}, bq).tensor_f32("blk.0.attn_k.bias", {2}, bk).tensor_f32("blk.0.attn_v.bias", {2}, bv);
+    w.tensor_f32("blk.0.attn_q.bias", {4}, bq)
+        .tensor_f32("blk.0.attn_k.bias", {2}, bk)
+        .tensor_f32("blk.0.attn_v.bias", {2}, bv);
   });
 }
 
@@ -230,8 +235,9 @@ TEST(Model, Qwen2NeedsItsBiasesAndUnusedTensorsAreRefused) {
   EXPECT_NE(missing.find("qwen2.block_count"), std::string::npos) << missing;
   EXPECT_EQ(model_error(tiny_llama("llama", {}, [](GgufWriter& w) { w.str("llama.rope.scaling.type", "none"); })), "");
   // A tensor the block does not use is refused, not ignored.
-  const std::string extra =
-      model_error(tiny_llama("llama", {}, [](GgufWriter& w) { w.tensor_f32("blk.0.attn_output.bias", {4}, {1, 2, 3, 4}); }));
+  const std::string extra = model_error(tiny_llama("llama", {}, [](GgufWriter& w) {
+    w.tensor_f32("blk.0.attn_output.bias", {4}, {1, 2, 3, 4});
+  }));
   EXPECT_NE(extra.find("tensor 'blk.0.attn_output.bias' is not part of the llama block"), std::string::npos) << extra;
 }
 
@@ -309,9 +315,12 @@ TEST(Model, Q8_0WeightsRunEndToEnd) {
   GgufWriter w;
   for (const auto& [key, value] : original.metadata()) {
     if (value.type == GgufType::array) continue;  // only the tokenizer's arrays; the model needs none
-    if (const auto* s = std::get_if<std::string>(&value.data)) w.str(key, *s);
-    else if (value.type == GgufType::float32) w.f32(key, static_cast<float>(std::get<double>(value.data)));
-    else if (value.type == GgufType::uint32) w.u32(key, static_cast<std::uint32_t>(std::get<std::uint64_t>(value.data)));
+    if (const auto* s = std::get_if<std::string>(&value.data))
+      w.str(key, *s);
+    else if (value.type == GgufType::float32)
+      w.f32(key, static_cast<float>(std::get<double>(value.data)));
+    else if (value.type == GgufType::uint32)
+      w.u32(key, static_cast<std::uint32_t>(std::get<std::uint64_t>(value.data)));
   }
   std::size_t quantized = 0;
   for (const GgufTensor& t : original.tensors()) {
@@ -337,7 +346,8 @@ TEST(Model, Q8_0WeightsRunEndToEnd) {
   const Model q8(file), f32(original);
   const auto tokens = Tokenizer(original).encode(testing::read_stories()[0]);
   const auto run = [&](const Model& m) {
-    return teacher_forced(m, [&] { return FullPrecisionBackend(m, tokens.size()); }, tokens);
+    return teacher_forced(
+        m, [&] { return FullPrecisionBackend(m, tokens.size()); }, tokens);
   };
   const auto a = run(f32), b = run(q8);
   const double nll_a = a.total_nll() / double(a.nll.size()), nll_b = b.total_nll() / double(b.nll.size());
@@ -370,13 +380,17 @@ TEST(Model, PartialRopeRunsThroughTheCache) {
   auto tokens = Tokenizer(GgufFile::load(default_model_path())).encode(testing::read_stories()[0]);
   tokens.resize(std::min<std::size_t>(tokens.size(), 80));
   const auto run_full_precision = [&](const Model& m) {
-    return teacher_forced(m, [&] { return FullPrecisionBackend(m, tokens.size()); }, tokens);
+    return teacher_forced(
+        m, [&] { return FullPrecisionBackend(m, tokens.size()); }, tokens);
   };
   const auto reference = run_full_precision(partial), rotated_fully = run_full_precision(full);
-  const auto cached = teacher_forced(partial, [&] {
-    return eval::CacheBackend(partial, parse_cache_config("k16-v16-r0-s0-f32"), tokens.size(),
-                              eval::decode_attention_fn(Tier::exact));
-  }, tokens);
+  const auto cached = teacher_forced(
+      partial,
+      [&] {
+        return eval::CacheBackend(partial, parse_cache_config("k16-v16-r0-s0-f32"), tokens.size(),
+                                  eval::decode_attention_fn(Tier::exact));
+      },
+      tokens);
   double largest = 0.0, rope_effect = 0.0;
   for (std::size_t i = 0; i < reference.log_probs.size(); ++i) {
     largest = std::max(largest, std::abs(double(cached.log_probs[i]) - reference.log_probs[i]));
@@ -398,9 +412,12 @@ std::vector<std::uint8_t> real_model_plus(const std::function<void(GgufWriter&)>
   const auto original = GgufFile::load(default_model_path());
   GgufWriter w;
   for (const auto& [key, value] : original.metadata()) {
-    if (const auto* s = std::get_if<std::string>(&value.data)) w.str(key, *s);
-    else if (value.type == GgufType::float32) w.f32(key, static_cast<float>(std::get<double>(value.data)));
-    else if (value.type == GgufType::uint32) w.u32(key, static_cast<std::uint32_t>(std::get<std::uint64_t>(value.data)));
+    if (const auto* s = std::get_if<std::string>(&value.data))
+      w.str(key, *s);
+    else if (value.type == GgufType::float32)
+      w.f32(key, static_cast<float>(std::get<double>(value.data)));
+    else if (value.type == GgufType::uint32)
+      w.u32(key, static_cast<std::uint32_t>(std::get<std::uint64_t>(value.data)));
   }
   extra(w);
   for (const GgufTensor& t : original.tensors()) w.tensor_f32(t.name, t.dims, t.data);
@@ -409,9 +426,8 @@ std::vector<std::uint8_t> real_model_plus(const std::function<void(GgufWriter&)>
 
 TEST(Model, RopeScalingFromMetadata) {
   KVQ_REQUIRE_LLAMA_DATA();
-  const Model linear(GgufFile::parse(real_model_plus([](GgufWriter& w) {
-    w.str("llama.rope.scaling.type", "linear").f32("llama.rope.scaling.factor", 4.0f);
-  })));
+  const Model linear(GgufFile::parse(real_model_plus(
+      [](GgufWriter& w) { w.str("llama.rope.scaling.type", "linear").f32("llama.rope.scaling.factor", 4.0f); })));
   EXPECT_EQ(linear.rope_config().scaling.type, RopeScalingType::linear);
   EXPECT_EQ(linear.rope_config().scaling.factor, 4.0f);
   const Model legacy(GgufFile::parse(real_model_plus([](GgufWriter& w) { w.f32("llama.rope.scale_linear", 2.0f); })));
@@ -430,17 +446,20 @@ TEST(Model, RopeScalingFromMetadata) {
   FullPrecisionBackend kv(yarn, 8);  // the engine's own RoPE takes the scaling too
   EXPECT_EQ(kv.rope().config().scaling, s);
 
-  const std::string unknown = model_error_of(real_model_plus([](GgufWriter& w) {
-    w.str("llama.rope.scaling.type", "longrope");
-  }), ErrorCode::unsupported);
+  const std::string unknown = model_error_of(
+      real_model_plus([](GgufWriter& w) { w.str("llama.rope.scaling.type", "longrope"); }), ErrorCode::unsupported);
   EXPECT_NE(unknown.find("llama.rope.scaling.type = 'longrope'"), std::string::npos) << unknown;
-  const std::string no_context = model_error_of(real_model_plus([](GgufWriter& w) {
-    w.str("llama.rope.scaling.type", "yarn").f32("llama.rope.scaling.factor", 4.0f);
-  }), ErrorCode::io);
+  const std::string no_context =
+      model_error_of(real_model_plus([](GgufWriter& w) {
+                       w.str("llama.rope.scaling.type", "yarn").f32("llama.rope.scaling.factor", 4.0f);
+                     }),
+                     ErrorCode::io);
   EXPECT_NE(no_context.find("original_context"), std::string::npos) << no_context;
-  const std::string shrink = model_error_of(real_model_plus([](GgufWriter& w) {
-    w.str("llama.rope.scaling.type", "linear").f32("llama.rope.scaling.factor", 0.5f);
-  }), ErrorCode::io);
+  const std::string shrink =
+      model_error_of(real_model_plus([](GgufWriter& w) {
+                       w.str("llama.rope.scaling.type", "linear").f32("llama.rope.scaling.factor", 0.5f);
+                     }),
+                     ErrorCode::io);
   EXPECT_NE(shrink.find("factor"), std::string::npos) << shrink;
 }
 
@@ -453,14 +472,17 @@ TEST(Model, RopeFreqsTensorGivesLlama3Frequencies) {
   std::vector<float> divisors;
   for (std::size_t i = 0; i < 4; ++i) {
     const double wavelen = 2 * std::numbers::pi * std::pow(10000.0, double(2 * i) / 8.0);
-    if (wavelen < context / high) divisors.push_back(1.0f);
-    else if (wavelen > context / low) divisors.push_back(float(factor));
+    if (wavelen < context / high)
+      divisors.push_back(1.0f);
+    else if (wavelen > context / low)
+      divisors.push_back(float(factor));
     else {
       const double smooth = (context / wavelen - low) / (high - low);
       divisors.push_back(float(1.0 / ((1 - smooth) / factor + smooth)));
     }
   }
-  const Model model(GgufFile::parse(real_model_plus([&](GgufWriter& w) { w.tensor_f32("rope_freqs.weight", {4}, divisors); })));
+  const Model model(
+      GgufFile::parse(real_model_plus([&](GgufWriter& w) { w.tensor_f32("rope_freqs.weight", {4}, divisors); })));
   EXPECT_EQ(model.rope_config().scaling.frequency_divisors, divisors);
   RopeConfig llama3 = model.rope_config();
   llama3.scaling = {};
@@ -472,12 +494,14 @@ TEST(Model, RopeFreqsTensorGivesLlama3Frequencies) {
   EXPECT_NE(divisors[2], float(factor));
 
   const std::string wrong = model_error_of(real_model_plus([&](GgufWriter& w) {
-    w.tensor_f32("rope_freqs.weight", {3}, {1.0f, 1.0f, 1.0f});
-  }), ErrorCode::io);
+                                             w.tensor_f32("rope_freqs.weight", {3}, {1.0f, 1.0f, 1.0f});
+                                           }),
+                                           ErrorCode::io);
   EXPECT_NE(wrong.find("rope_freqs.weight"), std::string::npos) << wrong;
   const std::string zero = model_error_of(real_model_plus([&](GgufWriter& w) {
-    w.tensor_f32("rope_freqs.weight", {4}, {1.0f, 0.0f, 1.0f, 1.0f});
-  }), ErrorCode::io);
+                                            w.tensor_f32("rope_freqs.weight", {4}, {1.0f, 0.0f, 1.0f, 1.0f});
+                                          }),
+                                          ErrorCode::io);
   EXPECT_NE(zero.find("frequency_divisors[1]"), std::string::npos) << zero;
 }
 

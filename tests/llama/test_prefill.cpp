@@ -82,7 +82,8 @@ TEST_F(Prefill, FullPrecisionChunksGiveTheTokenByTokenLogits) {
     const auto chunked = logits_fp32(chunk);
     ASSERT_EQ(chunked.size(), one_by_one.size());
     const double difference = relative_difference(chunked, one_by_one);
-    std::printf("fp32 backend, chunks of %3zu: largest logit difference %.2e of the largest logit\n", chunk, difference);
+    std::printf("fp32 backend, chunks of %3zu: largest logit difference %.2e of the largest logit\n", chunk,
+                difference);
     EXPECT_LT(difference, 1e-5) << "chunk " << chunk;  // measured 0 (one token: the same products), 1.1e-6
   }
 }
@@ -146,7 +147,8 @@ TEST_F(Prefill, ChunkSizesAgree) {
   }
   const auto fp32 = logits_fp32(0);
   const char* k4v2 = "k4c32-v2t8-r0-s0";
-  const auto c1 = logits_cache(k4v2, "exact", 0), c16 = logits_cache(k4v2, "exact", 16), c64 = logits_cache(k4v2, "exact", 64);
+  const auto c1 = logits_cache(k4v2, "exact", 0), c16 = logits_cache(k4v2, "exact", 16),
+             c64 = logits_cache(k4v2, "exact", 64);
   const double kl1 = mean_kl(fp32, c1), kl16 = mean_kl(fp32, c16), kl64 = mean_kl(fp32, c64);
   const double between = mean_kl(c64, c16);
   std::printf("%s: KL to fp32 token by token %.5f, chunks of 16 %.5f, of 64 %.5f; chunks 64 to 16 %.5f\n", k4v2, kl1,
@@ -178,7 +180,8 @@ TEST_F(Prefill, MixedFeedingAndBadChunks) {
     std::vector<float> logits(tokens_.size() * vocab);
     for (std::size_t p = 0; p < 10; ++p)
       model_->forward(tokens_[p], p, kv, std::span(logits).subspan(p * vocab, vocab));
-    model_->forward_chunk(std::span(tokens_).subspan(10, 30), 10, kv, std::span(logits).subspan(10 * vocab, 30 * vocab));
+    model_->forward_chunk(std::span(tokens_).subspan(10, 30), 10, kv,
+                          std::span(logits).subspan(10 * vocab, 30 * vocab));
     for (std::size_t p = 40; p < tokens_.size(); ++p)
       model_->forward(tokens_[p], p, kv, std::span(logits).subspan(p * vocab, vocab));
     EXPECT_LT(relative_difference(logits, fp32), 1e-4) << config;
@@ -203,8 +206,9 @@ TEST_F(Prefill, MixedFeedingAndBadChunks) {
   EXPECT_NE(error_of([&] { model_->forward_chunk(eight, 0, kv, std::span(logits).first(7 * vocab)); }).find("8 tokens"),
             std::string::npos);
   const std::vector<int> bad = {1, 2, int(vocab)};
-  EXPECT_NE(error_of([&] { model_->forward_chunk(bad, 0, kv, std::span(logits).first(3 * vocab)); }).find("chunk row 2"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { model_->forward_chunk(bad, 0, kv, std::span(logits).first(3 * vocab)); }).find("chunk row 2"),
+      std::string::npos);
   EXPECT_EQ(kv.length(0), 0u);
   FullPrecisionBackend small(*model_, 4);
   EXPECT_NE(error_of([&] { model_->forward_chunk(eight, 0, small, logits); }).find("beyond the capacity of 4"),

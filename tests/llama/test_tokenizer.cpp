@@ -27,7 +27,7 @@ TEST(Tokenizer, KnownIdsFromGoldenOutput) {
   // The golden output's first sentence, as the model generated it.
   EXPECT_EQ(tok.encode("Once upon a time, there was a little girl named Lily."),
             (std::vector<int>{1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426}));
-  EXPECT_EQ(tok.encode("Lily", false), (std::vector<int>{317}));  // "▁Lily"
+  EXPECT_EQ(tok.encode("Lily", false), (std::vector<int>{317}));    // "▁Lily"
   EXPECT_EQ(tok.encode("\n", false), (std::vector<int>{410, 13}));  // dummy prefix, <0x0A>
   EXPECT_EQ(tok.encode("", true), (std::vector<int>{1}));
   EXPECT_EQ(tok.encode("", false), (std::vector<int>{}));
@@ -92,7 +92,8 @@ int piece_id(const SentencePieceTokenizer& tok, const std::string& p) {
 // Unmerged start: BOS, dummy prefix "▁", one piece per character (all ASCII pieces exist here).
 std::vector<int> unmerged(const SentencePieceTokenizer& tok, const std::string& text) {
   std::vector<int> initial = {tok.bos(), piece_id(tok, "\xE2\x96\x81")};
-  for (const char c : text) initial.push_back(c == ' ' ? initial[1] : c == '\n' ? 13 : piece_id(tok, std::string(1, c)));
+  for (const char c : text)
+    initial.push_back(c == ' ' ? initial[1] : c == '\n' ? 13 : piece_id(tok, std::string(1, c)));
   return initial;
 }
 
@@ -122,8 +123,8 @@ TEST(Tokenizer, EqualScoresMergeLeftmostFirst) {
   std::vector<std::string> pieces = {"<unk>", "<s>", "</s>", "\xE2\x96\x81", "a", "aa", "b", "ab"};
   std::vector<float> scores = {0, 0, 0, 0, 0, -1.0f, 0, -1e10f};  // "ab" at llama2.c's floor: never merged
   const SentencePieceTokenizer tok(pieces, scores, 1, 2);
-  EXPECT_EQ(tok.encode("aaa", false), (std::vector<int>{3, 5, 4}));        // ▁ aa a, not ▁ a aa
-  EXPECT_EQ(tok.encode("aaaaa", false), (std::vector<int>{3, 5, 5, 4}));   // ▁ aa aa a
+  EXPECT_EQ(tok.encode("aaa", false), (std::vector<int>{3, 5, 4}));       // ▁ aa a, not ▁ a aa
+  EXPECT_EQ(tok.encode("aaaaa", false), (std::vector<int>{3, 5, 5, 4}));  // ▁ aa aa a
   EXPECT_EQ(tok.encode("ab", false), (std::vector<int>{3, 4, 6}));
 }
 
@@ -151,7 +152,8 @@ TEST(Tokenizer, SyntheticVocabularies) {
       pieces.push_back(buf);
     }
     const int first = static_cast<int>(pieces.size());
-    for (const std::string& p : {space, std::string("a"), std::string("b"), std::string("ab"), space + "ab", std::string("ba")})
+    for (const std::string& p :
+         {space, std::string("a"), std::string("b"), std::string("ab"), space + "ab", std::string("ba")})
       pieces.push_back(p);
     std::vector<float> scores(pieces.size(), 0.0f);
     scores[first + 3] = -1.0f;  // "ab"

@@ -220,7 +220,8 @@ TEST(KVCacheConcurrency, ConstOperationsFromManyThreadsAgreeWithOneThread) {
       for (int r = 0; r < 6; ++r) {
         const std::size_t l = std::size_t(t + r) % layers;
         mismatches.fetch_add(attend(l, tokens - 1 - l, r % 2 == 0 ? &pool : nullptr) != expected[l]);
-        mismatches.fetch_add(cache.memory().total_bytes() == 0 || cache.keys(l, 1, cache.segments(l) - 1).length != tokens);
+        mismatches.fetch_add(cache.memory().total_bytes() == 0 ||
+                             cache.keys(l, 1, cache.segments(l) - 1).length != tokens);
       }
     });
   }

@@ -39,7 +39,8 @@ TEST(KVPoolThreads, AppendsToDifferentSequencesAndAttentionRunConcurrently) {
     workers.emplace_back([&, i] {
       for (std::size_t p = 0; p < n; p += 25)
         for (std::size_t l = 0; l < 2; ++l)
-          pool.append(ids[i], l, p, std::span(keys[i]).subspan(p * row, 25 * row), std::span(values[i]).subspan(p * row, 25 * row));
+          pool.append(ids[i], l, p, std::span(keys[i]).subspan(p * row, 25 * row),
+                      std::span(values[i]).subspan(p * row, 25 * row));
       (void)pool.memory();
     });
   std::vector<float> during(q.size());

@@ -83,8 +83,8 @@ std::vector<float> decode_outputs(const BasicKVCache& cache) {
 }
 
 const char* const kConfigs[] = {"k4c32-v2t32-r20-s3", "k2c16-v4t32-r32-s0-post", "k8c32-v8t32-r16-s1-f32",
-                                "k3c8-v5t16-r5-s2", "k16-v16-r0-s1", "k16-v16-r0-s0-post-f32", "k4c32-v2c32-r40-s0",
-                                "k4t64-v16-r8-s0"};
+                                "k3c8-v5t16-r5-s2",   "k16-v16-r0-s1",           "k16-v16-r0-s0-post-f32",
+                                "k4c32-v2c32-r40-s0", "k4t64-v16-r8-s0"};
 
 // Attention reads a stream as one segment per block: with blocks of one unit, of two, and one
 // block for the whole capacity, every kernel gives the same bits, and stays near the oracle.
@@ -180,7 +180,8 @@ TEST(PagedCache, EraseAcrossBlocksKeepsEveryRow) {
   for (const auto& [first, count] : {std::pair<std::size_t, std::size_t>{35, 96}, {259, 32}, {3, 160}}) {
     paged.erase(first, count);
     whole.erase(first, count);
-    for (std::size_t l = 0; l < 2; ++l) EXPECT_TRUE(kvq::test::stored_rows(paged, l) == kvq::test::stored_rows(whole, l));
+    for (std::size_t l = 0; l < 2; ++l)
+      EXPECT_TRUE(kvq::test::stored_rows(paged, l) == kvq::test::stored_rows(whole, l));
     EXPECT_EQ(decode_outputs(paged), decode_outputs(whole));
     EXPECT_EQ(paged.block_count(0), (paged.quantized_end(kvq::Tensor::values, 0) - 3 + 63) / 64);
   }
@@ -199,7 +200,8 @@ TEST(PagedCache, AppendsStridedHalfPrecisionRows) {
     for (std::size_t t = 0; t < tokens; ++t)
       for (std::size_t h = 0; h < kv_heads; ++h) {
         kvq::load_row(type, qkv.data() + (t * fused + heads + h) * dim, dim, k.data() + (t * kv_heads + h) * dim);
-        kvq::load_row(type, qkv.data() + (t * fused + heads + kv_heads + h) * dim, dim, v.data() + (t * kv_heads + h) * dim);
+        kvq::load_row(type, qkv.data() + (t * fused + heads + kv_heads + h) * dim, dim,
+                      v.data() + (t * kv_heads + h) * dim);
       }
     BasicKVCache dense(shape, config_of("k4c32-v2t32-r20-s3")), strided(shape, config_of("k4c32-v2t32-r20-s3"));
     dense.append(0, 0, k, v);
@@ -221,8 +223,8 @@ TEST(PagedCache, ReadAheadStaysInTheSegmentAndGoesOnIntoTheNext) {
   std::vector<std::uint8_t> a(1000), b(1000);
   const std::uint8_t *begin = a.data(), *end = a.data() + a.size(), *next = b.data();
   EXPECT_EQ(read_ahead(begin + 10, begin, end, next, 100), begin + 110);
-  EXPECT_EQ(read_ahead(begin + 950, begin, end, next, 100), next + 50);  // past the end: into the next
-  EXPECT_EQ(read_ahead(begin + 950, begin, end, nullptr, 100), nullptr);  // the last segment
+  EXPECT_EQ(read_ahead(begin + 950, begin, end, next, 100), next + 50);     // past the end: into the next
+  EXPECT_EQ(read_ahead(begin + 950, begin, end, nullptr, 100), nullptr);    // the last segment
   EXPECT_EQ(read_ahead(begin + 10, begin, end, next, 1 << 20), next + 10);  // one segment ahead at most
   EXPECT_EQ(read_ahead(begin + 10, begin, end, nullptr, 1 << 20), nullptr);
 }
@@ -269,13 +271,15 @@ TEST(KVPool, ForkSharesThePrefixAndCopiesOnlyOwnRows) {
   const auto parent_bytes = pool.sequence(parent).stored_bytes();
   Tokens child_tokens = parent_tokens;
   child_tokens.add(300, row, rng);
-  for (std::size_t l = 0; l < 2; ++l) pool.append(child, l, 2000, child_tokens.k(2000, 2300, row), child_tokens.v(2000, 2300, row));
+  for (std::size_t l = 0; l < 2; ++l)
+    pool.append(child, l, 2000, child_tokens.k(2000, 2300, row), child_tokens.v(2000, 2300, row));
   EXPECT_TRUE(pool.sequence(parent).stored_bytes() == parent_bytes) << "the child's writes reached the parent";
   kvq::test::expect_same_state(pool.sequence(child), fresh_cache(pool.shape().sequence_shape(), config, child_tokens),
                                "child against a fresh cache");
   kvq::test::expect_same_state(pool.sequence(parent), fresh_cache(pool.shape().sequence_shape(), config, parent_tokens),
                                "parent against a fresh cache");
-  EXPECT_EQ(decode_outputs(pool.sequence(child)), decode_outputs(fresh_cache(pool.shape().sequence_shape(), config, child_tokens)));
+  EXPECT_EQ(decode_outputs(pool.sequence(child)),
+            decode_outputs(fresh_cache(pool.shape().sequence_shape(), config, child_tokens)));
 
   pool.remove_sequence(parent);
   pool.remove_sequence(child);
@@ -299,7 +303,8 @@ TEST(KVPool, ForkAtAnOlderLengthIsExactWithinTheRollbackDepth) {
   other.add(40, row, rng);
   for (std::size_t l = 0; l < 2; ++l) pool.append(b, l, 488, other.k(488, 528, row), other.v(488, 528, row));
   EXPECT_TRUE(pool.sequence(a).stored_bytes() == a_bytes);
-  kvq::test::expect_same_state(pool.sequence(b), fresh_cache(pool.shape().sequence_shape(), config, other), "fork at 488");
+  kvq::test::expect_same_state(pool.sequence(b), fresh_cache(pool.shape().sequence_shape(), config, other),
+                               "fork at 488");
   // Beyond the depth: a named error, nothing new.
   const std::size_t count = pool.sequence_count(), used = pool.memory().used;
   try {
@@ -395,7 +400,8 @@ PoolModel fill_pool(KVPool& pool, std::size_t prompt, unsigned seed) {
     Tokens& t = model[id];
     const std::size_t from = t.size(row);
     t.add(n, row, rng);
-    for (std::size_t l = 0; l < layers; ++l) pool.append(id, l, from, t.k(from, from + n, row), t.v(from, from + n, row));
+    for (std::size_t l = 0; l < layers; ++l)
+      pool.append(id, l, from, t.k(from, from + n, row), t.v(from, from + n, row));
   };
   const SequenceId b = pool.fork(a, prompt);  // shares every block
   model[b] = base;
@@ -429,7 +435,8 @@ TEST(KVPool, SavedPoolLoadsBackWithItsSharing) {
       ASSERT_TRUE(copy.contains(id)) << "sequence " << id;
       kvq::test::expect_same_state(copy.sequence(id), pool.sequence(id), "sequence " + std::to_string(id));
       EXPECT_EQ(decode_outputs(copy.sequence(id)), decode_outputs(pool.sequence(id))) << "sequence " << id;
-      EXPECT_TRUE(copy.sequence(id).stored_bytes() == fresh_cache(pool.shape().sequence_shape(), config, tokens).stored_bytes());
+      EXPECT_TRUE(copy.sequence(id).stored_bytes() ==
+                  fresh_cache(pool.shape().sequence_shape(), config, tokens).stored_bytes());
       for (std::size_t l = 0; l < 2; ++l)
         for (const kvq::Tensor t : {kvq::Tensor::keys, kvq::Tensor::values})
           EXPECT_EQ(copy.sequence(id).rollback_floor(t, l), pool.sequence(id).rollback_floor(t, l));
@@ -453,7 +460,8 @@ TEST(KVPool, SavedPoolLoadsBackWithItsSharing) {
     for (const auto& [id, t] : model)
       if (id != first) others.push_back(copy.sequence(id).stored_bytes());
     for (KVPool* p : {&pool, &copy})
-      for (std::size_t l = 0; l < 2; ++l) p->append(first, l, from, more.k(from, from + 90, 128), more.v(from, from + 90, 128));
+      for (std::size_t l = 0; l < 2; ++l)
+        p->append(first, l, from, more.k(from, from + 90, 128), more.v(from, from + 90, 128));
     kvq::test::expect_same_state(copy.sequence(first), pool.sequence(first), "after more tokens");
     std::size_t k = 0;
     for (const auto& [id, t] : model)
@@ -534,7 +542,8 @@ TEST(KVPool, PoolFileForAnotherPoolIsRefused) {
   (void)fill_pool(pool, 200, 3);
   const std::string bytes = saved_pool(pool);
   auto expect_refused = [&](KVPool& target, kvq::ErrorCode code, const std::string& needle) {
-    expect_load_refused(target, [&] { load_pool(target, bytes); }, code, needle);
+    expect_load_refused(
+        target, [&] { load_pool(target, bytes); }, code, needle);
   };
   PoolShape shape = small_pool();
   shape.block_tokens = 128;
@@ -632,9 +641,15 @@ TEST(KVPool, DamagedPoolFileThrowsIoAndChangesNothing) {
     for (int m = 1 + int(rng() % 3); m > 0; --m) {
       const std::size_t at = rng() % bytes.size();
       switch (rng() % 3) {
-        case 0: bytes[at] = char(rng()); break;
-        case 1: bytes.insert(bytes.begin() + std::ptrdiff_t(at), char(rng())); break;
-        default: bytes.erase(at, 1 + rng() % 16); break;
+        case 0:
+          bytes[at] = char(rng());
+          break;
+        case 1:
+          bytes.insert(bytes.begin() + std::ptrdiff_t(at), char(rng()));
+          break;
+        default:
+          bytes.erase(at, 1 + rng() % 16);
+          break;
       }
     }
     try {
@@ -658,7 +673,8 @@ void feed(KVPool& pool, SequenceId id, const Tokens& tokens, std::size_t from, s
   const std::size_t row = row_of(pool.shape().sequence_shape());
   for (std::size_t a = from; a < to; a += chunk) {
     const std::size_t b = std::min(to, a + chunk);
-    for (std::size_t l = 0; l < pool.shape().layers; ++l) pool.append(id, l, a, tokens.k(a, b, row), tokens.v(a, b, row));
+    for (std::size_t l = 0; l < pool.shape().layers; ++l)
+      pool.append(id, l, a, tokens.k(a, b, row), tokens.v(a, b, row));
   }
 }
 
@@ -815,7 +831,8 @@ TEST(KVPool, RandomOperationsMatchFreshCaches) {
         const std::size_t from = t.size(row), n = std::uniform_int_distribution<std::size_t>(1, 90)(rng);
         if (from + n > shape.capacity) continue;
         t.add(n, row, rng);
-        for (std::size_t l = 0; l < shape.layers; ++l) pool.append(id, l, from, t.k(from, from + n, row), t.v(from, from + n, row));
+        for (std::size_t l = 0; l < shape.layers; ++l)
+          pool.append(id, l, from, t.k(from, from + n, row), t.v(from, from + n, row));
       } else if (op < 7) {  // fork within the rollback depth
         const SequenceId id = pick();
         const std::size_t n = model[id].size(row), back = std::uniform_int_distribution<std::size_t>(0, 16)(rng);
@@ -844,7 +861,8 @@ TEST(KVPool, RandomOperationsMatchFreshCaches) {
       }
       for (const auto& [id, tokens] : model) {
         const BasicKVCache fresh = fresh_cache(shape, config, tokens);
-        ASSERT_TRUE(pool.sequence(id).stored_bytes() == fresh.stored_bytes()) << text << " step " << step << " sequence " << id;
+        ASSERT_TRUE(pool.sequence(id).stored_bytes() == fresh.stored_bytes())
+            << text << " step " << step << " sequence " << id;
         if (step % 10 == 9) {
           kvq::test::expect_same_state(pool.sequence(id), fresh, std::string(text) + " step " + std::to_string(step));
           EXPECT_EQ(decode_outputs(pool.sequence(id)), decode_outputs(fresh)) << text << " step " << step;
@@ -871,7 +889,9 @@ TEST(KVPool, RandomOperationsMatchMirrorCaches) {
     std::map<SequenceId, BasicKVCache> mirror;
     mirror.emplace(pool->add_sequence(), BasicKVCache(shape, config));
     std::mt19937 rng(101);
-    auto uniform = [&](std::size_t lo, std::size_t hi) { return std::uniform_int_distribution<std::size_t>(lo, hi)(rng); };
+    auto uniform = [&](std::size_t lo, std::size_t hi) {
+      return std::uniform_int_distribution<std::size_t>(lo, hi)(rng);
+    };
     for (int step = 0; step < 120; ++step) {
       const std::string what = std::string(text) + ", step " + std::to_string(step);
       auto it = mirror.begin();
@@ -899,8 +919,14 @@ TEST(KVPool, RandomOperationsMatchMirrorCaches) {
         if (length + n > shape.capacity) continue;
         Tokens t;
         t.add(n, row, rng);
-        both([&] { for (std::size_t l = 0; l < shape.layers; ++l) m.append(l, length, t.k(0, n, row), t.v(0, n, row)); },
-             [&] { for (std::size_t l = 0; l < shape.layers; ++l) pool->append(id, l, length, t.k(0, n, row), t.v(0, n, row)); });
+        both(
+            [&] {
+              for (std::size_t l = 0; l < shape.layers; ++l) m.append(l, length, t.k(0, n, row), t.v(0, n, row));
+            },
+            [&] {
+              for (std::size_t l = 0; l < shape.layers; ++l)
+                pool->append(id, l, length, t.k(0, n, row), t.v(0, n, row));
+            });
       } else if (op < 7) {  // roll back speculative tokens (past the rollback depth: refused)
         const std::size_t to = length > back ? length - back : 0;
         both([&] { m.truncate(to); }, [&] { pool->truncate(id, to); });
@@ -1048,7 +1074,8 @@ TEST(KVPoolPerLayer, FailuresNameThePoolLayerAndChangeNothing) {
     pool.append(id, 3, 100, k, v);
     FAIL() << "an infinite key was accepted";
   } catch (const kvq::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("sequence " + std::to_string(id) + ": layer 3"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("sequence " + std::to_string(id) + ": layer 3"), std::string::npos)
+        << e.what();
   }
   EXPECT_TRUE(bytes() == before);
   EXPECT_EQ(pool.memory().used, memory_before.used);
@@ -1162,9 +1189,11 @@ TEST(KVPoolPerLayer, PoolAndSequenceFilesKeepEveryLayer) {
         },
         code, needle);
   };
-  expect_refused(other, bytes, kvq::ErrorCode::invalid_argument, "holds " + std::to_string(model.size()) + " sequences");
+  expect_refused(other, bytes, kvq::ErrorCode::invalid_argument,
+                 "holds " + std::to_string(model.size()) + " sequences");
   KVPool uniform(per_layer_pool(), configs[0]);
-  expect_refused(uniform, session, kvq::ErrorCode::shape_mismatch, "configured '" + kvq::to_string(std::span(configs)) + "'");
+  expect_refused(uniform, session, kvq::ErrorCode::shape_mismatch,
+                 "configured '" + kvq::to_string(std::span(configs)) + "'");
   Tokens t;
   std::ostringstream cache_file(std::ios::binary);
   kvq::save(uniform.sequence(add_tokens(uniform, t, 90, 8)), cache_file);
@@ -1183,7 +1212,8 @@ TEST(KVPoolPerLayer, PoolAndSequenceFilesKeepEveryLayer) {
   std::stringstream uniform_session;
   const SequenceId s = uniform.sequence_count() - 1;
   uniform.save_sequence(s, uniform_session);
-  kvq::test::expect_same_state(uniform.sequence(uniform.load_sequence(uniform_session)), uniform.sequence(s), "uniform session");
+  kvq::test::expect_same_state(uniform.sequence(uniform.load_sequence(uniform_session)), uniform.sequence(s),
+                               "uniform session");
   std::istringstream cache_in(cache_file.str(), std::ios::binary);
   kvq::test::expect_same_state(uniform.sequence(uniform.load_sequence(cache_in)), uniform.sequence(s), "cache file");
 }

@@ -68,7 +68,8 @@ struct Buffers {
 
 // Bytes from `from` on must still be the sentinel.
 void expect_untouched(const std::vector<std::uint8_t>& v, std::size_t from, const char* what) {
-  for (std::size_t i = from; i < v.size(); ++i) ASSERT_EQ(v[i], sentinel) << what << " written past its end at byte " << i;
+  for (std::size_t i = from; i < v.size(); ++i)
+    ASSERT_EQ(v[i], sentinel) << what << " written past its end at byte " << i;
 }
 
 // |x - x^| <= scale/2 + (how far the stored levels fall short of the group's range) + float rounding.
@@ -145,8 +146,8 @@ TEST(GroupQuantizer, PerTokenRoundTripWithinBound) {
   }
 }
 
-void check_block_per_channel(const QuantizerSpec& spec, const std::vector<float>& x, std::size_t rows,
-                             std::size_t dim, std::size_t stride) {
+void check_block_per_channel(const QuantizerSpec& spec, const std::vector<float>& x, std::size_t rows, std::size_t dim,
+                             std::size_t stride) {
   const std::size_t row_bytes = kvq::packed_bytes(dim, spec.bits) + 3;  // a gap the kernel must not touch
   Buffers b(dim, rows * row_bytes);
   ref::quantize_block_per_channel(spec, x.data(), rows, dim, stride, b.scales.data(), b.zeros.data(), b.codes.data(),
@@ -157,7 +158,8 @@ void check_block_per_channel(const QuantizerSpec& spec, const std::vector<float>
   expect_untouched(b.zeros, spec.has_zero_point() ? dim * kvq::size_of(spec.param) : 0, "zeros");
   std::vector<float> lo(x.begin(), x.begin() + long(dim)), hi = lo;  // each channel's range over the block
   for (std::size_t r = 1; r < rows; ++r)
-    for (std::size_t c = 0; c < dim; ++c) lo[c] = std::min(lo[c], x[r * stride + c]), hi[c] = std::max(hi[c], x[r * stride + c]);
+    for (std::size_t c = 0; c < dim; ++c)
+      lo[c] = std::min(lo[c], x[r * stride + c]), hi[c] = std::max(hi[c], x[r * stride + c]);
   std::vector<float> decoded(dim);
   for (std::size_t r = 0; r < rows; ++r) {
     const std::uint8_t* row = b.codes.data() + r * row_bytes;
@@ -284,16 +286,22 @@ TEST(GroupQuantizer, ParametersBeyondTheParameterTypeAreUnrepresentable) {
 // Fast paths: byte-identical to the reference
 
 enum class Pattern { normal, ties, constant, tiny, huge, signed_zeros };
-constexpr Pattern all_patterns[] = {Pattern::normal, Pattern::ties,  Pattern::constant,
+constexpr Pattern all_patterns[] = {Pattern::normal, Pattern::ties, Pattern::constant,
                                     Pattern::tiny,   Pattern::huge, Pattern::signed_zeros};
 const char* name(Pattern p) {
   switch (p) {
-    case Pattern::normal: return "normal";
-    case Pattern::ties: return "ties";
-    case Pattern::constant: return "constant";
-    case Pattern::tiny: return "tiny";
-    case Pattern::huge: return "huge";
-    case Pattern::signed_zeros: return "signed_zeros";
+    case Pattern::normal:
+      return "normal";
+    case Pattern::ties:
+      return "ties";
+    case Pattern::constant:
+      return "constant";
+    case Pattern::tiny:
+      return "tiny";
+    case Pattern::huge:
+      return "huge";
+    case Pattern::signed_zeros:
+      return "signed_zeros";
   }
   return "?";
 }
@@ -308,17 +316,27 @@ std::vector<float> make_data(Pattern pattern, const QuantizerSpec& spec, std::si
   const float huge = spec.param == Scalar::f16 ? 30000.0f : 1e30f;
   for (std::size_t i = 0; i < n; ++i) {
     switch (pattern) {
-      case Pattern::normal: v[i] = normal(rng) * 2.0f + 0.5f; break;
+      case Pattern::normal:
+        v[i] = normal(rng) * 2.0f + 0.5f;
+        break;
       // Half-integer steps of a unit scale: (x - zero) * inv lands exactly on k + 0.5.
       case Pattern::ties:
         v[i] = float(half_steps(rng)) * 0.5f - (spec.mode == Mode::symmetric ? float(top) * 0.5f : 0.0f);
         if (i % 7 == 0) v[i] = spec.mode == Mode::symmetric ? float(top) * 0.5f : float(top);
         if (i % 7 == 1) v[i] = spec.mode == Mode::symmetric ? -float(top) * 0.5f : 0.0f;
         break;
-      case Pattern::constant: v[i] = 1.75f; break;
-      case Pattern::tiny: v[i] = 1.0f + normal(rng) * 1e-6f; break;
-      case Pattern::huge: v[i] = (normal(rng) > 0 ? huge : -huge) * (0.5f + 0.25f * std::fabs(normal(rng))); break;
-      case Pattern::signed_zeros: v[i] = coin(rng) == 0 ? 0.0f : coin(rng) == 1 ? -0.0f : 0.0f; break;
+      case Pattern::constant:
+        v[i] = 1.75f;
+        break;
+      case Pattern::tiny:
+        v[i] = 1.0f + normal(rng) * 1e-6f;
+        break;
+      case Pattern::huge:
+        v[i] = (normal(rng) > 0 ? huge : -huge) * (0.5f + 0.25f * std::fabs(normal(rng)));
+        break;
+      case Pattern::signed_zeros:
+        v[i] = coin(rng) == 0 ? 0.0f : coin(rng) == 1 ? -0.0f : 0.0f;
+        break;
     }
   }
   return v;
@@ -438,10 +456,10 @@ void compare_rows(const QuantizerSpec& spec, Scalar in, std::size_t rows, const 
     ref::quantize_row_per_token(spec, row.data(), dim, want.scales.data() + r * param_stride,
                                 want.zeros.data() + r * param_stride, want.codes.data() + r * out_stride);
   }
-  kvq::kernels::quantize_rows_per_token(spec, in, stored.data(), rows, dim, x_stride, got.scales.data(), got.zeros.data(),
-                                        param_stride, got.codes.data(), out_stride);
-  SCOPED_TRACE(what + " " + describe(spec) + " input " + kvq::to_string(in) + " rows " + std::to_string(rows) + " dim " +
-               std::to_string(dim));
+  kvq::kernels::quantize_rows_per_token(spec, in, stored.data(), rows, dim, x_stride, got.scales.data(),
+                                        got.zeros.data(), param_stride, got.codes.data(), out_stride);
+  SCOPED_TRACE(what + " " + describe(spec) + " input " + kvq::to_string(in) + " rows " + std::to_string(rows) +
+               " dim " + std::to_string(dim));
   for (std::size_t i = 0; i < want.codes.size(); ++i) ASSERT_EQ(got.codes[i], want.codes[i]) << "code byte " << i;
   for (std::size_t i = 0; i < want.scales.size(); ++i) ASSERT_EQ(got.scales[i], want.scales[i]) << "scale byte " << i;
   for (std::size_t i = 0; i < want.zeros.size(); ++i) ASSERT_EQ(got.zeros[i], want.zeros[i]) << "zero byte " << i;
@@ -488,8 +506,8 @@ TEST(GroupQuantizerFastPath, DispatchedBlockFromStoredRowsMatchesReferenceByteFo
               kvq::load_row(in, stored.data() + r * x_stride, dim, as_floats.data() + r * dim);
             }
             Buffers want(dim, rows * row_bytes), got = want;
-            ref::quantize_block_per_channel(spec, as_floats.data(), rows, dim, dim, want.scales.data(), want.zeros.data(),
-                                            want.codes.data(), row_bytes);
+            ref::quantize_block_per_channel(spec, as_floats.data(), rows, dim, dim, want.scales.data(),
+                                            want.zeros.data(), want.codes.data(), row_bytes);
             std::vector<float> scratch(rows * dim);
             kvq::kernels::quantize_block_per_channel(spec, in, stored.data(), rows, dim, x_stride, got.scales.data(),
                                                      got.zeros.data(), got.codes.data(), row_bytes, scratch.data());
@@ -530,7 +548,8 @@ std::vector<float> roundtrip_per_token(const QuantizerSpec& spec, const std::vec
   std::vector<float> out(x.size());
   for (std::size_t t = 0; t < tokens; ++t) {
     Buffers b(groups, row_bytes);
-    kvq::kernels::quantize_row_per_token(spec, x.data() + t * dim, dim, b.scales.data(), b.zeros.data(), b.codes.data());
+    kvq::kernels::quantize_row_per_token(spec, x.data() + t * dim, dim, b.scales.data(), b.zeros.data(),
+                                         b.codes.data());
     ref::dequantize_row_per_token(spec, b.codes.data(), dim, b.scales.data(), b.zeros.data(), out.data() + t * dim);
   }
   return out;
@@ -549,7 +568,8 @@ TEST(GroupQuantizerThesis, OutlierChannelsFavourPerChannelKeys) {
         relative_error(keys, roundtrip_per_token(QuantizerSpec{bits, 32, Axis::per_token}, keys, tokens, dim));
     RecordProperty("bits" + std::to_string(bits) + "_per_channel", std::to_string(per_channel));
     RecordProperty("bits" + std::to_string(bits) + "_per_token", std::to_string(per_token));
-    EXPECT_LT(per_channel, 0.5 * per_token) << bits << " bits: per-channel " << per_channel << ", per-token " << per_token;
+    EXPECT_LT(per_channel, 0.5 * per_token)
+        << bits << " bits: per-channel " << per_channel << ", per-token " << per_token;
   }
 }
 
@@ -560,8 +580,8 @@ TEST(GroupQuantizerThesis, OutlierTokensFavourPerTokenValues) {
   for (const std::size_t t : {3, 20})
     for (std::size_t c = 0; c < dim; ++c) values[t * dim + c] *= 50.0f;
   for (const int bits : {2, 4}) {
-    const double per_channel =
-        relative_error(values, roundtrip_per_channel(QuantizerSpec{bits, tokens, Axis::per_channel}, values, tokens, dim));
+    const double per_channel = relative_error(
+        values, roundtrip_per_channel(QuantizerSpec{bits, tokens, Axis::per_channel}, values, tokens, dim));
     const double per_token =
         relative_error(values, roundtrip_per_token(QuantizerSpec{bits, 32, Axis::per_token}, values, tokens, dim));
     EXPECT_LT(per_token, per_channel) << bits << " bits: per-channel " << per_channel << ", per-token " << per_token;

@@ -61,10 +61,22 @@ TEST(LloydMax, LevelsAreTheCentroidsOfTheirCellsAndMatchMaxsTable) {
 
 TEST(NormalFloat, FourBitsIsQloraNf4Table) {
   // bitsandbytes' NF4 code book, as published with QLoRA.
-  const double nf4[] = {-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-                        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-                        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-                        0.7229568362236023, 1.0};
+  const double nf4[] = {-1.0,
+                        -0.6961928009986877,
+                        -0.5250730514526367,
+                        -0.39491748809814453,
+                        -0.28444138169288635,
+                        -0.18477343022823334,
+                        -0.09105003625154495,
+                        0.0,
+                        0.07958029955625534,
+                        0.16093020141124725,
+                        0.24611230194568634,
+                        0.33791524171829224,
+                        0.44070982933044434,
+                        0.5626170039176941,
+                        0.7229568362236023,
+                        1.0};
   const std::vector<double> levels = kvq::normal_float_levels(4);
   ASSERT_EQ(levels.size(), 16u);
   for (std::size_t i = 0; i < 16; ++i) EXPECT_NEAR(levels[i], nf4[i], 2e-7) << i;
@@ -86,7 +98,7 @@ TEST(LevelSet, NearestLevelWithTiesToTheUpperOne) {
   const LevelSet set(l);
   EXPECT_EQ(set.encode(-100.0f), 0);
   EXPECT_EQ(set.encode(-1.26f), 0);
-  EXPECT_EQ(set.encode(-1.25f), 1);  // halfway between -2 and -0.5: upper
+  EXPECT_EQ(set.encode(-1.25f), 1);   // halfway between -2 and -0.5: upper
   EXPECT_EQ(set.encode(-0.125f), 2);  // halfway between -0.5 and 0.25: upper
   EXPECT_EQ(set.encode(-0.126f), 1);
   EXPECT_EQ(set.encode(1.625f), 3);

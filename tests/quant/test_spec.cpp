@@ -71,8 +71,8 @@ TEST(Policies, PresetConfigsMatchTheirStrings) {
   EXPECT_EQ(kvq::K2V2WrongAxes::config(), kvq::parse_cache_config("k2t32-v2c32-r128-s0"));
   EXPECT_EQ(kvq::K4V4KeysPostRope::config(), kvq::parse_cache_config("k4c32-v4t32-r128-s0-post"));
   EXPECT_EQ(kvq::to_string(kvq::K4V2::config()), "k4c32-v2t32-r128-s0");
-  using Custom = kvq::KVPolicy<kvq::PerChannel<3, 64, Mode::symmetric, kvq::bf16>, kvq::PerToken<6, 16, Mode::asymmetric, float>,
-                               64, 4, KeyRope::post, float>;
+  using Custom = kvq::KVPolicy<kvq::PerChannel<3, 64, Mode::symmetric, kvq::bf16>,
+                               kvq::PerToken<6, 16, Mode::asymmetric, float>, 64, 4, KeyRope::post, float>;
   EXPECT_EQ(kvq::to_string(Custom::config()), "k3c64s.bf16-v6t16.f32-r64-s4-post-f32");
   EXPECT_EQ(Custom::config(), kvq::parse_cache_config("k3c64s.bf16-v6t16.f32-r64-s4-post-f32"));
 }
@@ -104,7 +104,8 @@ TEST(Spec, QuantizerStringRoundTrip) {
   EXPECT_EQ(kvq::to_string(QuantizerSpec{2, 64, Axis::per_token, Mode::symmetric, Scalar::f16}, 'v'), "v2t64s");
   EXPECT_EQ(kvq::to_string(QuantizerSpec{8, 128, Axis::per_token, Mode::asymmetric, Scalar::bf16}, 'v'), "v8t128.bf16");
   EXPECT_THROW((void)kvq::parse_quantizer("k4c32.f16", 'k'), kvq::Error);
-  EXPECT_EQ(kvq::parse_quantizer("v3t8s.f32", 'v'), (QuantizerSpec{3, 8, Axis::per_token, Mode::symmetric, Scalar::f32}));
+  EXPECT_EQ(kvq::parse_quantizer("v3t8s.f32", 'v'),
+            (QuantizerSpec{3, 8, Axis::per_token, Mode::symmetric, Scalar::f32}));
 }
 
 TEST(Spec, CacheConfigStringRoundTrip) {
@@ -165,14 +166,16 @@ TEST(Spec, CacheConfigStringRoundTrip) {
 
 // Runs f, expects a kvq::Error whose message contains every one of `needles`.
 template <class F>
-void expect_error(F&& f, std::initializer_list<std::string> needles, kvq::ErrorCode code = kvq::ErrorCode::invalid_argument) {
+void expect_error(F&& f, std::initializer_list<std::string> needles,
+                  kvq::ErrorCode code = kvq::ErrorCode::invalid_argument) {
   try {
     f();
     ADD_FAILURE() << "no kvq::Error thrown; expected one mentioning '" << *needles.begin() << "'";
   } catch (const kvq::Error& e) {
     EXPECT_EQ(e.code(), code);
     const std::string what = e.what();
-    for (const std::string& n : needles) EXPECT_NE(what.find(n), std::string::npos) << "'" << what << "' lacks '" << n << "'";
+    for (const std::string& n : needles)
+      EXPECT_NE(what.find(n), std::string::npos) << "'" << what << "' lacks '" << n << "'";
   }
 }
 
@@ -213,13 +216,30 @@ TEST(Spec, InvalidCacheConfigStringsThrowNamingTheText) {
 
 // One spelling per configuration: each part once, in order, nothing implied, no leading zeros.
 TEST(Spec, ParserAcceptsOnlyTheCanonicalForm) {
-  for (const char* text : {"k4c32-v2t32", "k4c32-v2t32-r128", "k4c32-v2t32-s0-r128", "k4c32-v2t32-r1-r2-s0",
-                           "k4c32-v2t32-r128-s0-s1", "k4c32-v2t32-r128-s0-pre", "k4c32-v2t32-r128-s0-f16",
-                           "k4c32-v2t32-r128-s0-post-post", "k4c32-v2t32-r128-s0-f32-post", "k4c32-v2t32-r128-s0-f32-bf16",
-                           "k4c32-v2t32-r0128-s0", "k4c32-v2t32-r128-s00", "k04c32-v2t32-r128-s0", "k4c032-v2t32-r128-s0",
-                           "k4c32.f16-v2t32-r128-s0", "k4c32-v2t32-r+5-s0", "k4c32-v2t32-r 5-s0", "k4c32-v2t32-r1234567890-s0",
-                           "k4c4097-v2t32-r128-s0", "k4c999999999-v2t32-r128-s0", "k4c32-v2t32-d5-r128-s0",
-                           "k4c32-v2t32-r128-s0-d5-post", "k4c32-v2t32-r128-s0-d16", "k4c32-v2t32-r128-s0-d4097",
+  for (const char* text : {"k4c32-v2t32",
+                           "k4c32-v2t32-r128",
+                           "k4c32-v2t32-s0-r128",
+                           "k4c32-v2t32-r1-r2-s0",
+                           "k4c32-v2t32-r128-s0-s1",
+                           "k4c32-v2t32-r128-s0-pre",
+                           "k4c32-v2t32-r128-s0-f16",
+                           "k4c32-v2t32-r128-s0-post-post",
+                           "k4c32-v2t32-r128-s0-f32-post",
+                           "k4c32-v2t32-r128-s0-f32-bf16",
+                           "k4c32-v2t32-r0128-s0",
+                           "k4c32-v2t32-r128-s00",
+                           "k04c32-v2t32-r128-s0",
+                           "k4c032-v2t32-r128-s0",
+                           "k4c32.f16-v2t32-r128-s0",
+                           "k4c32-v2t32-r+5-s0",
+                           "k4c32-v2t32-r 5-s0",
+                           "k4c32-v2t32-r1234567890-s0",
+                           "k4c4097-v2t32-r128-s0",
+                           "k4c999999999-v2t32-r128-s0",
+                           "k4c32-v2t32-d5-r128-s0",
+                           "k4c32-v2t32-r128-s0-d5-post",
+                           "k4c32-v2t32-r128-s0-d16",
+                           "k4c32-v2t32-r128-s0-d4097",
                            "k4c32-v2t32-r128-s0-d5-d6"}) {
     SCOPED_TRACE(text);
     expect_error([&] { (void)kvq::parse_cache_config(text); }, {std::string("'") + text + "'"});
@@ -266,7 +286,8 @@ TEST(Spec, ValidateRejectsWhatTheKernelsCannotRun) {
   EXPECT_NO_THROW(kvq::validate(ok, 32, "value quantizer"));
   EXPECT_NO_THROW(kvq::validate(ok, 1024, "value quantizer"));
   EXPECT_NO_THROW(kvq::validate(QuantizerSpec{4, 100, Axis::per_token}, 128, "v"));  // a shorter last group is fine
-  EXPECT_NO_THROW(kvq::validate(QuantizerSpec{4, 512, Axis::per_channel}, 64, "k"));  // per-channel groups run over tokens
+  EXPECT_NO_THROW(
+      kvq::validate(QuantizerSpec{4, 512, Axis::per_channel}, 64, "k"));  // per-channel groups run over tokens
   expect_error([&] { kvq::validate(ok, 16, "value quantizer"); }, {"value quantizer", "32", "16"});
   expect_error([&] { kvq::validate(ok, 0, "key quantizer"); }, {"key quantizer", "head_dim"});
   expect_error([&] { kvq::validate(ok, kvq::max_head_dim + 1, "key quantizer"); }, {"key quantizer", "1025"});

@@ -126,10 +126,13 @@ double published_frequency(const kvq::RopeConfig& c, std::size_t i) {
   if (s.type == kvq::RopeScalingType::linear) f = inv_freq / s.factor;
   if (s.type == kvq::RopeScalingType::llama3) {
     const double old_context = double(s.original_context);
-    const double low_freq_wavelen = old_context / s.low_freq_factor, high_freq_wavelen = old_context / s.high_freq_factor;
+    const double low_freq_wavelen = old_context / s.low_freq_factor,
+                 high_freq_wavelen = old_context / s.high_freq_factor;
     const double wavelen = 2 * pi / inv_freq;
-    if (wavelen < high_freq_wavelen) f = inv_freq;
-    else if (wavelen > low_freq_wavelen) f = inv_freq / s.factor;
+    if (wavelen < high_freq_wavelen)
+      f = inv_freq;
+    else if (wavelen > low_freq_wavelen)
+      f = inv_freq / s.factor;
     else {
       const double smooth = (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
       f = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq;
@@ -190,7 +193,8 @@ std::vector<kvq::RopeConfig> scaled_configs() {
       c.scaling = yarn_scaling(4.0f, 4096, 16.0f, 2.0f, 1.25f);
       all.push_back(c);
       c.scaling = {};  // per-frequency divisors alone, as llama.cpp stores Llama-3 scaling
-      for (std::size_t i = 0; i < c.dims() / 2; ++i) c.scaling.frequency_divisors.push_back(1.0f + 0.25f * float(i % 5));
+      for (std::size_t i = 0; i < c.dims() / 2; ++i)
+        c.scaling.frequency_divisors.push_back(1.0f + 0.25f * float(i % 5));
       all.push_back(c);
       c.scaling.type = kvq::RopeScalingType::linear, c.scaling.factor = 2.0f;  // both
       all.push_back(c);
@@ -219,8 +223,10 @@ TEST(RopeScaling, EveryScalingMatchesThePublishedFormulas) {
         const std::size_t a = c.style == kvq::RopeStyle::adjacent_pairs ? 2 * i : i;
         const std::size_t b = c.style == kvq::RopeStyle::adjacent_pairs ? 2 * i + 1 : i + c.dims() / 2;
         const double angle = double(p) * published_frequency(c, i);
-        EXPECT_NEAR(y[a], m * (x[a] * std::cos(angle) - x[b] * std::sin(angle)), 2e-5) << "position " << p << " pair " << i;
-        EXPECT_NEAR(y[b], m * (x[a] * std::sin(angle) + x[b] * std::cos(angle)), 2e-5) << "position " << p << " pair " << i;
+        EXPECT_NEAR(y[a], m * (x[a] * std::cos(angle) - x[b] * std::sin(angle)), 2e-5)
+            << "position " << p << " pair " << i;
+        EXPECT_NEAR(y[b], m * (x[a] * std::sin(angle) + x[b] * std::cos(angle)), 2e-5)
+            << "position " << p << " pair " << i;
       }
       for (std::size_t ch = c.dims(); ch < c.head_dim; ++ch) EXPECT_EQ(y[ch], x[ch]) << "tail channel " << ch;
       table.unrotate(y.data(), p);
@@ -290,7 +296,8 @@ TEST(RopeScaling, BadParametersAreRejectedByName) {
   EXPECT_NE(error_of(linear_scaling(0.5f)).find("factor"), std::string::npos);
   EXPECT_NE(error_of(linear_scaling(std::numeric_limits<float>::quiet_NaN())).find("factor"), std::string::npos);
   EXPECT_NE(error_of(llama3_scaling(8.0f, 0)).find("original_context"), std::string::npos);
-  EXPECT_NE(error_of(llama3_scaling(8.0f, 8192, 4.0f, 1.0f)).find("low_freq_factor < high_freq_factor"), std::string::npos);
+  EXPECT_NE(error_of(llama3_scaling(8.0f, 8192, 4.0f, 1.0f)).find("low_freq_factor < high_freq_factor"),
+            std::string::npos);
   EXPECT_NE(error_of(llama3_scaling(8.0f, 8192, 0.0f, 4.0f)).find("low_freq_factor"), std::string::npos);
   EXPECT_NE(error_of(yarn_scaling(4.0f, 0)).find("original_context"), std::string::npos);
   EXPECT_NE(error_of(yarn_scaling(4.0f, 4096, 1.0f, 32.0f)).find("beta_slow < beta_fast"), std::string::npos);

@@ -68,11 +68,12 @@ TEST(Hadamard, IsOrthogonal) {
   for (std::size_t dim : {8u, 64u, 96u, 128u, 80u})
     for (bool signs : {false, true}) {
       const HadamardTransform t = signs ? HadamardTransform(dim, 7) : HadamardTransform(dim);
-      const std::vector<float> q = kvq::test::normal_vector(4 * dim, 1), k = kvq::test::outlier_keys(1, 4, dim, 3, 20.0f, 2);
+      const std::vector<float> q = kvq::test::normal_vector(4 * dim, 1),
+                               k = kvq::test::outlier_keys(1, 4, dim, 3, 20.0f, 2);
       std::vector<float> hq = q, hk = k;
       t.forward(hq);
       t.forward(hk);
-      EXPECT_NEAR(dot(hq, hq), dot(q, q), 1e-5 * dot(q, q)) << dim;  // norm kept
+      EXPECT_NEAR(dot(hq, hq), dot(q, q), 1e-5 * dot(q, q)) << dim;                         // norm kept
       EXPECT_NEAR(dot(hq, hk), dot(q, k), 1e-5 * std::sqrt(dot(q, q) * dot(k, k))) << dim;  // q.k = Hq.Hk
       std::vector<float> back = hk;
       t.inverse(back);

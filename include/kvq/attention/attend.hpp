@@ -36,8 +36,8 @@ namespace kvq::inline v0 {
 struct AttentionRequest {
   const BasicKVCache* cache = nullptr;
   std::size_t layer = 0;
-  std::size_t first_position = 0;  // p0: the position of the first query
-  std::size_t tokens = 1;          // T: query positions p0 .. p0 + T - 1
+  std::size_t first_position = 0;    // p0: the position of the first query
+  std::size_t tokens = 1;            // T: query positions p0 .. p0 + T - 1
   std::span<const float> queries{};  // (T, heads, head_dim), following the cache's key_rope
   /// Empty, or (T, kv_heads, head_dim) each: the keys (pre-RoPE when the cache stores them so)
   /// and values of positions p0 .. p0 + T - 1, attended exactly; the cache's stored positions
@@ -74,19 +74,20 @@ inline void check_request(const AttentionRequest& r, std::size_t index) {
   if (r.tokens == 0) throw Error(ErrorCode::invalid_argument, which + "zero query tokens");
   if (fresh && (r.new_keys.size() != r.new_values.size() || r.new_keys.size() / per_token != r.tokens ||
                 r.new_keys.size() % per_token != 0))
-    throw Error(ErrorCode::shape_mismatch, which + "new keys of " + std::to_string(r.new_keys.size()) + " and values of " +
-                                               std::to_string(r.new_values.size()) + " floats are not " +
-                                               std::to_string(r.tokens) + " tokens x " + std::to_string(s.kv_heads) +
-                                               " KV heads x " + std::to_string(s.head_dim));
+    throw Error(ErrorCode::shape_mismatch,
+                which + "new keys of " + std::to_string(r.new_keys.size()) + " and values of " +
+                    std::to_string(r.new_values.size()) + " floats are not " + std::to_string(r.tokens) + " tokens x " +
+                    std::to_string(s.kv_heads) + " KV heads x " + std::to_string(s.head_dim));
   for (const auto& [span, what] : {std::pair{r.new_keys, "new keys"}, std::pair{r.new_values, "new values"}}) {
     if (all_below(span.data(), span.size(), std::numeric_limits<float>::infinity())) continue;
-    const std::size_t at = std::size_t(std::find_if(span.begin(), span.end(), [](float x) { return !std::isfinite(x); }) - span.begin());
-    throw Error(ErrorCode::non_finite_input, which + what + " of token " + std::to_string(at / per_token) + ", KV head " +
-                                                 std::to_string(at % per_token / s.head_dim) + ", channel " +
-                                                 std::to_string(at % s.head_dim) + " is not finite");
+    const std::size_t at =
+        std::size_t(std::find_if(span.begin(), span.end(), [](float x) { return !std::isfinite(x); }) - span.begin());
+    throw Error(ErrorCode::non_finite_input, which + what + " of token " + std::to_string(at / per_token) +
+                                                 ", KV head " + std::to_string(at % per_token / s.head_dim) +
+                                                 ", channel " + std::to_string(at % s.head_dim) + " is not finite");
   }
-  for (const auto& [span, what] : {std::pair{r.queries, "queries"}, std::pair{r.new_keys, "new keys"},
-                                   std::pair{r.new_values, "new values"}})
+  for (const auto& [span, what] :
+       {std::pair{r.queries, "queries"}, std::pair{r.new_keys, "new keys"}, std::pair{r.new_values, "new values"}})
     if (overlaps(std::span<const float>(r.out.data(), r.out.size()), span))
       throw Error(ErrorCode::invalid_argument, which + "the output overlaps the " + what);
 }
@@ -143,8 +144,8 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
     for (std::size_t j = i + 1; j < requests.size(); ++j)
       if (detail::overlaps(std::span<const float>(requests[i].out.data(), requests[i].out.size()),
                            std::span<const float>(requests[j].out.data(), requests[j].out.size())))
-        throw Error(ErrorCode::invalid_argument, "attention requests " + std::to_string(i) + " and " + std::to_string(j) +
-                                                     " write overlapping outputs");
+        throw Error(ErrorCode::invalid_argument, "attention requests " + std::to_string(i) + " and " +
+                                                     std::to_string(j) + " write overlapping outputs");
 
   // One position without new tokens: decode_attention, bit for bit.
   if (requests.size() == 1 && plans[0].tokens == 1 && requests[0].new_keys.empty())
@@ -192,10 +193,12 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
     const std::size_t dim = cache.shape().head_dim, stride = max_group * (dim + 2);
     const std::size_t row0 = it.batch * max_group, rows = std::min(max_group, p.rows - row0);
     const float* q = own_queries.data() + p.query_offset + (it.kvh * p.rows + row0) * dim;
-    float* base = own_partial.data() + p.partial_offset + ((it.kvh * p.batches + it.batch) * (p.chunks + 1) + it.part) * stride;
+    float* base =
+        own_partial.data() + p.partial_offset + ((it.kvh * p.batches + it.batch) * (p.chunks + 1) + it.part) * stride;
     const detail::PartialState state{base, base + max_group, base + 2 * max_group};
     if (it.part < p.chunks) {  // a chunk of the shared prefix, read once for every row of the batch
-      const auto [begin, end] = detail::ChunkGrid{cache.config().sinks, p.chunk}.range(p.first_chunk + it.part, p.shared, p.prefix);
+      const auto [begin, end] =
+          detail::ChunkGrid{cache.config().sinks, p.chunk}.range(p.first_chunk + it.part, p.shared, p.prefix);
       const RopeTable* rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
       detail::run_range(cache, r.layer, it.kvh, begin, end, {q, rows, rope}, *p.kernel, options, state);
       return;
@@ -203,7 +206,8 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
     // The exact part: rows j < R are the ragged stored positions p.ragged + j, then the tail
     // (positions p.prefix + j - R): new tokens, or the stored positions after p0.
     const bool fresh = !r.new_keys.empty(), pre = cache.config().key_rope == KeyRope::pre;
-    const std::size_t R = p.shared - p.ragged, tail = fresh ? p.tokens : p.tokens - 1, kv_heads = cache.shape().kv_heads;
+    const std::size_t R = p.shared - p.ragged, tail = fresh ? p.tokens : p.tokens - 1,
+                      kv_heads = cache.shape().kv_heads;
     thread_local std::vector<float> keys, values;  // this task's thread: no allocation once warm
     keys.resize((R + tail) * dim);
     values.resize((R + tail) * dim);
@@ -226,7 +230,10 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
       // Row t sees positions [lo, p0 + t]: exact rows [j0, j1).
       const std::size_t lo = detail::window_start(options.scores, r.first_position + t);
       const std::size_t j1 = R + (fresh ? t + 1 : t);
-      const std::size_t j0 = lo <= p.ragged ? 0 : lo < p.shared ? lo - p.ragged : lo <= p.prefix ? R : R + (lo - p.prefix);
+      const std::size_t j0 = lo <= p.ragged   ? 0
+                             : lo < p.shared  ? lo - p.ragged
+                             : lo <= p.prefix ? R
+                                              : R + (lo - p.prefix);
       const float* x = q + row * dim;
       float* acc = state.acc + row * dim;
       float& m = state.max[row];
@@ -249,8 +256,10 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
       }
     }
   };
-  if (options.executor != nullptr && items.size() > 1) options.executor->parallel_for(items.size(), run_item);
-  else for (std::size_t i = 0; i < items.size(); ++i) run_item(i);
+  if (options.executor != nullptr && items.size() > 1)
+    options.executor->parallel_for(items.size(), run_item);
+  else
+    for (std::size_t i = 0; i < items.size(); ++i) run_item(i);
 
   for (const detail::RequestPlan& p : plans) {
     const AttentionRequest& r = *p.request;
@@ -259,8 +268,8 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
       for (std::size_t row = 0; row < p.rows; ++row) {
         const std::size_t b = row / max_group, k = row % max_group, t = row / p.group, g = row % p.group;
         const float* parts = own_partial.data() + p.partial_offset + (kvh * p.batches + b) * (p.chunks + 1) * stride;
-        detail::merge_parts(parts + k, parts + max_group + k, parts + 2 * max_group + k * dim, p.chunks + 1, stride, dim,
-                            r.out.data() + (t * p.heads + kvh * p.group + g) * dim);
+        detail::merge_parts(parts + k, parts + max_group + k, parts + 2 * max_group + k * dim, p.chunks + 1, stride,
+                            dim, r.out.data() + (t * p.heads + kvh * p.group + g) * dim);
       }
   }
 }

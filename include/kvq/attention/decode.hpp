@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvq/attention/options.hpp"
 #include "kvq/attention/reference.hpp"
 #include "kvq/attention/scores.hpp"
 #include "kvq/cache/kv_cache.hpp"
@@ -39,36 +40,6 @@
 #include "kvq/parallel/executor.hpp"
 
 namespace kvq::inline v0 {
-
-/// Scratch reused across calls so the hot path never allocates once warmed up.
-class DecodeWorkspace {
- public:
-  std::vector<float> queries;  // (heads, head_dim) rotated and scaled
-  std::vector<float> partial;  // (tasks, group, head_dim + 2)
-};
-
-struct DecodeOptions {
-  Tier tier = Tier::exact;
-  /// Context positions per work item, rounded up to whole tiles (key blocks). Fixed, never
-  /// derived from the thread count, so results are identical for every executor.
-  std::size_t chunk_tokens = 4096;
-  /// nullptr: run on the calling thread.
-  Executor* executor = nullptr;
-  /// nullptr: a per-thread workspace of the library's own.
-  DecodeWorkspace* workspace = nullptr;
-  /// The kernel to run, by its name in kernels/attention/registry.hpp ("reference", "avx2",
-  /// "vector-neon", ...); empty: the best this CPU has for the cache. Tests, bisecting and
-  /// benchmarks name one; a name this CPU or the cache's shapes rule out is a kvq::Error.
-  std::string_view kernel{};
-  /// Integer tier only: scan each chunk's scales first and run a chunk whose outliers int8 cannot
-  /// carry in the exact tier (kernels/attention/integer_range.hpp), so the tier's bound holds on
-  /// any data. The scan costs 5-15% of an integer-tier step at 32K; an engine that knows its
-  /// keys and values have no outlier scales may turn it off.
-  bool guard_outliers = true;
-  /// Softmax scale, sliding window and logit soft-cap (scores.hpp); the defaults are plain
-  /// causal attention with scale 1 / sqrt(head_dim).
-  ScoreOptions scores{};
-};
 
 namespace detail {
 
@@ -103,8 +74,8 @@ inline DecodePlan plan_decode(const BasicKVCache& cache, std::size_t layer, std:
                                             " query heads per KV head exceed " +
                                             std::to_string(kernels::attention::max_group));
   if (p.dim > max_head_dim)
-    throw Error(ErrorCode::unsupported, "decode attention: head_dim " + std::to_string(p.dim) + " exceeds " +
-                                            std::to_string(max_head_dim));
+    throw Error(ErrorCode::unsupported,
+                "decode attention: head_dim " + std::to_string(p.dim) + " exceeds " + std::to_string(max_head_dim));
   p.tokens = position + 1;
   const std::size_t tile = kernels::attention::tile_tokens(cache.keys(layer, 0, 0));
   p.chunk = std::max<std::size_t>(1, (options.chunk_tokens + tile - 1) / tile) * tile;
@@ -218,12 +189,14 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
     const std::size_t kvh = i / plan.chunks, j = plan.first_chunk + i % plan.chunks;
     const auto [begin, end] = grid.range(j, plan.first, plan.tokens);
     float* base = ws.partial.data() + i * stride;
-    detail::run_range(cache, layer, kvh, begin, end, {ws.queries.data() + kvh * plan.group * dim, plan.group, rope}, kernel,
-                      options, {base, base + plan.group, base + 2 * plan.group});
+    detail::run_range(cache, layer, kvh, begin, end, {ws.queries.data() + kvh * plan.group * dim, plan.group, rope},
+                      kernel, options, {base, base + plan.group, base + 2 * plan.group});
   };
   const std::size_t n = plan.kv_heads * plan.chunks;
-  if (options.executor != nullptr && n > 1) options.executor->parallel_for(n, task_at);
-  else for (std::size_t i = 0; i < n; ++i) task_at(i);
+  if (options.executor != nullptr && n > 1)
+    options.executor->parallel_for(n, task_at);
+  else
+    for (std::size_t i = 0; i < n; ++i) task_at(i);
 
   for (std::size_t kvh = 0; kvh < plan.kv_heads; ++kvh) {
     const float* parts = ws.partial.data() + kvh * plan.chunks * stride;

@@ -85,19 +85,22 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
     throw Error(ErrorCode::invalid_argument, "attention: layer " + std::to_string(layer) + " is outside the cache");
   const std::size_t per_token = tokens == 0 ? 0 : q_size / tokens;
   if (tokens == 0 || q_size % tokens != 0 || per_token % s.head_dim != 0 || out_size != q_size)
-    throw Error(ErrorCode::shape_mismatch, "attention: queries of " + std::to_string(q_size) + " floats and output of " +
-                                               std::to_string(out_size) + " floats do not form (tokens, heads, " +
-                                               std::to_string(s.head_dim) + ")");
+    throw Error(ErrorCode::shape_mismatch, "attention: queries of " + std::to_string(q_size) +
+                                               " floats and output of " + std::to_string(out_size) +
+                                               " floats do not form (tokens, heads, " + std::to_string(s.head_dim) +
+                                               ")");
   const std::size_t heads = per_token / s.head_dim;
   if (heads == 0 || heads % s.kv_heads != 0)
     throw Error(ErrorCode::shape_mismatch, "attention: " + std::to_string(heads) +
                                                " query heads are not a multiple of " + std::to_string(s.kv_heads) +
                                                " KV heads");
   const bool stored = new_keys_peak < 0.0f;
-  if (stored && (tokens > cache.length(layer) || first_position > cache.length(layer) - tokens))  // no sum that could wrap
-    throw Error(ErrorCode::invalid_argument, "attention: layer " + std::to_string(layer) + " holds " +
-                                                 std::to_string(cache.length(layer)) + " tokens; query positions up to " +
-                                                 std::to_string(first_position + tokens - 1) + " need them appended first");
+  if (stored &&
+      (tokens > cache.length(layer) || first_position > cache.length(layer) - tokens))  // no sum that could wrap
+    throw Error(ErrorCode::invalid_argument,
+                "attention: layer " + std::to_string(layer) + " holds " + std::to_string(cache.length(layer)) +
+                    " tokens; query positions up to " + std::to_string(first_position + tokens - 1) +
+                    " need them appended first");
   if (!stored && (first_position > cache.length(layer) || tokens > cache.capacity() - first_position))
     throw Error(ErrorCode::invalid_argument, "attention: layer " + std::to_string(layer) + " holds " +
                                                  std::to_string(cache.length(layer)) + " tokens of a capacity of " +
@@ -105,7 +108,8 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
                                                  " new tokens from position " + std::to_string(first_position) +
                                                  " need the positions before them stored and room after");
   if (!all_below(q.data(), q.size(), std::numeric_limits<float>::infinity())) {
-    const std::size_t at = std::size_t(std::find_if(q.begin(), q.end(), [](float x) { return !std::isfinite(x); }) - q.begin());
+    const std::size_t at =
+        std::size_t(std::find_if(q.begin(), q.end(), [](float x) { return !std::isfinite(x); }) - q.begin());
     throw Error(ErrorCode::non_finite_input, "attention: layer " + std::to_string(layer) + ", query head " +
                                                  std::to_string(at / s.head_dim % (q_size / tokens / s.head_dim)) +
                                                  ", channel " + std::to_string(at % s.head_dim) + " is not finite");
@@ -119,11 +123,11 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
     double l1 = 0;
     for (std::size_t c = 0; c < s.head_dim; ++c) l1 += std::fabs(double(q[row * s.head_dim + c]));
     if (l1 * key_peak * 2 * std::sqrt(2.0) * double(score_scale(rule, s.head_dim)) > limit)
-      throw Error(ErrorCode::unrepresentable,
-                  "attention: layer " + std::to_string(layer) + ", query head " + std::to_string(row % heads) +
-                      " at position " + std::to_string(first_position + row / heads) + ": |q|_1 = " +
-                      std::to_string(l1) + " against keys up to " + std::to_string(key_peak) +
-                      " gives scores beyond float's range");
+      throw Error(ErrorCode::unrepresentable, "attention: layer " + std::to_string(layer) + ", query head " +
+                                                  std::to_string(row % heads) + " at position " +
+                                                  std::to_string(first_position + row / heads) +
+                                                  ": |q|_1 = " + std::to_string(l1) + " against keys up to " +
+                                                  std::to_string(key_peak) + " gives scores beyond float's range");
   }
 }
 }  // namespace detail
@@ -165,10 +169,10 @@ inline void reference_prefill_attention(const BasicKVCache& cache, std::size_t l
                                         const ScoreOptions& rule = {}) {
   const std::size_t dim = cache.shape().head_dim, kv_heads = cache.shape().kv_heads;
   if (new_keys.size() != tokens * kv_heads * dim || new_values.size() != new_keys.size())
-    throw Error(ErrorCode::shape_mismatch, "reference prefill attention: new keys and values of " +
-                                               std::to_string(new_keys.size()) + " and " + std::to_string(new_values.size()) +
-                                               " floats are not " + std::to_string(tokens) + " tokens x " +
-                                               std::to_string(kv_heads) + " KV heads x " + std::to_string(dim));
+    throw Error(ErrorCode::shape_mismatch,
+                "reference prefill attention: new keys and values of " + std::to_string(new_keys.size()) + " and " +
+                    std::to_string(new_values.size()) + " floats are not " + std::to_string(tokens) + " tokens x " +
+                    std::to_string(kv_heads) + " KV heads x " + std::to_string(dim));
   detail::check_attention_args(cache, layer, first_position, tokens, q, out.size(),
                                largest_magnitude(new_keys.data(), new_keys.size()), rule);
   const std::size_t heads = q.size() / tokens / dim, group = heads / kv_heads, n = first_position + tokens;
@@ -176,7 +180,8 @@ inline void reference_prefill_attention(const BasicKVCache& cache, std::size_t l
   std::vector<float> row(dim);
   // Row t of head `head` of rows laid out (t, heads of `stride` floats), rotated to its position.
   const auto load = [&](std::span<const float> rows, std::size_t t, std::size_t stride, std::size_t head, bool rotate) {
-    row.assign(rows.begin() + std::ptrdiff_t(t * stride + head * dim), rows.begin() + std::ptrdiff_t(t * stride + (head + 1) * dim));
+    row.assign(rows.begin() + std::ptrdiff_t(t * stride + head * dim),
+               rows.begin() + std::ptrdiff_t(t * stride + (head + 1) * dim));
     if (rotate) cache.rope().rotate(row.data(), first_position + t);
     return Eigen::RowVectorXd(Eigen::Map<const Eigen::RowVectorXf>(row.data(), Eigen::Index(dim)).cast<double>());
   };

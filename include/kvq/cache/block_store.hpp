@@ -73,7 +73,7 @@ class BlockStore {
       const std::size_t n = std::min(slab_blocks_, max_blocks_ - committed_);
       free_.reserve(free_.size() + n);
       buffers_.emplace_back(n * block_bytes_);  // may throw: nothing changed yet
-      for (std::size_t i = n; i-- > 0;) {  // the slab's first block is handed out first
+      for (std::size_t i = n; i-- > 0;) {       // the slab's first block is handed out first
         slots_[committed_ + i].data.store(buffers_.back().data() + i * block_bytes_, std::memory_order_release);
         free_.push_back(BlockId(committed_ + i));
       }

@@ -70,7 +70,8 @@ inline void validate(const CacheConfig& c) {
   if (c.quantize_values) validate(c.value, "value quantizer");
   if (c.rollback_depth > CacheConfig::max_rollback_depth)
     throw Error(ErrorCode::invalid_argument, "cache configuration: rollback depth " + std::to_string(c.rollback_depth) +
-                                                 " exceeds the limit of " + std::to_string(CacheConfig::max_rollback_depth));
+                                                 " exceeds the limit of " +
+                                                 std::to_string(CacheConfig::max_rollback_depth));
   if (c.key_rope != KeyRope::pre && c.key_rope != KeyRope::post)
     throw Error(ErrorCode::invalid_argument,
                 "cache configuration: key_rope " + std::to_string(int(c.key_rope)) + " is not a KeyRope");
@@ -85,8 +86,8 @@ inline void validate(const CacheConfig& c) {
 inline CacheConfig parse_cache_config(std::string_view text) {
   const std::string original(text);
   auto fail = [&](const std::string& why) -> CacheConfig {
-    throw Error(ErrorCode::invalid_argument,
-                "cache configuration '" + original + "': " + why + " (expected e.g. k4c32-v2t32-r128-s1[-post][-f32|-bf16][-d8])");
+    throw Error(ErrorCode::invalid_argument, "cache configuration '" + original + "': " + why +
+                                                 " (expected e.g. k4c32-v2t32-r128-s1[-post][-f32|-bf16][-d8])");
   };
   std::vector<std::string_view> parts;
   if (!text.empty() && text.back() == '-') return fail("trailing '-'");
@@ -109,10 +110,14 @@ inline CacheConfig parse_cache_config(std::string_view text) {
       return QuantizerSpec{};
     }
   };
-  if (parts[0] == "k16") c.quantize_keys = false;
-  else c.key = quantizer(parts[0], 'k');
-  if (parts[1] == "v16") c.quantize_values = false;
-  else c.value = quantizer(parts[1], 'v');
+  if (parts[0] == "k16")
+    c.quantize_keys = false;
+  else
+    c.key = quantizer(parts[0], 'k');
+  if (parts[1] == "v16")
+    c.quantize_values = false;
+  else
+    c.value = quantizer(parts[1], 'v');
   if (parts.size() < 4) return fail("needs a window (r<number>) and sinks (s<number>) after the quantizers");
   auto number = [&](std::size_t i, char letter, std::size_t& out) {
     std::string_view p = parts[i];
@@ -128,8 +133,10 @@ inline CacheConfig parse_cache_config(std::string_view text) {
   number(3, 's', c.sinks);
   std::size_t i = 4;
   if (i < parts.size() && parts[i] == "post") c.key_rope = KeyRope::post, ++i;
-  if (i < parts.size() && parts[i] == "f32") c.residual = Scalar::f32, ++i;
-  else if (i < parts.size() && parts[i] == "bf16") c.residual = Scalar::bf16, ++i;
+  if (i < parts.size() && parts[i] == "f32")
+    c.residual = Scalar::f32, ++i;
+  else if (i < parts.size() && parts[i] == "bf16")
+    c.residual = Scalar::bf16, ++i;
   if (i < parts.size() && parts[i].front() == 'd') {
     number(i, 'd', c.rollback_depth);
     if (c.rollback_depth == CacheConfig{}.rollback_depth)

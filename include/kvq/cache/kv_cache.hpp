@@ -115,9 +115,11 @@ inline void validate(const CacheShape& shape, const CacheConfig& config) {
   if (config.quantize_values) validate(config.value, shape.head_dim, "value quantizer");
   const std::size_t unit = block_unit(config);
   if (unit > max_block_tokens)
-    throw Error(ErrorCode::invalid_argument, "cache config " + to_string(config) + ": blocks would need a multiple of " +
-                                                 std::to_string(unit) + " positions (whole tiles and groups of both "
-                                                 "tensors), more than " + std::to_string(max_block_tokens));
+    throw Error(ErrorCode::invalid_argument, "cache config " + to_string(config) +
+                                                 ": blocks would need a multiple of " + std::to_string(unit) +
+                                                 " positions (whole tiles and groups of both "
+                                                 "tensors), more than " +
+                                                 std::to_string(max_block_tokens));
   if (shape.block_tokens % unit != 0 || shape.block_tokens > max_block_tokens)
     throw Error(ErrorCode::invalid_argument, "cache shape: block_tokens " + std::to_string(shape.block_tokens) +
                                                  " is not a multiple of " + std::to_string(unit) + " up to " +
@@ -128,15 +130,15 @@ inline void validate(const CacheShape& shape, const CacheConfig& config) {
 /// The block length a cache of this shape uses (CacheShape::block_tokens, or the default).
 inline std::size_t block_tokens(const CacheShape& shape, const CacheConfig& config) {
   if (shape.block_tokens != 0) return shape.block_tokens;
-  const std::size_t unit = block_unit(config), after_sinks = shape.capacity > config.sinks ? shape.capacity - config.sinks : 1;
+  const std::size_t unit = block_unit(config),
+                    after_sinks = shape.capacity > config.sinks ? shape.capacity - config.sinks : 1;
   const std::size_t wanted = std::min<std::size_t>(4096, after_sinks);
   return (wanted + unit - 1) / unit * unit;
 }
 
 class BasicKVCache {
  public:
-  BasicKVCache(const CacheShape& shape, const CacheConfig& config)
-      : BasicKVCache(shape, config, nullptr, nullptr) {}
+  BasicKVCache(const CacheShape& shape, const CacheConfig& config) : BasicKVCache(shape, config, nullptr, nullptr) {}
 
   /// A cache whose blocks come from `store` and whose RoPE table is `rope` (both shared, e.g. by
   /// the sequences of a KVPool); nullptr: its own. The store's blocks must hold
@@ -148,31 +150,37 @@ class BasicKVCache {
     block_rows_ = kvq::block_tokens(shape, config);
     shape_.block_tokens = block_rows_;
     layouts_[0] = StreamLayout(config.key, config.quantize_keys, shape.head_dim, config, shape.capacity, block_rows_);
-    layouts_[1] = StreamLayout(config.value, config.quantize_values, shape.head_dim, config, shape.capacity, block_rows_);
+    layouts_[1] =
+        StreamLayout(config.value, config.quantize_values, shape.head_dim, config, shape.capacity, block_rows_);
     // Each stream is below 2^47 bytes (capacity and head_dim limits); the products over layers
     // and heads are what can wrap.
     head_bytes_ = layouts_[0].bytes + layouts_[1].bytes;
     const std::size_t streams = checked_mul(shape.layers, shape.kv_heads, "cache shape: layers x kv_heads");
     own_ = AlignedBuffer(checked_mul(head_bytes_, streams, "cache storage bytes"));
-    head_history_bytes_ = layouts_[0].history_rows * row_size(layouts_[0]) + layouts_[1].history_rows * row_size(layouts_[1]);
+    head_history_bytes_ =
+        layouts_[0].history_rows * row_size(layouts_[0]) + layouts_[1].history_rows * row_size(layouts_[1]);
     history_ = AlignedBuffer(checked_mul(head_history_bytes_, streams, "cache rollback history bytes"));
     block_head_bytes_ = layouts_[0].block_bytes + layouts_[1].block_bytes;
     const std::size_t block_bytes = BasicKVCache::block_bytes(shape, config);
     if (store == nullptr) {
       // Room for every block of the capacity twice: load() fills new blocks before it lets go of the old.
-      const std::size_t per_layer = (std::max<std::size_t>(shape.capacity, config.sinks + 1) - config.sinks + block_rows_ - 1) / block_rows_;
+      const std::size_t per_layer =
+          (std::max<std::size_t>(shape.capacity, config.sinks + 1) - config.sinks + block_rows_ - 1) / block_rows_;
       const std::size_t blocks = checked_mul(checked_mul(per_layer, shape.layers, "cache blocks"), 2, "cache blocks");
       check_limit(blocks, BlockStore::max_blocks_limit, "cache blocks");
       store = std::make_shared<BlockStore>(block_bytes, blocks);
     } else if (store->block_bytes() < block_bytes) {
       throw Error(ErrorCode::shape_mismatch, "cache: blocks of " + std::to_string(store->block_bytes()) +
-                                                 " bytes cannot hold the " + std::to_string(block_bytes) + " this shape needs");
+                                                 " bytes cannot hold the " + std::to_string(block_bytes) +
+                                                 " this shape needs");
     }
     store_ = std::move(store);
-    if (rope == nullptr) rope = std::make_shared<const RopeTable>(shape.rope(), shape.capacity);
+    if (rope == nullptr)
+      rope = std::make_shared<const RopeTable>(shape.rope(), shape.capacity);
     else if (rope->max_positions() < shape.capacity)
       throw Error(ErrorCode::shape_mismatch, "cache: the RoPE table covers " + std::to_string(rope->max_positions()) +
-                                                 " positions, fewer than the capacity of " + std::to_string(shape.capacity));
+                                                 " positions, fewer than the capacity of " +
+                                                 std::to_string(shape.capacity));
     rope_ = std::move(rope);
     tables_.resize(shape.layers);
     lengths_.assign(shape.layers, 0);
@@ -265,7 +273,8 @@ class BasicKVCache {
   void append(std::size_t layer, std::size_t position, std::span<const float> keys, std::span<const float> values) {
     const std::size_t tokens = check_append(layer, position, keys, values);
     const std::size_t end = position + tokens;
-    prepare_blocks(layer, first_block_row(position, quantized_end(Tensor::keys, layer), quantized_end(Tensor::values, layer)),
+    prepare_blocks(layer,
+                   first_block_row(position, quantized_end(Tensor::keys, layer), quantized_end(Tensor::values, layer)),
                    blocks_for(end, std::max(quantized_end(Tensor::keys, layer), layouts_[0].quantized_end(end)),
                               std::max(quantized_end(Tensor::values, layer), layouts_[1].quantized_end(end))));
     key_peaks_[layer] = std::max(key_peaks_[layer], largest_magnitude(keys.data(), keys.size()));
@@ -344,7 +353,8 @@ class BasicKVCache {
     prepare_truncate(length);
     for (std::size_t l = 0; l < shape_.layers; ++l) {
       if (length >= lengths_[l]) continue;
-      release_blocks(l, blocks_for(length, truncated_end(Tensor::keys, l, length), truncated_end(Tensor::values, l, length)));
+      release_blocks(
+          l, blocks_for(length, truncated_end(Tensor::keys, l, length), truncated_end(Tensor::values, l, length)));
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         const StreamLayout& lay = layouts_[index(t)];
         const std::size_t target = truncated_end(t, l, length);
@@ -370,8 +380,8 @@ class BasicKVCache {
   void erase(std::size_t first, std::size_t count) {
     if (count == 0) return;
     // Pending rows that move are staged here: allocated before anything changes.
-    std::vector<std::uint8_t> staged(std::max(layouts_[0].ring_rows * row_size(layouts_[0]),
-                                              layouts_[1].ring_rows * row_size(layouts_[1])));
+    std::vector<std::uint8_t> staged(
+        std::max(layouts_[0].ring_rows * row_size(layouts_[0]), layouts_[1].ring_rows * row_size(layouts_[1])));
     prepare_erase(first, count);
     for (std::size_t l = 0; l < shape_.layers; ++l) {
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
@@ -424,11 +434,12 @@ class BasicKVCache {
   /// kernels read. Throws kvq::Error for a layer, head or segment the cache does not have.
   StreamView view(Tensor t, std::size_t layer, std::size_t head, std::size_t segment) const {
     if (layer >= shape_.layers || head >= shape_.kv_heads || segment >= segments(layer))
-      throw Error(ErrorCode::invalid_argument,
-                  "layer " + std::to_string(layer) + ", kv head " + std::to_string(head) + ", segment " +
-                      std::to_string(segment) + " is outside the cache's " + std::to_string(shape_.layers) + " layers, " +
-                      std::to_string(shape_.kv_heads) + " KV heads and " +
-                      (layer < shape_.layers ? std::to_string(segments(layer)) + " segments" : std::string("segments")));
+      throw Error(
+          ErrorCode::invalid_argument,
+          "layer " + std::to_string(layer) + ", kv head " + std::to_string(head) + ", segment " +
+              std::to_string(segment) + " is outside the cache's " + std::to_string(shape_.layers) + " layers, " +
+              std::to_string(shape_.kv_heads) + " KV heads and " +
+              (layer < shape_.layers ? std::to_string(segments(layer)) + " segments" : std::string("segments")));
     const StreamLayout& lay = layouts_[index(t)];
     const std::uint8_t* own = own_base(t, layer, head);
     const std::size_t s = lay.sinks, first = s + segment * block_rows_;
@@ -533,7 +544,8 @@ class BasicKVCache {
     out.resize(checked_mul(checked_mul(rows.tokens, heads, "token rows"), dim, "token rows"));
     for (std::size_t t = 0; t < rows.tokens; ++t)
       for (std::size_t h = 0; h < heads; ++h)
-        load_row(rows.type, static_cast<const std::uint8_t*>(rows.data) + (t * rows.token_stride + h * rows.head_stride) * bytes,
+        load_row(rows.type,
+                 static_cast<const std::uint8_t*>(rows.data) + (t * rows.token_stride + h * rows.head_stride) * bytes,
                  dim, out.data() + (t * heads + h) * dim);
   }
 
@@ -549,11 +561,22 @@ class BasicKVCache {
 
   /// Everything but the blocks, copied from `other`; no blocks yet (the public copies add them).
   BasicKVCache(const BasicKVCache& other, std::shared_ptr<BlockStore> store)
-      : shape_(other.shape_), config_(other.config_), rope_(other.rope_), store_(std::move(store)),
-        block_rows_(other.block_rows_), block_head_bytes_(other.block_head_bytes_), head_bytes_(other.head_bytes_),
-        own_(other.own_), head_history_bytes_(other.head_history_bytes_), history_(other.history_),
-        tables_(other.tables_.size()), lengths_(other.lengths_), key_peaks_(other.key_peaks_),
-        quantized_ends_(other.quantized_ends_), history_begins_(other.history_begins_), kept_from_(other.kept_from_),
+      : shape_(other.shape_),
+        config_(other.config_),
+        rope_(other.rope_),
+        store_(std::move(store)),
+        block_rows_(other.block_rows_),
+        block_head_bytes_(other.block_head_bytes_),
+        head_bytes_(other.head_bytes_),
+        own_(other.own_),
+        head_history_bytes_(other.head_history_bytes_),
+        history_(other.history_),
+        tables_(other.tables_.size()),
+        lengths_(other.lengths_),
+        key_peaks_(other.key_peaks_),
+        quantized_ends_(other.quantized_ends_),
+        history_begins_(other.history_begins_),
+        kept_from_(other.kept_from_),
         scratch_(other.scratch_) {
     layouts_[0] = other.layouts_[0];
     layouts_[1] = other.layouts_[1];
@@ -570,7 +593,8 @@ class BasicKVCache {
   }
   /// One stream's part of block k of `layer` (which must exist).
   const std::uint8_t* section(Tensor t, std::size_t layer, std::size_t head, std::size_t k) const noexcept {
-    return store_->data(tables_[layer][k]) + head * block_head_bytes_ + (t == Tensor::keys ? 0 : layouts_[0].block_bytes);
+    return store_->data(tables_[layer][k]) + head * block_head_bytes_ +
+           (t == Tensor::keys ? 0 : layouts_[0].block_bytes);
   }
   std::uint8_t* section(Tensor t, std::size_t layer, std::size_t head, std::size_t k) noexcept {
     return const_cast<std::uint8_t*>(std::as_const(*this).section(t, layer, head, k));
@@ -579,13 +603,16 @@ class BasicKVCache {
   std::uint8_t* code_row(Tensor t, std::size_t layer, std::size_t head, std::size_t row) noexcept {
     return section(t, layer, head, row / block_rows_) + row % block_rows_ * layouts_[index(t)].row_bytes;
   }
-  std::pair<std::uint8_t*, std::uint8_t*> params_of(Tensor t, std::size_t layer, std::size_t head, std::size_t row) noexcept {
+  std::pair<std::uint8_t*, std::uint8_t*> params_of(Tensor t, std::size_t layer, std::size_t head,
+                                                    std::size_t row) noexcept {
     const StreamLayout& lay = layouts_[index(t)];
     std::uint8_t* block = section(t, layer, head, row / block_rows_);
     const std::size_t offset = param_offset(lay, row % block_rows_);
     return {block + lay.block_scale_offset + offset, block + lay.block_zero_offset + offset};
   }
-  bool in_blocks(std::size_t layer, std::size_t row) const noexcept { return row / block_rows_ < tables_[layer].size(); }
+  bool in_blocks(std::size_t layer, std::size_t row) const noexcept {
+    return row / block_rows_ < tables_[layer].size();
+  }
 
   /// The full-precision row of `position` (>= sinks): the ring of a quantized tensor, the block
   /// of an unquantized one (which must exist).
@@ -614,7 +641,8 @@ class BasicKVCache {
   }
   /// Blocks a layer of `length` tokens with quantized ends k_end, v_end needs.
   std::size_t blocks_for(std::size_t length, std::size_t k_end, std::size_t v_end) const noexcept {
-    const std::size_t rows = std::max(block_rows_used(Tensor::keys, length, k_end), block_rows_used(Tensor::values, length, v_end));
+    const std::size_t rows =
+        std::max(block_rows_used(Tensor::keys, length, k_end), block_rows_used(Tensor::values, length, v_end));
     return (rows + block_rows_ - 1) / block_rows_;
   }
   /// First block row a write from `length` tokens with quantized ends k_end, v_end touches.
@@ -631,7 +659,8 @@ class BasicKVCache {
   void prepare_blocks(std::size_t layer, std::size_t first_row, std::size_t needed) {
     std::vector<BlockId>& table = tables_[layer];
     std::size_t copies = 0;
-    for (std::size_t k = first_row / block_rows_; k < std::min(needed, table.size()); ++k) copies += store_->shared(table[k]);
+    for (std::size_t k = first_row / block_rows_; k < std::min(needed, table.size()); ++k)
+      copies += store_->shared(table[k]);
     const std::size_t wanted = copies + (needed > table.size() ? needed - table.size() : 0);
     if (const std::size_t free = wanted == 0 ? 0 : store_->available(); free < wanted)
       throw Error(ErrorCode::capacity_exceeded, "layer " + std::to_string(layer) + ": needs " + std::to_string(wanted) +
@@ -707,10 +736,9 @@ class BasicKVCache {
                                                std::to_string(position) + " but the layer holds " +
                                                std::to_string(lengths_[layer]) + " tokens");
     if (tokens > shape_.capacity - lengths_[layer])
-      throw Error(ErrorCode::capacity_exceeded, "layer " + std::to_string(layer) + ": appending " +
-                                                    std::to_string(tokens) + " tokens to " +
-                                                    std::to_string(lengths_[layer]) + " exceeds the capacity of " +
-                                                    std::to_string(shape_.capacity));
+      throw Error(ErrorCode::capacity_exceeded,
+                  "layer " + std::to_string(layer) + ": appending " + std::to_string(tokens) + " tokens to " +
+                      std::to_string(lengths_[layer]) + " exceeds the capacity of " + std::to_string(shape_.capacity));
     const float limit = overflow_threshold(config_.residual);
     for (const Tensor t : {Tensor::keys, Tensor::values}) {
       const std::span<const float> data = t == Tensor::keys ? keys : values;
@@ -722,8 +750,9 @@ class BasicKVCache {
           throw Error(std::isfinite(x) ? ErrorCode::unrepresentable : ErrorCode::non_finite_input,
                       where(t, layer, head, position + token) + ", channel " + std::to_string(channel) + ": value " +
                           std::to_string(x) +
-                          (std::isfinite(x) ? std::string(" exceeds the range of the residual type ") + to_string(config_.residual)
-                                            : std::string(" is not finite")));
+                          (std::isfinite(x)
+                               ? std::string(" exceeds the range of the residual type ") + to_string(config_.residual)
+                               : std::string(" is not finite")));
         }
       }
       check_groups(t, layer, position, tokens, data);
@@ -732,7 +761,8 @@ class BasicKVCache {
   }
 
   /// Every group the append will quantize must have representable parameters.
-  void check_groups(Tensor t, std::size_t layer, std::size_t position, std::size_t tokens, std::span<const float> input) const {
+  void check_groups(Tensor t, std::size_t layer, std::size_t position, std::size_t tokens,
+                    std::span<const float> input) const {
     const StreamLayout& lay = layouts_[index(t)];
     const std::size_t begin = quantized_end(t, layer), end = std::max(begin, lay.quantized_end(position + tokens));
     if (begin == end) return;
@@ -808,14 +838,17 @@ class BasicKVCache {
     const std::size_t old_length = lengths_[layer], end = quantized_end(t, layer), row = row_size(lay);
     const std::size_t s = lay.sinks, ring_rows = lay.ring_rows, floor = rollback_floor(t, layer);
     if (length < s && old_length > length)
-      std::memset(own_base(t, layer, head) + lay.sink_offset + length * row, 0, (std::min(s, old_length) - length) * row);
+      std::memset(own_base(t, layer, head) + lay.sink_offset + length * row, 0,
+                  (std::min(s, old_length) - length) * row);
     // The ring of `length` tokens holds positions [first, length); those before `pushed_out`
     // left the ring for the history, and slots no position uses are zero.
     const std::size_t first = length > s + ring_rows ? length - ring_rows : s;
     const std::size_t pushed_out = old_length > s + ring_rows ? old_length - ring_rows : s;
     for (std::size_t p = first; p < std::min(length, pushed_out); ++p) {
-      if (p >= floor && lay.history_rows != 0) std::memcpy(ring_row(t, layer, head, p), history_row(t, layer, head, p), row);
-      else std::memset(ring_row(t, layer, head, p), 0, row);
+      if (p >= floor && lay.history_rows != 0)
+        std::memcpy(ring_row(t, layer, head, p), history_row(t, layer, head, p), row);
+      else
+        std::memset(ring_row(t, layer, head, p), 0, row);
     }
     for (std::size_t p = std::max(length, s); p < std::min(old_length, s + ring_rows); ++p)
       if (ring_row_held(t, layer, p)) std::memset(ring_row(t, layer, head, p), 0, row);
@@ -842,7 +875,8 @@ class BasicKVCache {
     check_truncate(length);
     for (std::size_t l = 0; l < shape_.layers; ++l)
       if (length < lengths_[l]) {
-        const std::size_t k_end = truncated_end(Tensor::keys, l, length), v_end = truncated_end(Tensor::values, l, length);
+        const std::size_t k_end = truncated_end(Tensor::keys, l, length),
+                          v_end = truncated_end(Tensor::values, l, length);
         prepare_blocks(l, first_block_row(length, k_end, v_end), blocks_for(length, k_end, v_end));
       }
   }
@@ -856,23 +890,23 @@ class BasicKVCache {
   void check_erase(std::size_t first, std::size_t count) const {
     const std::string range = "erasing " + std::to_string(count) + " positions from " + std::to_string(first);
     if (first < config_.sinks)
-      throw Error(ErrorCode::invalid_argument, range + ": the first " + std::to_string(config_.sinks) +
-                                                   " positions are sink tokens and are kept");
+      throw Error(ErrorCode::invalid_argument,
+                  range + ": the first " + std::to_string(config_.sinks) + " positions are sink tokens and are kept");
     bool moves = false;
     for (std::size_t l = 0; l < shape_.layers; ++l) {
       if (count > lengths_[l] || first > lengths_[l] - count)
-        throw Error(ErrorCode::invalid_argument, range + ": layer " + std::to_string(l) + " holds " +
-                                                     std::to_string(lengths_[l]) + " tokens");
+        throw Error(ErrorCode::invalid_argument,
+                    range + ": layer " + std::to_string(l) + " holds " + std::to_string(lengths_[l]) + " tokens");
       moves = moves || first + count < lengths_[l];
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         const StreamLayout& lay = layouts_[index(t)];
         if (!lay.quantized || lay.spec.axis != Axis::per_channel) continue;
         const std::size_t end = quantized_end(t, l), g = lay.spec.group;
         if (first < end && (first - lay.sinks) % g != 0)
-          throw Error(ErrorCode::unsupported, range + ": layer " + std::to_string(l) + " would split the packed " +
-                                                  to_string(t) + " group starting at " +
-                                                  std::to_string(first - (first - lay.sinks) % g) + " (groups of " +
-                                                  std::to_string(g) + " from position " + std::to_string(lay.sinks) + ")");
+          throw Error(ErrorCode::unsupported,
+                      range + ": layer " + std::to_string(l) + " would split the packed " + to_string(t) +
+                          " group starting at " + std::to_string(first - (first - lay.sinks) % g) + " (groups of " +
+                          std::to_string(g) + " from position " + std::to_string(lay.sinks) + ")");
         if (end > first + count && count % g != 0)
           throw Error(ErrorCode::unsupported, range + ": layer " + std::to_string(l) + " would move packed " +
                                                   to_string(t) + " groups by " + std::to_string(count) +
@@ -880,8 +914,9 @@ class BasicKVCache {
       }
     }
     if (moves && config_.key_rope == KeyRope::post)
-      throw Error(ErrorCode::unsupported, range + ": keys are stored post-RoPE and would keep their old positions' "
-                                                  "rotation; a cache that shifts its context stores keys pre-RoPE");
+      throw Error(ErrorCode::unsupported, range +
+                                              ": keys are stored post-RoPE and would keep their old positions' "
+                                              "rotation; a cache that shifts its context stores keys pre-RoPE");
   }
 
   /// erase's move of one stream of one head, `end` its quantized end before the move and
@@ -892,7 +927,8 @@ class BasicKVCache {
                  std::size_t new_end, std::uint8_t* staged) noexcept {
     const StreamLayout& lay = layouts_[index(t)];
     if (end > first + count) {  // by runs within one block at both ends (group-aligned: B is whole groups)
-      for (std::size_t from = first + count - lay.sinks, to = first - lay.sinks, left = end - first - count; left != 0;) {
+      for (std::size_t from = first + count - lay.sinks, to = first - lay.sinks, left = end - first - count;
+           left != 0;) {
         const std::size_t n = std::min({left, block_rows_ - from % block_rows_, block_rows_ - to % block_rows_});
         std::memmove(code_row(t, layer, head, to), code_row(t, layer, head, from), n * lay.row_bytes);
         const auto [to_scales, to_zeros] = params_of(t, layer, head, to);
@@ -907,15 +943,16 @@ class BasicKVCache {
     const std::size_t src = std::max(end, first + count);
     for (std::size_t p = src; p < length; ++p) std::memcpy(staged + (p - src) * row, ring_row(t, layer, head, p), row);
     for (std::size_t p = std::max(end, first); p < length; ++p) std::memset(ring_row(t, layer, head, p), 0, row);
-    for (std::size_t p = src; p < length; ++p) std::memcpy(ring_row(t, layer, head, p - count), staged + (p - src) * row, row);
+    for (std::size_t p = src; p < length; ++p)
+      std::memcpy(ring_row(t, layer, head, p - count), staged + (p - src) * row, row);
   }
 
   // The commit half of append: noexcept, since check_append has validated everything.
 
   void write_row(Tensor t, std::size_t layer, std::size_t head, std::size_t p, const float* x) noexcept {
     const StreamLayout& lay = layouts_[index(t)];
-    std::uint8_t* dest = p < lay.sinks ? own_base(t, layer, head) + lay.sink_offset + p * row_size(lay)
-                                       : ring_row(t, layer, head, p);
+    std::uint8_t* dest =
+        p < lay.sinks ? own_base(t, layer, head) + lay.sink_offset + p * row_size(lay) : ring_row(t, layer, head, p);
     store_row(lay.residual, x, shape_.head_dim, dest);
   }
 
@@ -931,9 +968,9 @@ class BasicKVCache {
     if (lay.spec.axis == Axis::per_token) {  // every head's row in one call, read in place from the ring
       for (std::size_t q = begin; q < end; ++q) {
         const auto [scales, zeros] = params_of(t, layer, 0, q - lay.sinks);
-        kernels::quantize_rows_per_token(lay.spec, lay.residual, ring_row(t, layer, 0, q), shape_.kv_heads, dim, head_bytes_,
-                                         scales, zeros, block_head_bytes_, code_row(t, layer, 0, q - lay.sinks),
-                                         block_head_bytes_);
+        kernels::quantize_rows_per_token(lay.spec, lay.residual, ring_row(t, layer, 0, q), shape_.kv_heads, dim,
+                                         head_bytes_, scales, zeros, block_head_bytes_,
+                                         code_row(t, layer, 0, q - lay.sinks), block_head_bytes_);
       }
       keep_rows(t, layer, begin, end);
       return;
@@ -948,9 +985,8 @@ class BasicKVCache {
       std::uint8_t* codes = code_row(t, layer, h, row0);
       const auto [scales, zeros] = params_of(t, layer, h, row0);
       if (contiguous) {
-        kernels::quantize_block_per_channel(lay.spec, lay.residual, ring + first_slot * row_bytes,
-                                            end - begin, dim, row_bytes, scales, zeros, codes, lay.row_bytes,
-                                            scratch);
+        kernels::quantize_block_per_channel(lay.spec, lay.residual, ring + first_slot * row_bytes, end - begin, dim,
+                                            row_bytes, scales, zeros, codes, lay.row_bytes, scratch);
         continue;
       }
       float* rows = scratch;
@@ -990,7 +1026,8 @@ class BasicKVCache {
   /// the history has them.
   void raise_floor(Tensor t, std::size_t layer, std::size_t length) noexcept {
     const StreamLayout& lay = layouts_[index(t)];
-    const std::size_t first_in_ring = length > lay.sinks && length - lay.sinks > lay.ring_rows ? length - lay.ring_rows : lay.sinks;
+    const std::size_t first_in_ring =
+        length > lay.sinks && length - lay.sinks > lay.ring_rows ? length - lay.ring_rows : lay.sinks;
     std::size_t& floor = history_begins_[layer * 2 + index(t)];
     floor = std::max(floor, std::min(kept_from_[layer * 2 + index(t)], first_in_ring));
   }
@@ -1000,19 +1037,19 @@ class BasicKVCache {
   StreamLayout layouts_[2];
   std::shared_ptr<const RopeTable> rope_;
   std::shared_ptr<BlockStore> store_;
-  std::size_t block_rows_ = 0;         // positions per block
-  std::size_t block_head_bytes_ = 0;   // one KV head's key and value sections of a block
-  std::size_t head_bytes_ = 0;         // one KV head's own rows, keys then values
-  AlignedBuffer own_;                  // (layers, kv_heads): sinks and rings
+  std::size_t block_rows_ = 0;        // positions per block
+  std::size_t block_head_bytes_ = 0;  // one KV head's key and value sections of a block
+  std::size_t head_bytes_ = 0;        // one KV head's own rows, keys then values
+  AlignedBuffer own_;                 // (layers, kv_heads): sinks and rings
   std::size_t head_history_bytes_ = 0;
-  AlignedBuffer history_;  // (layers, kv_heads): key then value rollback rows, a ring by position
+  AlignedBuffer history_;                     // (layers, kv_heads): key then value rollback rows, a ring by position
   std::vector<std::vector<BlockId>> tables_;  // (layers): block k holds positions [sinks + kB, sinks + (k + 1)B)
   std::vector<std::size_t> lengths_;
   std::vector<float> key_peaks_;             // (layers): see key_peak
   std::vector<std::size_t> quantized_ends_;  // (layers, 2): first unquantized key / value position
   std::vector<std::size_t> history_begins_;  // (layers, 2): rollback floor: rows from here on are held
   std::vector<std::size_t> kept_from_;       // (layers, 2): the history holds packed rows [kept_from, quantized end)
-  std::vector<float> scratch_;  // (layers): one group of due rows, as floats
+  std::vector<float> scratch_;               // (layers): one group of due rows, as floats
 };
 
 /// Marks a cache whose configuration is chosen at run time.
@@ -1021,7 +1058,7 @@ struct Dynamic {};
 /// KVCache<Policy> takes its configuration from a compiled policy (kv_policy.hpp);
 /// KVCache<Dynamic> takes a CacheConfig, for tools that choose from the command line.
 template <class Policy>
-  requires KVCachePolicy<Policy> || std::same_as<Policy, Dynamic>
+requires KVCachePolicy<Policy> || std::same_as<Policy, Dynamic>
 class KVCache : public BasicKVCache {
  public:
   using policy = Policy;

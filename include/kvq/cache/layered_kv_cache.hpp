@@ -31,7 +31,8 @@ namespace kvq::inline v0 {
 namespace detail {
 /// `message` from a cache holding some of a model's layers, each "layer <i>" in it written as
 /// "layer <layers[i]>"; `renamed` says whether any was.
-inline std::string rename_layers(const std::string& message, std::span<const std::size_t> layers, bool* renamed = nullptr) {
+inline std::string rename_layers(const std::string& message, std::span<const std::size_t> layers,
+                                 bool* renamed = nullptr) {
   constexpr std::string_view word = "layer ";
   std::string out;
   std::size_t i = 0;
@@ -41,9 +42,12 @@ inline std::string rename_layers(const std::string& message, std::span<const std
     while (end < message.size() && message[end] >= '0' && message[end] <= '9' && n <= layers.size())
       n = n * 10 + std::size_t(message[end++] - '0');
     out.append(message, i, digits - i);
-    const bool known = end > digits && n < layers.size() && (end == message.size() || message[end] < '0' || message[end] > '9');
-    if (known) out += std::to_string(layers[n]);
-    else out.append(message, digits, end - digits);
+    const bool known =
+        end > digits && n < layers.size() && (end == message.size() || message[end] < '0' || message[end] > '9');
+    if (known)
+      out += std::to_string(layers[n]);
+    else
+      out.append(message, digits, end - digits);
     if (known && renamed != nullptr) *renamed = true;
     i = end;
   }
@@ -71,7 +75,8 @@ inline std::vector<CacheConfig> parse_layer_configs(std::string_view text, std::
       const std::string_view count = part.substr(star + 1);
       repeat = 0;
       for (const char c : count) {
-        if (c < '0' || c > '9' || repeat > max_repeat) fail("item " + std::to_string(item) + ": '*' needs a count in plain digits");
+        if (c < '0' || c > '9' || repeat > max_repeat)
+          fail("item " + std::to_string(item) + ": '*' needs a count in plain digits");
         repeat = repeat * 10 + std::size_t(c - '0');
       }
       if (count.empty() || count.front() == '0' || repeat > max_repeat)
@@ -115,8 +120,8 @@ class LayeredKVCache {
   /// configuration against the shape before anything is allocated.
   LayeredKVCache(const CacheShape& shape, std::vector<CacheConfig> configs) : shape_(shape) {
     if (configs.size() != shape.layers)
-      throw Error(ErrorCode::shape_mismatch, "layered cache: " + std::to_string(configs.size()) + " configurations for " +
-                                                 std::to_string(shape.layers) + " layers");
+      throw Error(ErrorCode::shape_mismatch, "layered cache: " + std::to_string(configs.size()) +
+                                                 " configurations for " + std::to_string(shape.layers) + " layers");
     if (configs.empty()) throw Error(ErrorCode::invalid_argument, "layered cache: the shape needs at least one layer");
     CacheShape one = shape;
     one.layers = 1;

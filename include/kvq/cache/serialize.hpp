@@ -60,7 +60,8 @@ namespace detail {
 inline constexpr char cache_file_magic[8] = {'K', 'V', 'Q', 'C', 'A', 'C', 'H', 'E'};
 inline constexpr std::uint32_t cache_file_version = 2;  // what save writes; 1 is still read
 inline constexpr std::uint32_t byte_order_marker = 0x01020304;
-inline constexpr std::uint32_t tag_header = 0x44414548, tag_table = 0x4C424154, tag_layer = 0x5259414C;  // "HEAD" "TABL" "LAYR"
+inline constexpr std::uint32_t tag_header = 0x44414548, tag_table = 0x4C424154,
+                               tag_layer = 0x5259414C;  // "HEAD" "TABL" "LAYR"
 // A pool file (kv_pool.hpp): its own magic and version, the same header, blocks and own rows.
 inline constexpr char pool_file_magic[8] = {'K', 'V', 'Q', '_', 'P', 'O', 'O', 'L'};
 inline constexpr std::uint32_t pool_file_version = 1;
@@ -69,7 +70,8 @@ inline constexpr std::size_t max_config_text = 256;
 inline constexpr std::size_t max_layer_config_text = std::size_t(1) << 18;  // a pool's text per layer
 // The header's fixed fields: kvq version, shape, RoPE style and theta, config text length; and
 // those of the RoPE extension of version 2, without its frequency divisors.
-inline constexpr std::uint64_t header_fixed_bytes = 3 * 4 + 4 * 8 + 4 + 4 + 4, rope_extension_bytes = 8 + 4 + 4 + 8 + 5 * 4 + 4;
+inline constexpr std::uint64_t header_fixed_bytes = 3 * 4 + 4 * 8 + 4 + 4 + 4,
+                               rope_extension_bytes = 8 + 4 + 4 + 8 + 5 * 4 + 4;
 inline constexpr std::uint64_t max_frequency_divisors = max_head_dim / 2;
 
 inline std::string hex(std::uint32_t x) {
@@ -102,7 +104,7 @@ struct CacheAccess {
     s.key_peak = c.key_peaks_[layer];
     for (const Tensor t : {Tensor::keys, Tensor::values})
       s.streams[BasicKVCache::index(t)] = {c.quantized_end(t, layer), c.rollback_floor(t, layer),
-                                            c.kept_from_[layer * 2 + BasicKVCache::index(t)]};
+                                           c.kept_from_[layer * 2 + BasicKVCache::index(t)]};
     return s;
   }
 
@@ -116,7 +118,8 @@ struct CacheAccess {
   enum class Pieces { all, own };
 
   /// Bytes one stream of one head takes in a layer section.
-  static std::size_t stream_bytes(const BasicKVCache& c, Tensor t, std::uint64_t length, const StreamState& s, Pieces pieces) {
+  static std::size_t stream_bytes(const BasicKVCache& c, Tensor t, std::uint64_t length, const StreamState& s,
+                                  Pieces pieces) {
     const StreamLayout& lay = layout(c, t);
     const std::size_t n = std::size_t(length), end = std::size_t(s.quantized_end), packed = end - lay.sinks;
     const std::size_t first = first_in_ring(lay, n), kept = std::size_t(s.kept_from);
@@ -144,7 +147,8 @@ struct CacheAccess {
     return std::min(rows / c.block_rows_, c.tables_[layer].size());
   }
   /// The sink rows of one stream of `layer` that the layer holds.
-  static std::pair<const std::uint8_t*, std::size_t> sink_rows(const BasicKVCache& c, Tensor t, std::size_t layer, std::size_t head) {
+  static std::pair<const std::uint8_t*, std::size_t> sink_rows(const BasicKVCache& c, Tensor t, std::size_t layer,
+                                                               std::size_t head) {
     const StreamLayout& lay = layout(c, t);
     return {c.own_base(t, layer, head) + lay.sink_offset, std::min(lay.sinks, c.lengths_[layer]) * row(lay)};
   }
@@ -163,7 +167,8 @@ struct CacheAccess {
 
   /// Blocks a layer in state `s` refers to.
   static std::size_t blocks_for(const BasicKVCache& c, const LayerState& s) {
-    return c.blocks_for(std::size_t(s.length), std::size_t(s.streams[0].quantized_end), std::size_t(s.streams[1].quantized_end));
+    return c.blocks_for(std::size_t(s.length), std::size_t(s.streams[0].quantized_end),
+                        std::size_t(s.streams[1].quantized_end));
   }
 
   /// Why `s` is not a state the cache can be in (empty when it is one).
@@ -186,13 +191,14 @@ struct CacheAccess {
       // The history holds at most history_rows packed rows; the floor lies between the sinks and
       // the length, and rows before the ring are held only where the history has them.
       const std::size_t first = first_in_ring(lay, length);
-      if (st.kept_from < lay.sinks || st.kept_from > st.quantized_end || st.quantized_end - st.kept_from > lay.history_rows)
+      if (st.kept_from < lay.sinks || st.kept_from > st.quantized_end ||
+          st.quantized_end - st.kept_from > lay.history_rows)
         return std::string(to_string(t)) + " rollback history from " + std::to_string(st.kept_from) +
                " is impossible for quantized end " + std::to_string(st.quantized_end);
       if (st.rollback_floor < lay.sinks || st.rollback_floor > std::max(length, lay.sinks) ||
           st.rollback_floor < std::min<std::uint64_t>(st.kept_from, first))
-        return std::string(to_string(t)) + " rollback floor " + std::to_string(st.rollback_floor) + " is impossible for " +
-               std::to_string(length) + " tokens";
+        return std::string(to_string(t)) + " rollback floor " + std::to_string(st.rollback_floor) +
+               " is impossible for " + std::to_string(length) + " tokens";
     }
     return {};
   }
@@ -203,7 +209,8 @@ struct CacheAccess {
   /// scales, then all zero points, each visited by runs within one block. Pieces::own skips
   /// whatever lives in blocks (those and the rows of an unquantized stream).
   template <class Cache, class Visit>
-  static void visit_pieces(Cache& c, std::size_t layer, const LayerState& s, Visit&& visit, Pieces pieces = Pieces::all) {
+  static void visit_pieces(Cache& c, std::size_t layer, const LayerState& s, Visit&& visit,
+                           Pieces pieces = Pieces::all) {
     using Byte = std::conditional_t<std::is_const_v<Cache>, const std::uint8_t, std::uint8_t>;
     auto& cache = const_cast<BasicKVCache&>(c);  // pointers only; a const cache is only read
     const std::size_t block = cache.block_rows_;
@@ -221,7 +228,8 @@ struct CacheAccess {
           if (part == 2 && !lay.spec.has_zero_point()) break;
           for (std::size_t a = 0; a < packed;) {
             const std::size_t n = std::min(packed - a, block - a % block);
-            if (part == 0) visit(static_cast<Byte*>(cache.code_row(t, layer, h, a)), n * lay.row_bytes);
+            if (part == 0)
+              visit(static_cast<Byte*>(cache.code_row(t, layer, h, a)), n * lay.row_bytes);
             else {
               const auto [scales, zeros] = cache.params_of(t, layer, h, a);
               visit(static_cast<Byte*>(part == 1 ? scales : zeros), params(lay, n));
@@ -257,17 +265,20 @@ struct CacheAccess {
   /// the cache now holds (zeroed, or already filled for Pieces::own). noexcept: everything was
   /// validated before.
   static void restore(BasicKVCache& c, const std::vector<LayerState>& states,
-                      const std::vector<std::vector<std::uint8_t>>& payloads, std::vector<std::vector<BlockId>>&& tables,
-                      Pieces pieces = Pieces::all) noexcept {
+                      const std::vector<std::vector<std::uint8_t>>& payloads,
+                      std::vector<std::vector<BlockId>>&& tables, Pieces pieces = Pieces::all) noexcept {
     c.clear();
     c.tables_ = std::move(tables);
     for (std::size_t l = 0; l < states.size(); ++l) {
       const LayerState& s = states[l];
       const std::uint8_t* in = payloads[l].data();
-      visit_pieces(c, l, s, [&](std::uint8_t* dest, std::size_t n) {
-        if (n != 0) std::memcpy(dest, in, n);
-        in += n;
-      }, pieces);
+      visit_pieces(
+          c, l, s,
+          [&](std::uint8_t* dest, std::size_t n) {
+            if (n != 0) std::memcpy(dest, in, n);
+            in += n;
+          },
+          pieces);
       c.lengths_[l] = std::size_t(s.length);
       c.key_peaks_[l] = s.key_peak;
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
@@ -293,7 +304,9 @@ class SectionWriter {
     out_.write(static_cast<const char*>(data), std::streamsize(n));
   }
   template <class T>
-  void put_value(T x) { put(&x, sizeof x); }
+  void put_value(T x) {
+    put(&x, sizeof x);
+  }
   void finish() {
     const std::uint32_t crc = crc_;
     out_.write(reinterpret_cast<const char*>(&crc), sizeof crc);
@@ -339,7 +352,8 @@ class FileReader {
     return section(tag, size, size, name);
   }
   /// The same for a section of [least, most] bytes.
-  std::vector<std::uint8_t> section(std::uint32_t tag, std::uint64_t least, std::uint64_t most, const std::string& name) {
+  std::vector<std::uint8_t> section(std::uint32_t tag, std::uint64_t least, std::uint64_t most,
+                                    const std::string& name) {
     std::vector<std::uint8_t> payload;
     checked_section(tag, least, most, name, [&](std::uint64_t size, std::uint32_t& crc) {
       payload.reserve(std::min<std::size_t>(std::size_t(size), std::size_t(64) << 20));
@@ -375,15 +389,19 @@ class FileReader {
     const auto file_size = read_value<std::uint64_t>(name);
     if (file_tag != tag) fail(name, start, "tag " + hex(file_tag) + " where " + hex(tag) + " belongs");
     if (least == most && file_size != least)
-      fail(name, start, "declares " + std::to_string(file_size) + " bytes where its table entries make " + std::to_string(least));
+      fail(name, start,
+           "declares " + std::to_string(file_size) + " bytes where its table entries make " + std::to_string(least));
     if (file_size < least || file_size > most)
-      fail(name, start, "implausible size " + std::to_string(file_size) + " (expected " + std::to_string(least) + " to " +
-                            std::to_string(most) + ")");
+      fail(name, start,
+           "implausible size " + std::to_string(file_size) + " (expected " + std::to_string(least) + " to " +
+               std::to_string(most) + ")");
     std::uint32_t crc = crc32c(&file_tag, sizeof file_tag);
     crc = crc32c(&file_size, sizeof file_size, crc);
     read_payload(file_size, crc);
     const auto stored = read_value<std::uint32_t>(name);
-    if (stored != crc) fail(name, start, "CRC-32C mismatch (stored " + hex(stored) + ", computed " + hex(crc) + "): the section is corrupt");
+    if (stored != crc)
+      fail(name, start,
+           "CRC-32C mismatch (stored " + hex(stored) + ", computed " + hex(crc) + "): the section is corrupt");
   }
 
   std::istream& in_;
@@ -394,7 +412,8 @@ class FileReader {
 /// Bounds-checked reads of fixed fields from a checked payload.
 class PayloadReader {
  public:
-  PayloadReader(const std::vector<std::uint8_t>& bytes, const FileReader& file, std::string section, std::uint64_t start)
+  PayloadReader(const std::vector<std::uint8_t>& bytes, const FileReader& file, std::string section,
+                std::uint64_t start)
       : bytes_(bytes), file_(file), section_(std::move(section)), start_(start) {}
   template <class T>
   T value() {
@@ -404,10 +423,12 @@ class PayloadReader {
   }
   std::size_t remaining() const noexcept { return bytes_.size() - at_; }
   void bytes(void* dest, std::size_t n) {
-    if (n > bytes_.size() - at_) file_.fail(section_, start_, "its fields run past its " + std::to_string(bytes_.size()) + " bytes");
+    if (n > bytes_.size() - at_)
+      file_.fail(section_, start_, "its fields run past its " + std::to_string(bytes_.size()) + " bytes");
     if (n != 0) std::memcpy(dest, bytes_.data() + at_, n);  // dest may be null then (an empty vector's data)
     at_ += n;
   }
+
  private:
   const std::vector<std::uint8_t>& bytes_;
   const FileReader& file_;
@@ -433,20 +454,22 @@ inline std::string read_magic(FileReader& file) {
   file.read(found.data(), found.size(), "preamble");
   return found;
 }
-inline bool is_magic(const std::string& found, const char (&magic)[8]) { return std::memcmp(found.data(), magic, 8) == 0; }
+inline bool is_magic(const std::string& found, const char (&magic)[8]) {
+  return std::memcmp(found.data(), magic, 8) == 0;
+}
 
 /// The preamble after the magic: checks the format version (one of 1..newest) and byte order;
 /// returns the version.
 inline std::uint32_t read_version(FileReader& file, std::uint32_t newest) {
   const auto version = file.read_value<std::uint32_t>("preamble");
   if (version == 0 || version > newest)
-    file.fail("preamble", 8, "format version " + std::to_string(version) + "; this kvq reads versions 1 to " +
-                                 std::to_string(newest));
+    file.fail("preamble", 8,
+              "format version " + std::to_string(version) + "; this kvq reads versions 1 to " + std::to_string(newest));
   const auto marker = file.read_value<std::uint32_t>("preamble");
   if (marker != byte_order_marker)
-    file.fail("preamble", 12, marker == 0x04030201u
-                                  ? std::string("written on a machine of the other byte order")
-                                  : "byte-order marker " + hex(marker) + " is neither order");
+    file.fail("preamble", 12,
+              marker == 0x04030201u ? std::string("written on a machine of the other byte order")
+                                    : "byte-order marker " + hex(marker) + " is neither order");
   return version;
 }
 
@@ -465,7 +488,8 @@ inline void write_preamble(std::ostream& out, const char (&magic)[8], std::uint3
 /// The header section (format version 2) of a cache of `s` configured `config`.
 inline void write_header(std::ostream& out, const CacheShape& s, const std::string& config) {
   const RopeScaling& r = s.rope_scaling;
-  SectionWriter w(out, tag_header, header_fixed_bytes + rope_extension_bytes + 4 * r.frequency_divisors.size() + config.size());
+  SectionWriter w(out, tag_header,
+                  header_fixed_bytes + rope_extension_bytes + 4 * r.frequency_divisors.size() + config.size());
   for (const int v : {version_major, version_minor, version_patch}) w.put_value(std::uint32_t(v));
   for (const std::size_t v : {s.layers, s.kv_heads, s.head_dim, s.capacity}) w.put_value(std::uint64_t(v));
   w.put_value(std::uint32_t(s.rope_style));
@@ -474,7 +498,8 @@ inline void write_header(std::ostream& out, const CacheShape& s, const std::stri
   w.put_value(std::uint32_t(r.type));
   w.put_value(r.factor);
   w.put_value(std::uint64_t(r.original_context));
-  for (const float x : {r.low_freq_factor, r.high_freq_factor, r.beta_fast, r.beta_slow, r.attention_factor}) w.put_value(x);
+  for (const float x : {r.low_freq_factor, r.high_freq_factor, r.beta_fast, r.beta_slow, r.attention_factor})
+    w.put_value(x);
   w.put_value(std::uint32_t(r.frequency_divisors.size()));
   w.put(r.frequency_divisors.data(), 4 * r.frequency_divisors.size());
   w.put_value(std::uint32_t(config.size()));
@@ -487,7 +512,8 @@ inline FileHeader read_header(FileReader& file, std::uint32_t version, ConfigTex
   const std::size_t most_text = text == ConfigText::one ? max_config_text : max_layer_config_text;
   const std::uint64_t start = file.offset();
   const std::uint64_t fixed = header_fixed_bytes + (version >= 2 ? rope_extension_bytes : 0);
-  const auto payload = file.section(tag_header, fixed, fixed + (version >= 2 ? 4 * max_frequency_divisors : 0) + most_text, "header");
+  const auto payload =
+      file.section(tag_header, fixed, fixed + (version >= 2 ? 4 * max_frequency_divisors : 0) + most_text, "header");
   PayloadReader in(payload, file, "header", start);
   FileHeader h;
   for (int i = 0; i < 3; ++i) (void)in.value<std::uint32_t>();  // the writing kvq's version: for people, not checked
@@ -500,7 +526,8 @@ inline FileHeader read_header(FileReader& file, std::uint32_t version, ConfigTex
   if (version >= 2) {
     rope_dims = in.value<std::uint64_t>();
     const auto type = in.value<std::uint32_t>();
-    if (type > std::uint32_t(RopeScalingType::yarn)) file.fail("header", start, "unknown RoPE scaling type " + std::to_string(type));
+    if (type > std::uint32_t(RopeScalingType::yarn))
+      file.fail("header", start, "unknown RoPE scaling type " + std::to_string(type));
     scaling.type = RopeScalingType(type);
     scaling.factor = in.value<float>();
     const auto context = in.value<std::uint64_t>();
@@ -515,15 +542,23 @@ inline FileHeader read_header(FileReader& file, std::uint32_t version, ConfigTex
     in.bytes(scaling.frequency_divisors.data(), 4 * std::size_t(divisors));
   }
   const auto n = in.value<std::uint32_t>();
-  if (n != in.remaining()) file.fail("header", start, "configuration text of " + std::to_string(n) + " bytes does not fill the section");
+  if (n != in.remaining())
+    file.fail("header", start, "configuration text of " + std::to_string(n) + " bytes does not fill the section");
   h.config_text.resize(n);
   in.bytes(h.config_text.data(), n);
-  if (style > std::uint32_t(RopeStyle::half_split)) file.fail("header", start, "unknown RoPE style " + std::to_string(style));
+  if (style > std::uint32_t(RopeStyle::half_split))
+    file.fail("header", start, "unknown RoPE style " + std::to_string(style));
   constexpr std::uint64_t most = std::numeric_limits<std::size_t>::max();
   if (layers > most || heads > most || dim > most || capacity > most || rope_dims > most)
     file.fail("header", start, "a shape field exceeds this machine's size_t");
-  h.shape = CacheShape{std::size_t(layers), std::size_t(heads), std::size_t(dim), std::size_t(capacity),
-                       RopeStyle(style), theta, rope_dims == dim ? 0 : std::size_t(rope_dims), std::move(scaling)};
+  h.shape = CacheShape{std::size_t(layers),
+                       std::size_t(heads),
+                       std::size_t(dim),
+                       std::size_t(capacity),
+                       RopeStyle(style),
+                       theta,
+                       rope_dims == dim ? 0 : std::size_t(rope_dims),
+                       std::move(scaling)};
   try {
     validate(h.shape.rope());
   } catch (const Error& e) {
@@ -576,19 +611,19 @@ inline std::string describe(const CacheShape& s) {
   return std::to_string(s.layers) + " layers x " + std::to_string(s.kv_heads) + " KV heads x head_dim " +
          std::to_string(s.head_dim) + ", capacity " + std::to_string(s.capacity) + ", RoPE " + to_string(s.rope_style) +
          " theta " + std::to_string(s.rope_theta) +
-         (has_rope_extension(s) ? ", rotary dims " + std::to_string(s.rope().dims()) + ", " +
-                                      to_string(s.rope_scaling.type) + " scaling factor " +
-                                      std::to_string(s.rope_scaling.factor) +
-                                      (s.rope_scaling.frequency_divisors.empty()
-                                           ? std::string()
-                                           : ", " + std::to_string(s.rope_scaling.frequency_divisors.size()) +
-                                                 " frequency divisors")
-                                : std::string());
+         (has_rope_extension(s)
+              ? ", rotary dims " + std::to_string(s.rope().dims()) + ", " + to_string(s.rope_scaling.type) +
+                    " scaling factor " + std::to_string(s.rope_scaling.factor) +
+                    (s.rope_scaling.frequency_divisors.empty()
+                         ? std::string()
+                         : ", " + std::to_string(s.rope_scaling.frequency_divisors.size()) + " frequency divisors")
+              : std::string());
 }
 
 inline bool same_shape(const CacheShape& a, const CacheShape& b) {
   return a.layers == b.layers && a.kv_heads == b.kv_heads && a.head_dim == b.head_dim && a.capacity == b.capacity &&
-         a.rope_style == b.rope_style && std::bit_cast<std::uint32_t>(a.rope_theta) == std::bit_cast<std::uint32_t>(b.rope_theta) &&
+         a.rope_style == b.rope_style &&
+         std::bit_cast<std::uint32_t>(a.rope_theta) == std::bit_cast<std::uint32_t>(b.rope_theta) &&
          a.rope().dims() == b.rope().dims() && a.rope_scaling == b.rope_scaling;
 }
 
@@ -627,7 +662,8 @@ inline void save(const BasicKVCache& cache, std::ostream& out) {
   }
   for (std::size_t l = 0; l < s.layers; ++l) {
     detail::SectionWriter w(out, detail::tag_layer, CacheAccess::layer_bytes(cache, CacheAccess::state(cache, l)));
-    CacheAccess::visit_pieces(cache, l, CacheAccess::state(cache, l), [&](const void* data, std::size_t n) { w.put(data, n); });
+    CacheAccess::visit_pieces(cache, l, CacheAccess::state(cache, l),
+                              [&](const void* data, std::size_t n) { w.put(data, n); });
     w.finish();
   }
   if (!out) throw Error(ErrorCode::io, "saving a kvq cache: the output stream failed");
@@ -654,7 +690,8 @@ inline BasicKVCache load(std::istream& in) {
   const detail::FileHeader h = detail::read_header(file);
   std::size_t bytes = 2 * 4;  // keys and values, f32 at most: a bound on the storage the shape asks for
   for (const std::size_t n : {h.shape.layers, h.shape.kv_heads, h.shape.head_dim, h.shape.capacity}) {
-    if (n != 0 && bytes > (std::size_t(1) << 50) / n) file.fail("header", 16, "implausible shape " + detail::describe(h.shape));
+    if (n != 0 && bytes > (std::size_t(1) << 50) / n)
+      file.fail("header", 16, "implausible shape " + detail::describe(h.shape));
     bytes *= n;
   }
   std::optional<BasicKVCache> cache;
@@ -686,7 +723,9 @@ void write_file_atomically(const std::filesystem::path& path, Write write) {
     }
     std::error_code ec;
     std::filesystem::rename(partial, path, ec);
-    if (ec) throw Error(ErrorCode::io, "cannot rename '" + partial.string() + "' to '" + path.string() + "': " + ec.message());
+    if (ec)
+      throw Error(ErrorCode::io,
+                  "cannot rename '" + partial.string() + "' to '" + path.string() + "': " + ec.message());
   } catch (...) {
     std::error_code ignored;
     if (created) std::filesystem::remove(partial, ignored);

@@ -47,7 +47,8 @@ constexpr std::size_t tile_tokens(const QuantizerSpec& spec, bool quantized) noe
 /// of either tensor.
 inline std::size_t block_unit(const CacheConfig& config) {
   std::size_t unit = std::lcm(tile_tokens(config.key, config.quantize_keys), std::size_t(64));
-  for (const auto& [spec, quantized] : {std::pair{config.key, config.quantize_keys}, std::pair{config.value, config.quantize_values}})
+  for (const auto& [spec, quantized] :
+       {std::pair{config.key, config.quantize_keys}, std::pair{config.value, config.quantize_values}})
     if (quantized && spec.axis == Axis::per_channel) unit = std::lcm(unit, spec.group);
   return unit;
 }
@@ -77,8 +78,14 @@ struct StreamLayout {
 
   StreamLayout(const QuantizerSpec& s, bool quantize, std::size_t dim, const CacheConfig& config, std::size_t cap,
                std::size_t block)
-      : spec(s), quantized(quantize), head_dim(dim), sinks(config.sinks), window(config.window), capacity(cap),
-        residual(config.residual), block_rows(block) {
+      : spec(s),
+        quantized(quantize),
+        head_dim(dim),
+        sinks(config.sinks),
+        window(config.window),
+        capacity(cap),
+        residual(config.residual),
+        block_rows(block) {
     const std::size_t after_sinks = capacity > sinks ? capacity - sinks : 0;
     if (quantized) {
       const std::size_t step = spec.axis == Axis::per_channel ? spec.group : 1;
@@ -92,8 +99,9 @@ struct StreamLayout {
     // Taking back D tokens needs the rows of the D positions before the ring and those it
     // re-opens: copies of the last D + step packed rows cover both (step = G or 1).
     if (quantized && config.rollback_depth != 0)
-      history_rows = std::min(std::min(config.rollback_depth, max_quantized_rows) +
-                                  (spec.axis == Axis::per_channel ? spec.group : 1), max_quantized_rows);
+      history_rows = std::min(
+          std::min(config.rollback_depth, max_quantized_rows) + (spec.axis == Axis::per_channel ? spec.group : 1),
+          max_quantized_rows);
     const std::size_t residual_row = head_dim * size_of(residual);
     sink_offset = 0;
     ring_offset = align(std::min(sinks, capacity) * residual_row);

@@ -22,25 +22,23 @@ struct StreamView {
   Scalar residual = Scalar::f16;
   std::size_t length = 0;
 
-  std::size_t sinks_stored = 0;          // min(sinks, length)
-  const std::uint8_t* sinks = nullptr;   // (sinks_stored, head_dim) residual type
+  std::size_t sinks_stored = 0;         // min(sinks, length)
+  const std::uint8_t* sinks = nullptr;  // (sinks_stored, head_dim) residual type
 
-  std::size_t first_quantized = 0;       // first position of the segment's packed rows (>= sinks)
-  std::size_t end_quantized = 0;         // first position not (yet) quantized
-  const std::uint8_t* codes = nullptr;   // (end_quantized - first_quantized, row_bytes)
+  std::size_t first_quantized = 0;      // first position of the segment's packed rows (>= sinks)
+  std::size_t end_quantized = 0;        // first position not (yet) quantized
+  const std::uint8_t* codes = nullptr;  // (end_quantized - first_quantized, row_bytes)
   std::size_t row_bytes = 0;
   const std::uint8_t* scales = nullptr;  // per-channel: (blocks, head_dim); per-token: (rows, groups_per_row)
   const std::uint8_t* zeros = nullptr;   // same shape as scales; unused when symmetric
 
-  const std::uint8_t* ring = nullptr;    // (ring_rows, head_dim) residual type
+  const std::uint8_t* ring = nullptr;  // (ring_rows, head_dim) residual type
   std::size_t ring_rows = 0;
-  std::size_t ring_origin = 0;           // the position whose row sits in slot 0
+  std::size_t ring_origin = 0;  // the position whose row sits in slot 0
 
   std::size_t residual_row_bytes() const noexcept { return head_dim * size_of(residual); }
 
-  const std::uint8_t* sink_row(std::size_t position) const noexcept {
-    return sinks + position * residual_row_bytes();
-  }
+  const std::uint8_t* sink_row(std::size_t position) const noexcept { return sinks + position * residual_row_bytes(); }
   const std::uint8_t* pending_row(std::size_t position) const noexcept {
     return ring + ((position - ring_origin) % ring_rows) * residual_row_bytes();
   }
@@ -56,8 +54,10 @@ struct StreamView {
   /// The stored row at `position` as floats (dequantized when packed): out (head_dim).
   void read_row(std::size_t position, float* out) const noexcept {
     const std::uint8_t* residual_row = nullptr;
-    if (position < sinks_stored) residual_row = sink_row(position);
-    else if (position >= end_quantized) residual_row = pending_row(position);
+    if (position < sinks_stored)
+      residual_row = sink_row(position);
+    else if (position >= end_quantized)
+      residual_row = pending_row(position);
     if (residual_row != nullptr) {
       load_row(residual, residual_row, head_dim, out);
       return;

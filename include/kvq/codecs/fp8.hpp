@@ -31,7 +31,9 @@ struct Fp8Layout {
   bool has_infinity;  // e5m2: exponent all ones is Inf/NaN; e4m3fn: only S.1111.111 is NaN
 };
 
-constexpr Fp8Layout fp8_layout(Fp8Format f) noexcept { return f == Fp8Format::e4m3fn ? Fp8Layout{3, 7, false} : Fp8Layout{2, 15, true}; }
+constexpr Fp8Layout fp8_layout(Fp8Format f) noexcept {
+  return f == Fp8Format::e4m3fn ? Fp8Layout{3, 7, false} : Fp8Layout{2, 15, true};
+}
 
 }  // namespace detail
 
@@ -88,7 +90,8 @@ inline void fp8_encode(Fp8Format f, std::span<const float> x, float scale, std::
     throw Error(ErrorCode::shape_mismatch,
                 what + std::to_string(x.size()) + " values need as many codes, got " + std::to_string(codes.size()));
   for (std::size_t i = 0; i < x.size(); ++i)
-    if (!std::isfinite(x[i])) throw Error(ErrorCode::non_finite_input, what + "value " + std::to_string(i) + " is not finite");
+    if (!std::isfinite(x[i]))
+      throw Error(ErrorCode::non_finite_input, what + "value " + std::to_string(i) + " is not finite");
   for (std::size_t i = 0; i < x.size(); ++i) codes[i] = float_to_fp8(f, x[i] / scale);
 }
 

@@ -51,12 +51,18 @@ inline constexpr std::array<std::int8_t, 16> iq4_nl_levels = {-127, -104, -83, -
 
 constexpr std::string_view name(BlockType t) noexcept {
   switch (t) {
-    case BlockType::q8_0: return "q8_0";
-    case BlockType::q4_0: return "q4_0";
-    case BlockType::q4_1: return "q4_1";
-    case BlockType::q5_0: return "q5_0";
-    case BlockType::q5_1: return "q5_1";
-    case BlockType::iq4_nl: return "iq4_nl";
+    case BlockType::q8_0:
+      return "q8_0";
+    case BlockType::q4_0:
+      return "q4_0";
+    case BlockType::q4_1:
+      return "q4_1";
+    case BlockType::q5_0:
+      return "q5_0";
+    case BlockType::q5_1:
+      return "q5_1";
+    case BlockType::iq4_nl:
+      return "iq4_nl";
   }
   return "";
 }
@@ -64,12 +70,18 @@ constexpr std::string_view name(BlockType t) noexcept {
 /// Bytes of one block of 32 values.
 constexpr std::size_t block_bytes(BlockType t) noexcept {
   switch (t) {
-    case BlockType::q8_0: return 34;
-    case BlockType::q4_0: return 18;
-    case BlockType::q4_1: return 20;
-    case BlockType::q5_0: return 22;
-    case BlockType::q5_1: return 24;
-    case BlockType::iq4_nl: return 18;
+    case BlockType::q8_0:
+      return 34;
+    case BlockType::q4_0:
+      return 18;
+    case BlockType::q4_1:
+      return 20;
+    case BlockType::q5_0:
+      return 22;
+    case BlockType::q5_1:
+      return 24;
+    case BlockType::iq4_nl:
+      return 18;
   }
   return 0;
 }
@@ -172,7 +184,8 @@ inline void quantize_block(BlockType t, const float* x, std::uint8_t* out) noexc
       signed_absmax(x, amax, max);
       const float d = max / (five ? -16.0f : -8.0f), id = d != 0.0f ? 1.0f / d : 0.0f;
       store_half(out, d);
-      for (std::size_t j = 0; j < block_values; ++j) q[j] = truncate_code(x[j] * id + (five ? 16.5f : 8.5f), five ? 31 : 15);
+      for (std::size_t j = 0; j < block_values; ++j)
+        q[j] = truncate_code(x[j] * id + (five ? 16.5f : 8.5f), five ? 31 : 15);
       pack_codes(q, out + (five ? 6 : 2), five ? out + 2 : nullptr);
       return;
     }
@@ -233,8 +246,10 @@ void dequantize_blocks(const std::uint8_t* src, std::size_t blocks, float* out) 
       const std::size_t after_scales = with_min ? 4 : 2;
       detail::unpack_codes(src + after_scales + (five ? 4 : 0), five ? src + after_scales : nullptr, q);
       for (std::size_t j = 0; j < block_values; ++j) {
-        if constexpr (with_min) out[j] = float(q[j]) * d + m;
-        else out[j] = float(int(q[j]) - centre) * d;
+        if constexpr (with_min)
+          out[j] = float(q[j]) * d + m;
+        else
+          out[j] = float(int(q[j]) - centre) * d;
       }
     }
   }
@@ -246,7 +261,8 @@ void dequantize_blocks(const std::uint8_t* src, std::size_t blocks, float* out) 
 inline void quantize_row(BlockType t, std::span<const float> x, std::span<std::uint8_t> out) {
   const std::string what = "ggml " + std::string(name(t)) + ": ";
   if (x.size() % block_values != 0)
-    throw Error(ErrorCode::shape_mismatch, what + std::to_string(x.size()) + " values are not a whole number of blocks of 32");
+    throw Error(ErrorCode::shape_mismatch,
+                what + std::to_string(x.size()) + " values are not a whole number of blocks of 32");
   const std::size_t blocks = x.size() / block_values;
   if (out.size() != blocks * block_bytes(t))
     throw Error(ErrorCode::shape_mismatch, what + std::to_string(blocks) + " blocks need " +
@@ -275,12 +291,18 @@ inline void dequantize_row(BlockType t, std::span<const std::uint8_t> blocks, st
                                                " bytes and " + std::to_string(out.size()) +
                                                " values are not matching whole blocks");
   switch (t) {
-    case BlockType::q8_0: return dequantize_blocks<BlockType::q8_0>(blocks.data(), count, out.data());
-    case BlockType::q4_0: return dequantize_blocks<BlockType::q4_0>(blocks.data(), count, out.data());
-    case BlockType::q4_1: return dequantize_blocks<BlockType::q4_1>(blocks.data(), count, out.data());
-    case BlockType::q5_0: return dequantize_blocks<BlockType::q5_0>(blocks.data(), count, out.data());
-    case BlockType::q5_1: return dequantize_blocks<BlockType::q5_1>(blocks.data(), count, out.data());
-    case BlockType::iq4_nl: return dequantize_blocks<BlockType::iq4_nl>(blocks.data(), count, out.data());
+    case BlockType::q8_0:
+      return dequantize_blocks<BlockType::q8_0>(blocks.data(), count, out.data());
+    case BlockType::q4_0:
+      return dequantize_blocks<BlockType::q4_0>(blocks.data(), count, out.data());
+    case BlockType::q4_1:
+      return dequantize_blocks<BlockType::q4_1>(blocks.data(), count, out.data());
+    case BlockType::q5_0:
+      return dequantize_blocks<BlockType::q5_0>(blocks.data(), count, out.data());
+    case BlockType::q5_1:
+      return dequantize_blocks<BlockType::q5_1>(blocks.data(), count, out.data());
+    case BlockType::iq4_nl:
+      return dequantize_blocks<BlockType::iq4_nl>(blocks.data(), count, out.data());
   }
 }
 

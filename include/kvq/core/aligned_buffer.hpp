@@ -30,7 +30,8 @@ class AlignedBuffer {
     if (bytes == 0) return;
     const std::size_t alignment = bytes >= huge_page ? huge_page : cache_line;
     // A request within one alignment of SIZE_MAX would wrap while rounding up; no system has it.
-    const std::size_t rounded = bytes > std::size_t(-1) - alignment ? 0 : (bytes + alignment - 1) / alignment * alignment;
+    const std::size_t rounded =
+        bytes > std::size_t(-1) - alignment ? 0 : (bytes + alignment - 1) / alignment * alignment;
     data_ = rounded == 0 ? nullptr : static_cast<std::uint8_t*>(std::aligned_alloc(alignment, rounded));
     if (data_ == nullptr)
       throw Error(ErrorCode::out_of_memory, "allocating " + std::to_string(bytes) + " bytes failed");

@@ -15,8 +15,8 @@ namespace kvq::inline v0 {
 inline std::size_t checked_mul(std::size_t a, std::size_t b, std::string_view what) {
   std::size_t out = 0;
   if (__builtin_mul_overflow(a, b, &out))
-    throw Error(ErrorCode::invalid_argument, std::string(what) + ": " + std::to_string(a) + " x " + std::to_string(b) +
-                                                 " overflows the size type");
+    throw Error(ErrorCode::invalid_argument,
+                std::string(what) + ": " + std::to_string(a) + " x " + std::to_string(b) + " overflows the size type");
   return out;
 }
 

@@ -21,8 +21,8 @@ namespace kvq::inline v0 {
 
 /// The smallest magnitude that overflows to infinity when stored as `s`.
 constexpr float overflow_threshold(Scalar s) noexcept {
-  return s == Scalar::f16    ? 65520.0f                                // 65504 + half an ulp, ties to even
-         : s == Scalar::bf16 ? std::bit_cast<float>(0x7f7f8000u)   // bf16 max + half an ulp
+  return s == Scalar::f16    ? 65520.0f                           // 65504 + half an ulp, ties to even
+         : s == Scalar::bf16 ? std::bit_cast<float>(0x7f7f8000u)  // bf16 max + half an ulp
                              : std::numeric_limits<float>::infinity();
 }
 
@@ -48,20 +48,21 @@ __attribute__((target("f16c"))) inline float load_scalar_f16c(Scalar s, const vo
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void store_f16_avx512(const float* src, std::size_t n,
-                                                                                     std::uint16_t* dst) noexcept {
+                                                                                       std::uint16_t* dst) noexcept {
   std::size_t i = 0;
   for (; i + 16 <= n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
                         _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   if (i < n) {
     const __mmask16 m = __mmask16((1u << (n - i)) - 1u);
-    _mm256_mask_storeu_epi16(dst + i, m,
-                             _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_mask_storeu_epi16(
+        dst + i, m, _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void load_f16_avx512(const std::uint16_t* src, std::size_t n,
-                                                                                    float* dst) noexcept {
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void load_f16_avx512(const std::uint16_t* src,
+                                                                                      std::size_t n,
+                                                                                      float* dst) noexcept {
   std::size_t i = 0;
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));

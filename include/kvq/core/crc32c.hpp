@@ -44,8 +44,8 @@ inline std::uint32_t crc32c_reference(const void* data, std::size_t size, std::u
   const auto* p = static_cast<const unsigned char*>(data);
   crc = ~crc;
   for (; size >= 8; p += 8, size -= 8) {
-    const std::uint32_t lo = (std::uint32_t(p[0]) | std::uint32_t(p[1]) << 8 | std::uint32_t(p[2]) << 16 |
-                              std::uint32_t(p[3]) << 24) ^ crc;
+    const std::uint32_t lo =
+        (std::uint32_t(p[0]) | std::uint32_t(p[1]) << 8 | std::uint32_t(p[2]) << 16 | std::uint32_t(p[3]) << 24) ^ crc;
     crc = t[7][lo & 0xFF] ^ t[6][(lo >> 8) & 0xFF] ^ t[5][(lo >> 16) & 0xFF] ^ t[4][lo >> 24] ^ t[3][p[4]] ^
           t[2][p[5]] ^ t[1][p[6]] ^ t[0][p[7]];
   }
@@ -56,7 +56,7 @@ inline std::uint32_t crc32c_reference(const void* data, std::size_t size, std::u
 #if defined(KVQ_HAVE_X86_KERNELS)
 namespace detail {
 __attribute__((target("sse4.2"))) inline std::uint32_t crc32c_sse42(const void* data, std::size_t size,
-                                                                      std::uint32_t crc) noexcept {
+                                                                    std::uint32_t crc) noexcept {
   const auto* p = static_cast<const unsigned char*>(data);
   std::uint64_t c = ~crc;
   for (; size >= 8; p += 8, size -= 8) {

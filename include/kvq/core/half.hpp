@@ -44,7 +44,7 @@ constexpr fp16 to_fp16(float value) noexcept {
   if (abs >= 0x7f800000u)  // Inf or NaN (NaN keeps a quiet payload bit)
     return fp16{std::uint16_t(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u))};
   if (abs >= 0x477ff000u) return fp16{std::uint16_t(sign | 0x7c00u)};  // rounds past 65504
-  if (abs < 0x33000001u) return fp16{sign};                              // below half the least subnormal
+  if (abs < 0x33000001u) return fp16{sign};                            // below half the least subnormal
   std::uint32_t exponent = abs >> 23;
   std::uint32_t mantissa = (abs & 0x7fffffu) | 0x800000u;
   int shift = 13;
@@ -87,9 +87,7 @@ constexpr const char* to_string(Scalar s) noexcept {
 
 /// Largest finite magnitude the type can hold.
 constexpr float max_finite(Scalar s) noexcept {
-  return s == Scalar::f32 ? std::numeric_limits<float>::max()
-         : s == Scalar::f16 ? fp16::max_finite
-                            : bf16::max_finite;
+  return s == Scalar::f32 ? std::numeric_limits<float>::max() : s == Scalar::f16 ? fp16::max_finite : bf16::max_finite;
 }
 
 template <class T>
@@ -107,17 +105,26 @@ constexpr float round_to(Scalar s, float value) noexcept {
 /// Store / load one value in a raw buffer of Scalar type `s`.
 inline void store_scalar(Scalar s, void* base, std::size_t index, float value) noexcept {
   switch (s) {
-    case Scalar::f32: static_cast<float*>(base)[index] = value; break;
-    case Scalar::f16: static_cast<fp16*>(base)[index] = to_fp16(value); break;
-    case Scalar::bf16: static_cast<bf16*>(base)[index] = to_bf16(value); break;
+    case Scalar::f32:
+      static_cast<float*>(base)[index] = value;
+      break;
+    case Scalar::f16:
+      static_cast<fp16*>(base)[index] = to_fp16(value);
+      break;
+    case Scalar::bf16:
+      static_cast<bf16*>(base)[index] = to_bf16(value);
+      break;
   }
 }
 
 inline float load_scalar(Scalar s, const void* base, std::size_t index) noexcept {
   switch (s) {
-    case Scalar::f32: return static_cast<const float*>(base)[index];
-    case Scalar::f16: return to_float(static_cast<const fp16*>(base)[index]);
-    case Scalar::bf16: return to_float(static_cast<const bf16*>(base)[index]);
+    case Scalar::f32:
+      return static_cast<const float*>(base)[index];
+    case Scalar::f16:
+      return to_float(static_cast<const fp16*>(base)[index]);
+    case Scalar::bf16:
+      return to_float(static_cast<const bf16*>(base)[index]);
   }
   return 0.0f;
 }

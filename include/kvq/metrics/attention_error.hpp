@@ -11,14 +11,14 @@
 namespace kvq::inline v0 {
 
 struct AttentionErrors {
-  double key_error = 0;           // ||K - K^|| / ||K||
-  double value_error = 0;         // ||V - V^|| / ||V||
-  double score_error = 0;         // ||A - A^|| / ||A||, A = softmax(q K^T / sqrt d), K alone quantized
-  double output_error = 0;        // ||AV - A^V^|| / ||AV||
-  double output_error_keys = 0;   // ||AV - A^V|| / ||AV||   (only keys quantized)
-  double output_error_values = 0; // ||AV - AV^|| / ||AV||   (only values quantized)
-  double attention_kl = 0;        // mean over rows of KL(A || A^), nats
-  double sparsity = 0;            // fraction of weights below 1% of their row's largest weight
+  double key_error = 0;            // ||K - K^|| / ||K||
+  double value_error = 0;          // ||V - V^|| / ||V||
+  double score_error = 0;          // ||A - A^|| / ||A||, A = softmax(q K^T / sqrt d), K alone quantized
+  double output_error = 0;         // ||AV - A^V^|| / ||AV||
+  double output_error_keys = 0;    // ||AV - A^V|| / ||AV||   (only keys quantized)
+  double output_error_values = 0;  // ||AV - AV^|| / ||AV||   (only values quantized)
+  double attention_kl = 0;         // mean over rows of KL(A || A^), nats
+  double sparsity = 0;             // fraction of weights below 1% of their row's largest weight
 };
 
 /// Accumulates squared norms over heads and layers; errors() turns them into ratios.
@@ -34,7 +34,8 @@ class AttentionErrorAccumulator {
     // The four outputs as one kind of product each, so a tensor left unchanged contributes exactly
     // zero on every architecture: attend's row-by-row products round differently from a matrix
     // product where the compiler fuses multiply-adds (AArch64).
-    const MatrixD exact = a * values, both = a_hat * values_hat, keys_only = a_hat * values, values_only = a * values_hat;
+    const MatrixD exact = a * values, both = a_hat * values_hat, keys_only = a_hat * values,
+                  values_only = a * values_hat;
     key_diff_ += (keys - keys_hat).squaredNorm();
     key_norm_ += keys.squaredNorm();
     value_diff_ += (values - values_hat).squaredNorm();

@@ -21,8 +21,8 @@ namespace kvq::inline v0 {
 class TaskRef {
  public:
   template <class F>
-    requires(!std::is_same_v<std::remove_cvref_t<F>, TaskRef> && std::is_invocable_v<F&, std::size_t>)
-  TaskRef(F& f) noexcept  // NOLINT: implicit on purpose, like std::function_ref
+  requires(!std::is_same_v<std::remove_cvref_t<F>, TaskRef> && std::is_invocable_v<F&, std::size_t>) TaskRef(F& f)
+  noexcept  // NOLINT: implicit on purpose, like std::function_ref
       : object_(static_cast<void*>(std::addressof(f))),
         call_([](void* o, std::size_t i) { (*static_cast<F*>(o))(i); }) {}
 
@@ -106,7 +106,7 @@ class ThreadPool final : public Executor {
     TaskRef task;
     const std::size_t count;
     std::atomic<std::size_t> next{0};
-    std::size_t workers = 0;  // workers inside run_items (guarded by mutex_)
+    std::size_t workers = 0;   // workers inside run_items (guarded by mutex_)
     std::exception_ptr error;  // the first exception (guarded by mutex_)
 
     bool claimable() const noexcept { return next.load(std::memory_order_relaxed) < count; }

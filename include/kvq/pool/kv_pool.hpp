@@ -80,13 +80,13 @@ struct PoolShape {
   std::size_t layers = 1;
   std::size_t kv_heads = 1;
   std::size_t head_dim = 128;
-  std::size_t max_tokens = 4096;    // longest sequence: the shared RoPE table covers these positions
+  std::size_t max_tokens = 4096;  // longest sequence: the shared RoPE table covers these positions
   // Positions per block, a multiple of block_unit(config): memory is committed and shared in
   // these steps, and decode attention sets up once per block (256: 1.04x to 1.15x the time of
   // one block per step at 32K; bench/RESULTS.md).
   std::size_t block_tokens = 256;
-  std::size_t memory_blocks = 1024; // the most blocks the pool commits (split between the stores
-                                    // of a pool with a configuration per layer by their layers)
+  std::size_t memory_blocks = 1024;  // the most blocks the pool commits (split between the stores
+                                     // of a pool with a configuration per layer by their layers)
   RopeStyle rope_style = RopeStyle::adjacent_pairs;
   float rope_theta = 10000.0f;
   std::size_t rope_dims = 0;  // channels RoPE rotates from the start of each head; 0 = head_dim
@@ -94,9 +94,15 @@ struct PoolShape {
 
   /// The shape of each sequence's cache.
   CacheShape sequence_shape() const {
-    return CacheShape{.layers = layers, .kv_heads = kv_heads, .head_dim = head_dim, .capacity = max_tokens,
-                      .rope_style = rope_style, .rope_theta = rope_theta, .rope_dims = rope_dims,
-                      .rope_scaling = rope_scaling, .block_tokens = block_tokens};
+    return CacheShape{.layers = layers,
+                      .kv_heads = kv_heads,
+                      .head_dim = head_dim,
+                      .capacity = max_tokens,
+                      .rope_style = rope_style,
+                      .rope_theta = rope_theta,
+                      .rope_dims = rope_dims,
+                      .rope_scaling = rope_scaling,
+                      .block_tokens = block_tokens};
   }
 };
 
@@ -135,7 +141,8 @@ struct PoolMemory {
 class KVPool {
  public:
   /// Every layer in one configuration.
-  KVPool(const PoolShape& shape, const CacheConfig& config) : KVPool(shape, std::vector<CacheConfig>(shape.layers, config)) {}
+  KVPool(const PoolShape& shape, const CacheConfig& config)
+      : KVPool(shape, std::vector<CacheConfig>(shape.layers, config)) {}
 
   /// A configuration per layer (parse_layer_configs; kvq-eval --advise prints one). Layers of one
   /// configuration share a block store; shape.memory_blocks is split between the stores by their
@@ -148,8 +155,8 @@ class KVPool {
     if (shape.layers == 0) throw Error(ErrorCode::invalid_argument, "pool shape needs at least one layer");
     check_limit(shape.memory_blocks, BlockStore::max_blocks_limit, "pool shape: memory_blocks");
     if (shape.block_tokens == 0)
-      throw Error(ErrorCode::invalid_argument, "pool shape: block_tokens must be a positive multiple of " +
-                                                   std::to_string(block_unit(configs[0])));
+      throw Error(ErrorCode::invalid_argument,
+                  "pool shape: block_tokens must be a positive multiple of " + std::to_string(block_unit(configs[0])));
     const CacheShape cache = shape.sequence_shape();  // validated with each configuration below
     where_.resize(shape.layers);
     for (std::size_t l = 0; l < shape.layers; ++l) {
@@ -170,7 +177,8 @@ class KVPool {
       CacheShape one = cache;
       one.layers = group.layers.size();
       group.block_bytes = BasicKVCache::block_bytes(one, group.config);
-      const std::size_t share = checked_mul(shape.memory_blocks, group.layers.size(), "pool shape: memory_blocks x layers");
+      const std::size_t share =
+          checked_mul(shape.memory_blocks, group.layers.size(), "pool shape: memory_blocks x layers");
       const std::size_t blocks = share / shape.layers + (share % shape.layers != 0);
       group.store = std::make_shared<BlockStore>(group.block_bytes, blocks);
     }
@@ -305,8 +313,9 @@ class KVPool {
       file.set_kind("kvq pool file");
       LoadedPool loaded = read_pool_file(file);
       if (loaded.sequences.size() != 1)
-        throw Error(ErrorCode::invalid_argument, "kvq pool file holds " + std::to_string(loaded.sequences.size()) +
-                                                     " sequences; load_sequence reads one (save_sequence), load() a whole pool");
+        throw Error(ErrorCode::invalid_argument,
+                    "kvq pool file holds " + std::to_string(loaded.sequences.size()) +
+                        " sequences; load_sequence reads one (save_sequence), load() a whole pool");
       seq = std::move(loaded.sequences.front().second);
     } else if (detail::is_magic(magic, detail::cache_file_magic)) {
       file.set_kind("kvq cache file");
@@ -413,7 +422,8 @@ class KVPool {
         const auto it = others.find(mine[k]);
         if (it == others.end()) break;  // the prefixes part here, and the chain with them
         const BlockId own = Access::table(mine_cache, p.index)[k];
-        if (it->second != own && std::memcmp(store.data(it->second), store.data(own), groups_[p.group].block_bytes) == 0)
+        if (it->second != own &&
+            std::memcmp(store.data(it->second), store.data(own), groups_[p.group].block_bytes) == 0)
           Access::share_block(mine_cache, p.index, k, it->second);
       }
     }
@@ -455,9 +465,9 @@ class KVPool {
 
   const LayerGroup& uniform_group(const char* operation) const {
     if (groups_.size() != 1)
-      throw Error(ErrorCode::unsupported, std::string("pool ") + operation + ": this pool has a configuration per layer (" +
-                                              to_string(std::span<const CacheConfig>(configs())) +
-                                              "); read its layers through layer(id, l)");
+      throw Error(ErrorCode::unsupported,
+                  std::string("pool ") + operation + ": this pool has a configuration per layer (" +
+                      to_string(std::span<const CacheConfig>(configs())) + "); read its layers through layer(id, l)");
     return groups_[0];
   }
 
@@ -540,14 +550,16 @@ class KVPool {
         const auto [cache, at] = layer_of(*seq, l);
         table_bytes += Access::table_entry_bytes + 8 + 8 * Access::table(*cache, at).size();
         for (const BlockId b : Access::table(*cache, at))
-          if (index.emplace(std::pair(where_[l].group, b), blocks.size()).second) blocks.emplace_back(where_[l].group, b);
+          if (index.emplace(std::pair(where_[l].group, b), blocks.size()).second)
+            blocks.emplace_back(where_[l].group, b);
       }
     }
     detail::write_preamble(out, detail::pool_file_magic, detail::pool_file_version);
     detail::write_header(out, shape_.sequence_shape(), config_text());
     {
       detail::SectionWriter w(out, detail::tag_table, table_bytes);
-      for (const std::size_t v : {shape_.block_tokens, shape_.memory_blocks, std::size_t(next_id), seqs.size(), blocks.size()})
+      for (const std::size_t v :
+           {shape_.block_tokens, shape_.memory_blocks, std::size_t(next_id), seqs.size(), blocks.size()})
         w.put_value(std::uint64_t(v));
       for (const auto& [id, seq] : seqs) {
         w.put_value(std::uint64_t(id));
@@ -571,7 +583,8 @@ class KVPool {
         const auto [cache, at] = layer_of(*seq, l);
         const Access::LayerState st = Access::state(*cache, at);
         detail::SectionWriter w(out, detail::tag_own, Access::layer_bytes(*cache, st, Access::Pieces::own));
-        Access::visit_pieces(*cache, at, st, [&](const void* data, std::size_t n) { w.put(data, n); }, Access::Pieces::own);
+        Access::visit_pieces(
+            *cache, at, st, [&](const void* data, std::size_t n) { w.put(data, n); }, Access::Pieces::own);
         w.finish();
       }
     if (!out) throw Error(ErrorCode::io, "saving a kvq pool: the output stream failed");
@@ -597,12 +610,15 @@ class KVPool {
     detail::PayloadReader t(table, file, "table", table_start);
     const auto block_tokens = t.value<std::uint64_t>();
     (void)t.value<std::uint64_t>();  // the saved pool's memory limit: for people
-    const auto next_id = t.value<std::uint64_t>(), count = t.value<std::uint64_t>(), block_count = t.value<std::uint64_t>();
+    const auto next_id = t.value<std::uint64_t>(), count = t.value<std::uint64_t>(),
+               block_count = t.value<std::uint64_t>();
     if (block_tokens != shape_.block_tokens)
       throw Error(ErrorCode::shape_mismatch, "kvq pool file holds blocks of " + std::to_string(block_tokens) +
-                                                 " positions; this pool's blocks hold " + std::to_string(shape_.block_tokens));
+                                                 " positions; this pool's blocks hold " +
+                                                 std::to_string(shape_.block_tokens));
     const std::uint64_t entry = 8 + shape_.layers * (Access::table_entry_bytes + 8);
-    if (count > t.remaining() / entry) file.fail("table", table_start, std::to_string(count) + " sequences do not fit the section");
+    if (count > t.remaining() / entry)
+      file.fail("table", table_start, std::to_string(count) + " sequences do not fit the section");
     std::vector<std::unique_ptr<BasicKVCache>> layouts;  // the layouts every sequence has, per group
     for (std::size_t g = 0; g < groups_.size(); ++g)
       layouts.push_back(std::make_unique<BasicKVCache>(group_shape(g), groups_[g].config, groups_[g].store, rope_));
@@ -618,7 +634,8 @@ class KVPool {
     for (Saved& q : saved) {
       q.id = t.value<std::uint64_t>();
       const std::string who = "sequence " + std::to_string(q.id);
-      if (q.id >= next_id) file.fail("table", table_start, who + " is not below the next id " + std::to_string(next_id));
+      if (q.id >= next_id)
+        file.fail("table", table_start, who + " is not below the next id " + std::to_string(next_id));
       if (!ids.insert(q.id).second) file.fail("table", table_start, who + " appears twice");
       q.states.resize(shape_.layers);
       q.blocks.resize(shape_.layers);
@@ -628,32 +645,40 @@ class KVPool {
         Access::LayerState& s = q.states[l];
         s = detail::read_table_entry(t);
         const std::string where = who + ", layer " + std::to_string(l) + ": ";
-        if (const std::string why = Access::check(layout, s); !why.empty()) file.fail("table", table_start, where + why);
+        if (const std::string why = Access::check(layout, s); !why.empty())
+          file.fail("table", table_start, where + why);
         const auto n = t.value<std::uint64_t>();
         if (n != Access::blocks_for(layout, s))
-          file.fail("table", table_start, where + std::to_string(n) + " blocks where its length needs " +
-                                              std::to_string(Access::blocks_for(layout, s)));
+          file.fail("table", table_start,
+                    where + std::to_string(n) + " blocks where its length needs " +
+                        std::to_string(Access::blocks_for(layout, s)));
         q.blocks[l].resize(std::size_t(n));
         for (std::uint64_t& b : q.blocks[l]) {
           b = t.value<std::uint64_t>();
-          if (b >= group_of.size()) file.fail("table", table_start, where + "block " + std::to_string(b) + " of " + std::to_string(block_count));
+          if (b >= group_of.size())
+            file.fail("table", table_start,
+                      where + "block " + std::to_string(b) + " of " + std::to_string(block_count));
           std::size_t& owner = group_of[std::size_t(b)];
           if (owner != no_group && owner != g)
-            file.fail("table", table_start, where + "block " + std::to_string(b) + " is also a block of layers of another configuration");
+            file.fail("table", table_start,
+                      where + "block " + std::to_string(b) + " is also a block of layers of another configuration");
           owner = g;
         }
       }
     }
-    if (t.remaining() != 0) file.fail("table", table_start, std::to_string(t.remaining()) + " bytes after the last sequence");
-    if (group_of.size() != block_count) file.fail("table", table_start, std::to_string(block_count) + " blocks do not fit the file");
+    if (t.remaining() != 0)
+      file.fail("table", table_start, std::to_string(t.remaining()) + " bytes after the last sequence");
+    if (group_of.size() != block_count)
+      file.fail("table", table_start, std::to_string(block_count) + " blocks do not fit the file");
     if (const auto unused = std::find(group_of.begin(), group_of.end(), no_group); unused != group_of.end())
       file.fail("table", table_start, "block " + std::to_string(unused - group_of.begin()) + " belongs to no sequence");
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       const auto needed = std::size_t(std::count(group_of.begin(), group_of.end(), g));
       if (const std::size_t free = groups_[g].store->available(); free < needed)
-        throw Error(ErrorCode::capacity_exceeded, "kvq pool file holds " + std::to_string(needed) + " blocks" +
-                                                      (uniform() ? "" : " of the layers configured " + to_string(groups_[g].config)) +
-                                                      "; this pool has " + std::to_string(free) + " free");
+        throw Error(ErrorCode::capacity_exceeded,
+                    "kvq pool file holds " + std::to_string(needed) + " blocks" +
+                        (uniform() ? "" : " of the layers configured " + to_string(groups_[g].config)) +
+                        "; this pool has " + std::to_string(free) + " free");
     }
 
     // The blocks, read straight into blocks no sequence refers to yet; let go of on any error
@@ -668,7 +693,8 @@ class KVPool {
     for (std::size_t b = 0; b < group_of.size(); ++b) {
       BlockStore& store = *groups_[group_of[b]].store;
       held.blocks.emplace_back(&store, store.acquire("a pool being loaded"));
-      file.section_into(detail::tag_block, groups_[group_of[b]].block_bytes, "block " + std::to_string(b), store.data(held.blocks.back().second));
+      file.section_into(detail::tag_block, groups_[group_of[b]].block_bytes, "block " + std::to_string(b),
+                        store.data(held.blocks.back().second));
     }
     LoadedPool loaded{next_id, {}};
     loaded.sequences.reserve(saved.size());
@@ -678,8 +704,9 @@ class KVPool {
         seq.push_back(std::make_unique<BasicKVCache>(group_shape(g), groups_[g].config, groups_[g].store, rope_));
       std::vector<std::vector<std::uint8_t>> payloads(shape_.layers);
       for (std::size_t l = 0; l < shape_.layers; ++l)
-        payloads[l] = file.section(detail::tag_own, Access::layer_bytes(*seq[where_[l].group], q.states[l], Access::Pieces::own),
-                                   "sequence " + std::to_string(q.id) + " layer " + std::to_string(l));
+        payloads[l] =
+            file.section(detail::tag_own, Access::layer_bytes(*seq[where_[l].group], q.states[l], Access::Pieces::own),
+                         "sequence " + std::to_string(q.id) + " layer " + std::to_string(l));
       for (std::size_t g = 0; g < groups_.size(); ++g) {
         std::vector<Access::LayerState> states;
         std::vector<std::vector<std::uint8_t>> group_payloads;
@@ -707,10 +734,11 @@ class KVPool {
   void expect_header(const detail::FileHeader& h, const std::string& holds) const {
     const CacheShape mine = shape_.sequence_shape();
     if (!detail::same_shape(h.shape, mine))
-      throw Error(ErrorCode::shape_mismatch, holds + " of " + detail::describe(h.shape) + "; this pool's sequences are " +
-                                                 detail::describe(mine));
+      throw Error(ErrorCode::shape_mismatch,
+                  holds + " of " + detail::describe(h.shape) + "; this pool's sequences are " + detail::describe(mine));
     if (const std::string text = config_text(); h.config_text != text)
-      throw Error(ErrorCode::shape_mismatch, holds + " configured '" + h.config_text + "'; this pool is configured '" + text + "'");
+      throw Error(ErrorCode::shape_mismatch,
+                  holds + " configured '" + h.config_text + "'; this pool is configured '" + text + "'");
   }
 
   /// A sequence of a uniform pool from a cache file, after its magic.
@@ -760,7 +788,8 @@ class KVPool {
   const Sequence& find(SequenceId id, const char* operation) const {
     const auto it = sequences_.find(id);
     if (it == sequences_.end())
-      throw Error(ErrorCode::invalid_argument, std::string("pool ") + operation + ": no sequence " + std::to_string(id));
+      throw Error(ErrorCode::invalid_argument,
+                  std::string("pool ") + operation + ": no sequence " + std::to_string(id));
     return it->second;
   }
 
@@ -772,7 +801,8 @@ class KVPool {
     try {
       op(seq);
     } catch (const Error& e) {
-      throw Error(e.code(), "sequence " + std::to_string(id) + ": " + (place ? relabel(e.message(), place->group) : e.message()));
+      throw Error(e.code(),
+                  "sequence " + std::to_string(id) + ": " + (place ? relabel(e.message(), place->group) : e.message()));
     }
   }
 

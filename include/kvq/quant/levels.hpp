@@ -122,8 +122,7 @@ class LevelSet {
  public:
   explicit LevelSet(std::span<const double> levels) {
     if (levels.size() < 2 || levels.size() > 256)
-      throw Error(ErrorCode::invalid_argument,
-                  "level set: needs 2..256 levels, got " + std::to_string(levels.size()));
+      throw Error(ErrorCode::invalid_argument, "level set: needs 2..256 levels, got " + std::to_string(levels.size()));
     for (std::size_t i = 0; i < levels.size(); ++i) {
       const float l = float(levels[i]);
       if (!std::isfinite(l))
@@ -167,7 +166,8 @@ inline const LevelSet& lloyd_max_gaussian(int bits) {
 /// NormalFloat levels, bits 2..4, computed on first use.
 inline const LevelSet& normal_float(int bits) {
   if (bits < 2 || bits > 4)
-    throw Error(ErrorCode::invalid_argument, "NormalFloat level set: bits must be in 2..4, got " + std::to_string(bits));
+    throw Error(ErrorCode::invalid_argument,
+                "NormalFloat level set: bits must be in 2..4, got " + std::to_string(bits));
   static const std::array<LevelSet, 3> sets = {LevelSet(normal_float_levels(2)), LevelSet(normal_float_levels(3)),
                                                LevelSet(normal_float_levels(4))};
   return sets[std::size_t(bits - 2)];

@@ -70,8 +70,8 @@ inline void validate(const QuantizerSpec& spec, std::size_t head_dim, std::strin
   validate(spec, what);
   const std::string prefix = std::string(what) + ": ";
   if (head_dim == 0 || head_dim > max_head_dim)
-    throw Error(ErrorCode::invalid_argument,
-                prefix + "head_dim must be in 1.." + std::to_string(max_head_dim) + ", got " + std::to_string(head_dim));
+    throw Error(ErrorCode::invalid_argument, prefix + "head_dim must be in 1.." + std::to_string(max_head_dim) +
+                                                 ", got " + std::to_string(head_dim));
   if (spec.axis == Axis::per_token && spec.group > head_dim)
     throw Error(ErrorCode::invalid_argument, prefix + "a per-token group of " + std::to_string(spec.group) +
                                                  " channels exceeds head_dim " + std::to_string(head_dim));
@@ -115,9 +115,8 @@ inline bool parse_size(std::string_view& text, std::size_t& out) {
 inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
   const std::string original(text);
   auto fail = [&](const std::string& why) -> QuantizerSpec {
-    throw Error(ErrorCode::invalid_argument, "quantizer '" + original + "': " + why +
-                                                 " (expected e.g. " + tensor + "4c32, " + tensor + "2t64s, " +
-                                                 tensor + "8t128.bf16)");
+    throw Error(ErrorCode::invalid_argument, "quantizer '" + original + "': " + why + " (expected e.g. " + tensor +
+                                                 "4c32, " + tensor + "2t64s, " + tensor + "8t128.bf16)");
   };
   QuantizerSpec spec;
   if (text.empty() || text.front() != tensor) return fail(std::string("must start with '") + tensor + "'");
@@ -136,9 +135,12 @@ inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
     text.remove_prefix(1);
   }
   if (!text.empty()) {
-    if (text == ".f32") spec.param = Scalar::f32;
-    else if (text == ".bf16") spec.param = Scalar::bf16;
-    else return fail("unknown suffix '" + std::string(text) + "'");
+    if (text == ".f32")
+      spec.param = Scalar::f32;
+    else if (text == ".bf16")
+      spec.param = Scalar::bf16;
+    else
+      return fail("unknown suffix '" + std::string(text) + "'");
   }
   return spec;
 }

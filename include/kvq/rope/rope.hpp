@@ -36,10 +36,14 @@ enum class RopeScalingType : unsigned char { none, linear, llama3, yarn };
 
 constexpr const char* to_string(RopeScalingType type) noexcept {
   switch (type) {
-    case RopeScalingType::none: return "none";
-    case RopeScalingType::linear: return "linear";
-    case RopeScalingType::llama3: return "llama3";
-    case RopeScalingType::yarn: return "yarn";
+    case RopeScalingType::none:
+      return "none";
+    case RopeScalingType::linear:
+      return "linear";
+    case RopeScalingType::llama3:
+      return "llama3";
+    case RopeScalingType::yarn:
+      return "yarn";
   }
   return "unknown";
 }
@@ -73,7 +77,7 @@ struct RopeConfig {
   std::size_t head_dim = 0;
   RopeStyle style = RopeStyle::adjacent_pairs;
   float theta = 10000.0f;
-  std::size_t rotary_dims = 0;  // channels rotated from the start of the head; 0 = head_dim
+  std::size_t rotary_dims = 0;         // channels rotated from the start of the head; 0 = head_dim
   std::ptrdiff_t position_offset = 0;  // added to every position (context shift)
   RopeScaling scaling{};
 
@@ -94,13 +98,16 @@ inline void validate(const RopeConfig& config) {
   const RopeScaling& s = config.scaling;
   const std::string type = std::string(to_string(s.type)) + " scaling";
   switch (s.type) {
-    case RopeScalingType::none: break;
+    case RopeScalingType::none:
+      break;
     case RopeScalingType::linear:
     case RopeScalingType::llama3:
     case RopeScalingType::yarn:
-      if (!(s.factor >= 1.0f) || !std::isfinite(s.factor)) fail(type + ": factor must be finite and at least 1, got " + number(s.factor));
+      if (!(s.factor >= 1.0f) || !std::isfinite(s.factor))
+        fail(type + ": factor must be finite and at least 1, got " + number(s.factor));
       break;
-    default: fail("scaling type " + std::to_string(int(s.type)) + " is not a RopeScalingType");
+    default:
+      fail("scaling type " + std::to_string(int(s.type)) + " is not a RopeScalingType");
   }
   if ((s.type == RopeScalingType::llama3 || s.type == RopeScalingType::yarn) && s.original_context == 0)
     fail(type + ": original_context (the trained context length) must be positive");
@@ -148,11 +155,15 @@ inline std::vector<double> rope_frequencies(const RopeConfig& config) {
     const double f = std::pow(base, -double(2 * i) / double(dims));
     double scaled = f;
     switch (s.type) {
-      case RopeScalingType::none: break;
-      case RopeScalingType::linear: scaled = f / factor; break;
+      case RopeScalingType::none:
+        break;
+      case RopeScalingType::linear:
+        scaled = f / factor;
+        break;
       case RopeScalingType::llama3: {
         const double wavelength = 2.0 * std::numbers::pi / f;
-        if (wavelength > context / s.low_freq_factor) scaled = f / factor;
+        if (wavelength > context / s.low_freq_factor)
+          scaled = f / factor;
         else if (wavelength >= context / s.high_freq_factor) {
           const double smooth = (context / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
           scaled = (1.0 - smooth) * f / factor + smooth * f;
@@ -210,7 +221,8 @@ class RopeTable {
     for (std::size_t p = 0; p < max_positions; ++p) {
       if (p % 256 == 0) {
         const double position = double(static_cast<std::ptrdiff_t>(p) + config.position_offset);
-        for (std::size_t i = 0; i < pairs; ++i) c[i] = std::cos(position * freq[i]), s[i] = std::sin(position * freq[i]);
+        for (std::size_t i = 0; i < pairs; ++i)
+          c[i] = std::cos(position * freq[i]), s[i] = std::sin(position * freq[i]);
       }
       for (std::size_t i = 0; i < pairs; ++i) {
         cos_[p * pairs + i] = float(c[i]);
@@ -238,9 +250,7 @@ class RopeTable {
   const RopeConfig& config() const noexcept { return config_; }
   std::size_t max_positions() const noexcept { return max_positions_; }
   std::size_t pairs() const noexcept { return config_.dims() / 2; }
-  std::size_t bytes() const noexcept {
-    return cos_.bytes() + sin_.bytes() + step_cos_.bytes() + step_sin_.bytes();
-  }
+  std::size_t bytes() const noexcept { return cos_.bytes() + sin_.bytes() + step_cos_.bytes() + step_sin_.bytes(); }
   const float* cos_row(std::size_t position) const noexcept { return cos_.data() + position * pairs(); }
   const float* sin_row(std::size_t position) const noexcept { return sin_.data() + position * pairs(); }
   /// cos/sin of t * frequency of pair i for t in [0, steps): steps consecutive floats. A rotation

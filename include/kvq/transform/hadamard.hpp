@@ -31,7 +31,8 @@ class HadamardTransform {
   explicit HadamardTransform(std::size_t dim, std::optional<std::uint64_t> sign_seed = std::nullopt)
       : dim_(dim), block_(hadamard_block(dim)) {
     if (dim == 0 || dim > 65536)
-      throw Error(ErrorCode::invalid_argument, "Hadamard transform: dim must be in 1..65536, got " + std::to_string(dim));
+      throw Error(ErrorCode::invalid_argument,
+                  "Hadamard transform: dim must be in 1..65536, got " + std::to_string(dim));
     norm_ = float(1.0 / std::sqrt(double(block_)));
     if (sign_seed) {
       std::uint64_t state = *sign_seed;

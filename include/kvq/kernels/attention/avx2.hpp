@@ -66,7 +66,8 @@ namespace kvq::inline v0::kernels::attention::avx2 {
 inline bool supported() noexcept { return isa::detected() >= isa::Level::avx2; }
 
 /// Shapes the kernel takes: head_dim a multiple of 8; any width, axis, residual type and RoPE.
-inline bool supports(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope) noexcept {
+inline bool supports(const StreamView& keys, const StreamView& values, std::size_t group,
+                     const RopeTable* rope) noexcept {
   const std::size_t d = keys.head_dim;
   if (d == 0 || d % 8 != 0 || d > max_head_dim || values.head_dim != d || group == 0 || group > max_group) return false;
   return rope == nullptr || rope->config().head_dim == d;
@@ -76,9 +77,9 @@ namespace detail {
 
 using DecodeTask = attention::DecodeTask;
 
-inline constexpr std::size_t heads_per_pass = 4;    // query heads whose accumulators share registers
-inline constexpr std::size_t buffer_floats = 4096;  // produced rows at once (16 KB)
-inline constexpr std::size_t max_value_groups = 16; // per-token value groups per row, packed value path
+inline constexpr std::size_t heads_per_pass = 4;     // query heads whose accumulators share registers
+inline constexpr std::size_t buffer_floats = 4096;   // produced rows at once (16 KB)
+inline constexpr std::size_t max_value_groups = 16;  // per-token value groups per row, packed value path
 
 inline bool fast_bits(int bits) noexcept { return bits == 2 || bits == 4 || bits == 8; }
 
@@ -100,7 +101,8 @@ KVQ_TARGET_AVX2_ATTENTION inline __m256 code_vec(const std::uint8_t* row, std::s
     static_assert(Bits == 2 || Bits == 4);
     std::uint32_t word = 0;
     std::memcpy(&word, row + std::size_t(Bits) * i, std::size_t(Bits));
-    const __m256i shifts = Bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28) : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i shifts =
+        Bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28) : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
     const __m256i fields = _mm256_srlv_epi32(_mm256_set1_epi32(int(word)), shifts);
     return _mm256_cvtepi32_ps(_mm256_and_si256(fields, _mm256_set1_epi32((1 << Bits) - 1)));
   }
@@ -119,7 +121,8 @@ KVQ_TARGET_AVX2_ATTENTION inline __m256 reduce8_exact(const __m256* v) noexcept 
   for (int j = 0; j < 8; ++j) x[j] = _mm256_cvtps_epi32(v[j]);
   const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(x[0], x[1]), _mm256_hadd_epi32(x[2], x[3]));
   const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(x[4], x[5]), _mm256_hadd_epi32(x[6], x[7]));
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31)));
+  return _mm256_cvtepi32_ps(
+      _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31)));
 }
 
 /// v[0..7] -> lane j = sum of v[j]'s int32 lanes.
@@ -142,7 +145,8 @@ KVQ_TARGET_AVX2_ATTENTION inline std::int32_t hsum_epi32(__m256i v) noexcept {
 template <int Bits>
 KVQ_TARGET_AVX2_ATTENTION inline __m128i chunk_bytes(const std::uint8_t* p, std::size_t bytes) noexcept {
   if (bytes == std::size_t(4 * Bits))
-    return Bits == 4 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)) : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return Bits == 4 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                     : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   alignas(16) std::uint8_t tmp[16] = {};
   std::memcpy(tmp, p, bytes);
   return _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
@@ -174,7 +178,8 @@ template <int Bits>
 KVQ_TARGET_AVX2_ATTENTION inline void value_code_pairs(__m128i a, __m128i b, __m256i* c) noexcept {
   if constexpr (Bits == 4) {
     // byte pair j of lo / hi: the 2 channels of byte j / 8 + j of both rows, low nibble first
-    const __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(a, b)), _mm_unpackhi_epi8(a, b), 1);
+    const __m256i x =
+        _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(a, b)), _mm_unpackhi_epi8(a, b), 1);
     const __m256i m = _mm256_set1_epi8(0x0f);
     c[0] = _mm256_and_si256(x, m);
     c[1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m);
@@ -182,8 +187,8 @@ KVQ_TARGET_AVX2_ATTENTION inline void value_code_pairs(__m128i a, __m128i b, __m
     // byte pair j: the 4 channels 4j .. 4j + 3 of both rows; 16-bit lane l takes pair l / 2
     // (+ 4 in the upper half), even lanes fields 0 and 1, odd lanes fields 2 and 3
     const __m256i ab = _mm256_broadcastsi128_si256(_mm_unpacklo_epi8(a, b));
-    const __m256i x = _mm256_shuffle_epi8(ab, _mm256_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7,
-                                                               8, 9, 8, 9, 10, 11, 10, 11, 12, 13, 12, 13, 14, 15, 14, 15));
+    const __m256i x = _mm256_shuffle_epi8(ab, _mm256_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 8, 9, 8,
+                                                               9, 10, 11, 10, 11, 12, 13, 12, 13, 14, 15, 14, 15));
     const __m256i m = _mm256_set1_epi8(0x03);
     c[0] = _mm256_and_si256(_mm256_blend_epi16(x, _mm256_srli_epi16(x, 4), 0xAA), m);
     c[1] = _mm256_and_si256(_mm256_blend_epi16(_mm256_srli_epi16(x, 2), _mm256_srli_epi16(x, 6), 0xAA), m);
@@ -210,7 +215,8 @@ KVQ_TARGET_AVX2_ATTENTION inline __m256 first_lanes(std::size_t n) noexcept {
 /// exp(x) for x <= 0 (about 1 ulp); lanes below -87 give a tiny positive number.
 KVQ_TARGET_AVX2_ATTENTION inline __m256 exp_ps(__m256 x) noexcept {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
   __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
@@ -233,7 +239,8 @@ KVQ_TARGET_AVX2_ATTENTION inline __m256 exp_ps(__m256 x) noexcept {
 inline constexpr std::size_t prefetch_bytes = 64 * 1024;
 
 KVQ_TARGET_AVX2_ATTENTION inline void prefetch_row(const std::uint8_t* row, std::size_t bytes) noexcept {
-  for (std::size_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_bytes + o), _MM_HINT_T1);
+  for (std::size_t o = 0; o < bytes; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_bytes + o), _MM_HINT_T1);
 }
 
 /// Packed rows (contiguous), codes as floats.
@@ -255,7 +262,9 @@ template <Scalar S>
 struct ResidualRows {
   const std::uint8_t* const* rows;
   std::size_t row_bytes;
-  KVQ_TARGET_AVX2_ATTENTION __m256 operator()(std::size_t t, std::size_t i) const noexcept { return load8(S, rows[t], 8 * i); }
+  KVQ_TARGET_AVX2_ATTENTION __m256 operator()(std::size_t t, std::size_t i) const noexcept {
+    return load8(S, rows[t], 8 * i);
+  }
   KVQ_TARGET_AVX2_ATTENTION void prefetch(std::size_t t) const noexcept { prefetch_row(rows[t], row_bytes); }
 };
 
@@ -298,10 +307,16 @@ struct Kernel {
   float vwsum[heads_per_pass][max_value_groups];
 
   KVQ_TARGET_AVX2_ATTENTION explicit Kernel(const DecodeTask& t) noexcept
-      : task(t), k(t.keys), v(t.values), dim(t.keys.head_dim), nv(t.keys.head_dim / 8),
+      : task(t),
+        k(t.keys),
+        v(t.values),
+        dim(t.keys.head_dim),
+        nv(t.keys.head_dim / 8),
         sub(std::min<std::size_t>(16, buffer_floats / t.keys.head_dim)) {}
 
-  static bool residual(const StreamView& s, std::size_t p) noexcept { return p < s.first_quantized || p >= s.end_quantized; }
+  static bool residual(const StreamView& s, std::size_t p) noexcept {
+    return p < s.first_quantized || p >= s.end_quantized;
+  }
   static const std::uint8_t* residual_row(const StreamView& s, std::size_t p) noexcept {
     return p < s.first_quantized ? s.sink_row(p) : s.pending_row(p);
   }
@@ -321,7 +336,8 @@ struct Kernel {
       __m256 scale, zero;
       if (s.spec.axis == Axis::per_channel) {
         scale = load8(s.spec.param, s.scales, pi + 8 * i);
-        zero = s.zeros != nullptr ? load8(s.spec.param, s.zeros, pi + 8 * i) : _mm256_mul_ps(scale, _mm256_set1_ps(-mid));
+        zero =
+            s.zeros != nullptr ? load8(s.spec.param, s.zeros, pi + 8 * i) : _mm256_mul_ps(scale, _mm256_set1_ps(-mid));
       } else {
         const std::size_t g = pi + 8 * i / s.spec.group;
         const float sc = kvq::detail::load_scalar_f16c(s.spec.param, s.scales, g);
@@ -341,9 +357,12 @@ struct Kernel {
     }
     if (fast_bits(s.spec.bits) && (s.spec.axis == Axis::per_channel || s.spec.group % 8 == 0)) {
       switch (s.spec.bits) {
-        case 2: return dequantize_row<2>(s, p, out);
-        case 4: return dequantize_row<4>(s, p, out);
-        default: return dequantize_row<8>(s, p, out);
+        case 2:
+          return dequantize_row<2>(s, p, out);
+        case 4:
+          return dequantize_row<4>(s, p, out);
+        default:
+          return dequantize_row<8>(s, p, out);
       }
     }
     s.read_row(p, out);
@@ -417,13 +436,17 @@ struct Kernel {
   }
 
   template <bool IntegerSums, class Src>
-  KVQ_TARGET_AVX2_ATTENTION void dots_heads(const Src& src, std::size_t n, const float* q, std::size_t qs, std::size_t h0,
-                                            std::size_t nh, std::size_t off) noexcept {
+  KVQ_TARGET_AVX2_ATTENTION void dots_heads(const Src& src, std::size_t n, const float* q, std::size_t qs,
+                                            std::size_t h0, std::size_t nh, std::size_t off) noexcept {
     switch (nh) {
-      case 4: return dots<4, IntegerSums>(src, n, q, qs, h0, off);
-      case 3: return dots<3, IntegerSums>(src, n, q, qs, h0, off);
-      case 2: return dots<2, IntegerSums>(src, n, q, qs, h0, off);
-      default: return dots<1, IntegerSums>(src, n, q, qs, h0, off);
+      case 4:
+        return dots<4, IntegerSums>(src, n, q, qs, h0, off);
+      case 3:
+        return dots<3, IntegerSums>(src, n, q, qs, h0, off);
+      case 2:
+        return dots<2, IntegerSums>(src, n, q, qs, h0, off);
+      default:
+        return dots<1, IntegerSums>(src, n, q, qs, h0, off);
     }
   }
 
@@ -439,8 +462,8 @@ struct Kernel {
   /// int16; 2 x 15 x 127 at most), summed in int16 over the row and widened once (vpmaddwd
   /// with ones) before the transposing reduction.
   template <int Bits, int NH>
-  KVQ_TARGET_AVX2_ATTENTION void int_dots(const std::uint8_t* base, std::size_t row_bytes, std::size_t n, std::size_t h0,
-                                          std::size_t off) noexcept {
+  KVQ_TARGET_AVX2_ATTENTION void int_dots(const std::uint8_t* base, std::size_t row_bytes, std::size_t n,
+                                          std::size_t h0, std::size_t off) noexcept {
     const __m256 b8 = _mm256_load_ps(bias), a8 = _mm256_load_ps(alpha), o8 = _mm256_load_ps(offset);
     const __m256i ones = _mm256_set1_epi16(1);
     const CodeRows<Bits> src{base, row_bytes};
@@ -480,10 +503,14 @@ struct Kernel {
   KVQ_TARGET_AVX2_ATTENTION void int_dots_heads(const std::uint8_t* base, std::size_t n, std::size_t h0, std::size_t nh,
                                                 std::size_t off) noexcept {
     switch (nh) {
-      case 4: return int_dots<Bits, 4>(base, k.row_bytes, n, h0, off);
-      case 3: return int_dots<Bits, 3>(base, k.row_bytes, n, h0, off);
-      case 2: return int_dots<Bits, 2>(base, k.row_bytes, n, h0, off);
-      default: return int_dots<Bits, 1>(base, k.row_bytes, n, h0, off);
+      case 4:
+        return int_dots<Bits, 4>(base, k.row_bytes, n, h0, off);
+      case 3:
+        return int_dots<Bits, 3>(base, k.row_bytes, n, h0, off);
+      case 2:
+        return int_dots<Bits, 2>(base, k.row_bytes, n, h0, off);
+      default:
+        return int_dots<Bits, 1>(base, k.row_bytes, n, h0, off);
     }
   }
 
@@ -494,7 +521,8 @@ struct Kernel {
     for (std::size_t i = 0; i < nv; ++i) {
       const __m256 s = load8(k.spec.param, k.scales, pi + 8 * i);
       _mm256_store_ps(kscale + 8 * i, s);
-      _mm256_store_ps(kzero + 8 * i, k.zeros != nullptr ? load8(k.spec.param, k.zeros, pi + 8 * i) : _mm256_mul_ps(s, _mm256_set1_ps(-mid)));
+      _mm256_store_ps(kzero + 8 * i, k.zeros != nullptr ? load8(k.spec.param, k.zeros, pi + 8 * i)
+                                                        : _mm256_mul_ps(s, _mm256_set1_ps(-mid)));
     }
   }
 
@@ -502,21 +530,23 @@ struct Kernel {
   /// of key_codes (key_byte), zero past dim.
   KVQ_TARGET_AVX2_ATTENTION void key_query_bytes(std::size_t h) noexcept {
     // in-lane byte order: 4 bits even channels then odd ones, 2 bits channels 0, 4, 8, 12, 1, 5, ...
-    const __m256i order = k.spec.bits == 4 ? _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                                              0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)
-                                           : _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
-                                                              0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m256i order = k.spec.bits == 4 ? _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0,
+                                                              2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)
+                                           : _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0,
+                                                              4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     const __m256i interleave = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (std::size_t c0 = 0; c0 < dim; c0 += 32) {
       __m256i x[4];
       for (std::size_t u = 0; u < 4; ++u)
         x[u] = c0 + 8 * u < dim ? _mm256_cvtps_epi32(_mm256_load_ps(qt[h] + c0 + 8 * u)) : _mm256_setzero_si256();
       // saturating packs leave dwords of channels 0-3, 8-11, 16-19, 24-27, 4-7, ...: back in order
-      const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(x[0], x[1]), _mm256_packs_epi32(x[2], x[3])), interleave);
+      const __m256i b = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(x[0], x[1]), _mm256_packs_epi32(x[2], x[3])), interleave);
       const __m256i s = _mm256_shuffle_epi8(b, order);
       // 4 bits: qwords (evens 0-14, odds 1-15, evens 16-30, odds 17-31) -> evens, odds;
       // 2 bits: dwords (c % 4 = 0, 1, 2, 3 of channels 0-15, then of 16-31) -> by c % 4
-      const __m256i out = k.spec.bits == 4 ? _mm256_permute4x64_epi64(s, 0xD8) : _mm256_permutevar8x32_epi32(s, interleave);
+      const __m256i out =
+          k.spec.bits == 4 ? _mm256_permute4x64_epi64(s, 0xD8) : _mm256_permutevar8x32_epi32(s, interleave);
       _mm256_store_si256(reinterpret_cast<__m256i*>(qkey[h] + c0), out);
     }
   }
@@ -533,7 +563,8 @@ struct Kernel {
       const float* q = task.queries + (h0 + h) * dim;
       __m256 b = _mm256_setzero_ps(), amax = _mm256_setzero_ps();
       for (std::size_t i = 0; i < nv; ++i) {
-        const __m256 qv = _mm256_loadu_ps(q + 8 * i), s = _mm256_load_ps(kscale + 8 * i), z = _mm256_load_ps(kzero + 8 * i);
+        const __m256 qv = _mm256_loadu_ps(q + 8 * i), s = _mm256_load_ps(kscale + 8 * i),
+                     z = _mm256_load_ps(kzero + 8 * i);
         const __m256 t = _mm256_mul_ps(qv, s);
         _mm256_store_ps(qt[h] + 8 * i, t);
         // integer: codes count from mid (reference.hpp), so the bias is q.(zero + mid * scale)
@@ -547,7 +578,8 @@ struct Kernel {
       const __m256 inv = _mm256_set1_ps(inverse_step(127.0f, m));
       __m256 qsum = _mm256_setzero_ps();
       for (std::size_t i = 0; i < nv; ++i) {
-        const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_load_ps(qt[h] + 8 * i), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_load_ps(qt[h] + 8 * i), inv),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         _mm256_store_ps(qt[h] + 8 * i, r);
         qsum = _mm256_add_ps(qsum, r);
       }
@@ -568,29 +600,35 @@ struct Kernel {
         const std::size_t n = std::min(s1 - p, fast_bits(k.spec.bits) ? max_tile : sub);
         const float* q = qt[0];
         if (integer && int_keys()) {
-          k.spec.bits == 4 ? int_dots_heads<4>(k.code_row(p), n, h0, nh, p - tile) : int_dots_heads<2>(k.code_row(p), n, h0, nh, p - tile);
+          k.spec.bits == 4 ? int_dots_heads<4>(k.code_row(p), n, h0, nh, p - tile)
+                           : int_dots_heads<2>(k.code_row(p), n, h0, nh, p - tile);
           p += n;
           continue;
         }
         switch (fast_bits(k.spec.bits) ? k.spec.bits : 0) {
-          case 2: integer ? dots_heads<true>(CodeRows<2>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile)
-                          : dots_heads<false>(CodeRows<2>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile);
+          case 2:
+            integer ? dots_heads<true>(CodeRows<2>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile)
+                    : dots_heads<false>(CodeRows<2>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile);
             break;
-          case 4: integer ? dots_heads<true>(CodeRows<4>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile)
-                          : dots_heads<false>(CodeRows<4>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile);
+          case 4:
+            integer ? dots_heads<true>(CodeRows<4>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile)
+                    : dots_heads<false>(CodeRows<4>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile);
             break;
-          case 8: integer ? dots_heads<true>(CodeRows<8>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile)
-                          : dots_heads<false>(CodeRows<8>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile);
+          case 8:
+            integer ? dots_heads<true>(CodeRows<8>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile)
+                    : dots_heads<false>(CodeRows<8>{k.code_row(p), k.row_bytes}, n, q, max_head_dim, h0, nh, p - tile);
             break;
           default: {  // other widths: codes unpacked into the buffer
             alignas(32) std::uint8_t codes[max_head_dim];
             for (std::size_t r = 0; r < n; ++r) {
               unpack_codes(k.code_row(p + r), dim, k.spec.bits, codes);
               for (std::size_t i = 0; i < nv; ++i)
-                _mm256_store_ps(buffer + r * dim + 8 * i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i)))));
+                _mm256_store_ps(buffer + r * dim + 8 * i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                                              reinterpret_cast<const __m128i*>(codes + 8 * i)))));
             }
             const BufferRows src{buffer, dim};
-            integer ? dots_heads<true>(src, n, q, max_head_dim, h0, nh, p - tile) : dots_heads<false>(src, n, q, max_head_dim, h0, nh, p - tile);
+            integer ? dots_heads<true>(src, n, q, max_head_dim, h0, nh, p - tile)
+                    : dots_heads<false>(src, n, q, max_head_dim, h0, nh, p - tile);
           }
         }
         p += n;
@@ -610,9 +648,15 @@ struct Kernel {
       if (!pre && residual(k, p)) {
         for (std::size_t r = 0; r < n; ++r) rowptr[r] = residual_row(k, p + r);
         switch (k.residual) {
-          case Scalar::f16: all_heads(ResidualRows<Scalar::f16>{rowptr, k.residual_row_bytes()}, n, p - tile); break;
-          case Scalar::bf16: all_heads(ResidualRows<Scalar::bf16>{rowptr, k.residual_row_bytes()}, n, p - tile); break;
-          default: all_heads(ResidualRows<Scalar::f32>{rowptr, k.residual_row_bytes()}, n, p - tile); break;
+          case Scalar::f16:
+            all_heads(ResidualRows<Scalar::f16>{rowptr, k.residual_row_bytes()}, n, p - tile);
+            break;
+          case Scalar::bf16:
+            all_heads(ResidualRows<Scalar::bf16>{rowptr, k.residual_row_bytes()}, n, p - tile);
+            break;
+          default:
+            all_heads(ResidualRows<Scalar::f32>{rowptr, k.residual_row_bytes()}, n, p - tile);
+            break;
         }
       } else {
         for (std::size_t r = 0; r < n; ++r) {
@@ -637,8 +681,10 @@ struct Kernel {
       std::size_t s1 = b;
       if (k.quantized && k.spec.axis == Axis::per_channel && s0 >= k.first_quantized && s0 < k.end_quantized)
         s1 = std::min(b, k.first_quantized + ((s0 - k.first_quantized) / k.spec.group + 1) * k.spec.group);
-      if (task.rope == nullptr && quantized_key_block(k, s0, s1)) folded_scores(s0, s1, a);
-      else row_scores(s0, s1, a);
+      if (task.rope == nullptr && quantized_key_block(k, s0, s1))
+        folded_scores(s0, s1, a);
+      else
+        row_scores(s0, s1, a);
       s0 = s1;
     }
   }
@@ -650,13 +696,15 @@ struct Kernel {
       float* s = scores[h];
       cap_scores(s, n, task.softcap);
       __m256 m8 = _mm256_set1_ps(task.max[h]);
-      for (std::size_t t = 0; t < n; t += 8) m8 = _mm256_max_ps(m8, _mm256_blendv_ps(neg_inf, _mm256_load_ps(s + t), first_lanes(n - t)));
+      for (std::size_t t = 0; t < n; t += 8)
+        m8 = _mm256_max_ps(m8, _mm256_blendv_ps(neg_inf, _mm256_load_ps(s + t), first_lanes(n - t)));
       const float m = hmax(m8), old = task.max[h];
       if (old != m) {
         const float correction = old == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(old - m);
         task.sum[h] *= correction;
         float* acc = task.acc + h * dim;
-        for (std::size_t i = 0; i < nv; ++i) _mm256_storeu_ps(acc + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * i), _mm256_set1_ps(correction)));
+        for (std::size_t i = 0; i < nv; ++i)
+          _mm256_storeu_ps(acc + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * i), _mm256_set1_ps(correction)));
         task.max[h] = m;
       }
       const __m256 mv = _mm256_set1_ps(m);
@@ -675,10 +723,12 @@ struct Kernel {
   /// acc += p * row over rows [0, n) of src (weights scores[h][off + t]) for heads [h0, h0 + NH),
   /// W vectors (8 channels each) from vector i.
   template <int NH, int W, class Src>
-  KVQ_TARGET_AVX2_ATTENTION void weighted_rows(const Src& src, std::size_t n, std::size_t h0, std::size_t off, std::size_t i) noexcept {
+  KVQ_TARGET_AVX2_ATTENTION void weighted_rows(const Src& src, std::size_t n, std::size_t h0, std::size_t off,
+                                               std::size_t i) noexcept {
     __m256 acc[NH][W];
     for (int h = 0; h < NH; ++h)
-      for (int u = 0; u < W; ++u) acc[h][u] = _mm256_loadu_ps(task.acc + (h0 + std::size_t(h)) * dim + 8 * (i + std::size_t(u)));
+      for (int u = 0; u < W; ++u)
+        acc[h][u] = _mm256_loadu_ps(task.acc + (h0 + std::size_t(h)) * dim + 8 * (i + std::size_t(u)));
     for (std::size_t t = 0; t < n; ++t) {
       if (i == 0 && h0 == 0) src.prefetch(t);
       __m256 x[W];
@@ -692,11 +742,13 @@ struct Kernel {
       }
     }
     for (int h = 0; h < NH; ++h)
-      for (int u = 0; u < W; ++u) _mm256_storeu_ps(task.acc + (h0 + std::size_t(h)) * dim + 8 * (i + std::size_t(u)), acc[h][u]);
+      for (int u = 0; u < W; ++u)
+        _mm256_storeu_ps(task.acc + (h0 + std::size_t(h)) * dim + 8 * (i + std::size_t(u)), acc[h][u]);
   }
 
   template <int NH, class Src>
-  KVQ_TARGET_AVX2_ATTENTION void weighted_rows_all(const Src& src, std::size_t n, std::size_t h0, std::size_t off) noexcept {
+  KVQ_TARGET_AVX2_ATTENTION void weighted_rows_all(const Src& src, std::size_t n, std::size_t h0,
+                                                   std::size_t off) noexcept {
     std::size_t i = 0;
     for (; i + 2 <= nv; i += 2) weighted_rows<NH, 2>(src, n, h0, off, i);
     if (i < nv) weighted_rows<NH, 1>(src, n, h0, off, i);
@@ -706,10 +758,18 @@ struct Kernel {
   KVQ_TARGET_AVX2_ATTENTION void value_rows(const Src& src, std::size_t n, std::size_t off) noexcept {
     for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
       switch (std::min(heads_per_pass, task.group - h0)) {
-        case 4: weighted_rows_all<4>(src, n, h0, off); break;
-        case 3: weighted_rows_all<3>(src, n, h0, off); break;
-        case 2: weighted_rows_all<2>(src, n, h0, off); break;
-        default: weighted_rows_all<1>(src, n, h0, off); break;
+        case 4:
+          weighted_rows_all<4>(src, n, h0, off);
+          break;
+        case 3:
+          weighted_rows_all<3>(src, n, h0, off);
+          break;
+        case 2:
+          weighted_rows_all<2>(src, n, h0, off);
+          break;
+        default:
+          weighted_rows_all<1>(src, n, h0, off);
+          break;
       }
     }
   }
@@ -719,9 +779,12 @@ struct Kernel {
     if (x >= y) return;
     for (std::size_t p = x; p < y; ++p) rowptr[p - x] = residual_row(v, p);
     switch (v.residual) {
-      case Scalar::f16: return value_rows(ResidualRows<Scalar::f16>{rowptr, v.residual_row_bytes()}, y - x, x - tile);
-      case Scalar::bf16: return value_rows(ResidualRows<Scalar::bf16>{rowptr, v.residual_row_bytes()}, y - x, x - tile);
-      default: return value_rows(ResidualRows<Scalar::f32>{rowptr, v.residual_row_bytes()}, y - x, x - tile);
+      case Scalar::f16:
+        return value_rows(ResidualRows<Scalar::f16>{rowptr, v.residual_row_bytes()}, y - x, x - tile);
+      case Scalar::bf16:
+        return value_rows(ResidualRows<Scalar::bf16>{rowptr, v.residual_row_bytes()}, y - x, x - tile);
+      default:
+        return value_rows(ResidualRows<Scalar::f32>{rowptr, v.residual_row_bytes()}, y - x, x - tile);
     }
   }
 
@@ -754,14 +817,19 @@ struct Kernel {
     const std::size_t phases = G >= 8 ? G / 8 : 1;
     alignas(32) static constexpr std::int32_t spread[4][8] = {
         {0, 1, 2, 3, 4, 5, 6, 7}, {0, 0, 1, 1, 2, 2, 3, 3}, {0, 0, 0, 0, 1, 1, 1, 1}, {0, 0, 0, 0, 0, 0, 0, 0}};
-    const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i*>(spread[G == 1 ? 0 : G == 2 ? 1 : G == 4 ? 2 : 3]));
+    const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i*>(spread[G == 1   ? 0
+                                                                                  : G == 2 ? 1
+                                                                                  : G == 4 ? 2
+                                                                                           : 3]));
     for (std::size_t h = 0; h < nh; ++h) {
       const float* p = scores[h0 + h] + (x - tile);
       float* w = weight[h];
-      __m256 wmax = _mm256_setzero_ps(), pmax = _mm256_setzero_ps(), zacc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      __m256 wmax = _mm256_setzero_ps(), pmax = _mm256_setzero_ps(),
+             zacc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
       for (std::size_t f = 0; f < np; f += 8) {
-        const __m256 pv = _mm256_and_ps(G >= 8 ? _mm256_broadcast_ss(p + f / G) : _mm256_permutevar8x32_ps(_mm256_loadu_ps(p + f / G), idx),
-                                        first_lanes(np - f));
+        const __m256 pv = _mm256_and_ps(
+            G >= 8 ? _mm256_broadcast_ss(p + f / G) : _mm256_permutevar8x32_ps(_mm256_loadu_ps(p + f / G), idx),
+            first_lanes(np - f));
         const __m256 wv = _mm256_mul_ps(pv, _mm256_load_ps(vscale + f));
         _mm256_store_ps(w + f, wv);
         wmax = _mm256_max_ps(wmax, wv);
@@ -778,7 +846,8 @@ struct Kernel {
         const __m256 inv = _mm256_set1_ps(inverse_step(levels, bound));
         beta = bound / levels;
         for (std::size_t f = 0; f < np; f += 8)
-          _mm256_store_ps(w + f, _mm256_round_ps(_mm256_mul_ps(_mm256_load_ps(w + f), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          _mm256_store_ps(w + f, _mm256_round_ps(_mm256_mul_ps(_mm256_load_ps(w + f), inv),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       }
       alignas(32) float zs[2][8];
       for (std::size_t j = 0; j < 2; ++j) _mm256_store_ps(zs[j], zacc[j]);
@@ -794,7 +863,8 @@ struct Kernel {
   /// cancellation between sum w * code and the zero points); integer weights times half-integers
   /// stay exact in fp32.
   template <int Bits, int NH, int W, bool OneGroup>
-  KVQ_TARGET_AVX2_ATTENTION void packed_rows(std::size_t x, std::size_t n, std::size_t G, std::size_t h0, std::size_t i) noexcept {
+  KVQ_TARGET_AVX2_ATTENTION void packed_rows(std::size_t x, std::size_t n, std::size_t G, std::size_t h0,
+                                             std::size_t i) noexcept {
     std::size_t g[W];
     for (int u = 0; u < W; ++u) g[u] = 8 * (i + std::size_t(u)) / v.spec.group;
     __m256 acc[NH][W];
@@ -812,7 +882,8 @@ struct Kernel {
         const __m256 w0 = _mm256_broadcast_ss(&weight[h][t * G + g[0]]);
 #pragma GCC unroll 2
         for (int u = 0; u < W; ++u)
-          acc[h][u] = _mm256_fmadd_ps(c[u], OneGroup || u == 0 ? w0 : _mm256_broadcast_ss(&weight[h][t * G + g[u]]), acc[h][u]);
+          acc[h][u] =
+              _mm256_fmadd_ps(c[u], OneGroup || u == 0 ? w0 : _mm256_broadcast_ss(&weight[h][t * G + g[u]]), acc[h][u]);
       }
     }
     for (int h = 0; h < NH; ++h)
@@ -833,12 +904,17 @@ struct Kernel {
   }
 
   template <int Bits>
-  KVQ_TARGET_AVX2_ATTENTION void packed_rows_heads(std::size_t x, std::size_t n, std::size_t G, std::size_t h0, std::size_t nh) noexcept {
+  KVQ_TARGET_AVX2_ATTENTION void packed_rows_heads(std::size_t x, std::size_t n, std::size_t G, std::size_t h0,
+                                                   std::size_t nh) noexcept {
     switch (nh) {
-      case 4: return packed_rows_all<Bits, 4>(x, n, G, h0);
-      case 3: return packed_rows_all<Bits, 3>(x, n, G, h0);
-      case 2: return packed_rows_all<Bits, 2>(x, n, G, h0);
-      default: return packed_rows_all<Bits, 1>(x, n, G, h0);
+      case 4:
+        return packed_rows_all<Bits, 4>(x, n, G, h0);
+      case 3:
+        return packed_rows_all<Bits, 3>(x, n, G, h0);
+      case 2:
+        return packed_rows_all<Bits, 2>(x, n, G, h0);
+      default:
+        return packed_rows_all<Bits, 1>(x, n, G, h0);
     }
   }
 
@@ -856,7 +932,8 @@ struct Kernel {
     for (std::size_t h = 0; h < nh; ++h) {
       const float* p = scores[h0 + h] + (x - tile);
       __m256 pmax = _mm256_setzero_ps();
-      for (std::size_t t = 0; t < n; t += 8) pmax = _mm256_max_ps(pmax, _mm256_and_ps(_mm256_loadu_ps(p + t), first_lanes(n - t)));
+      for (std::size_t t = 0; t < n; t += 8)
+        pmax = _mm256_max_ps(pmax, _mm256_and_ps(_mm256_loadu_ps(p + t), first_lanes(n - t)));
       const float bound = hmax(pmax) * smax;
       const __m256 inv = _mm256_set1_ps(inverse_step(levels, bound));
       vbeta[h] = bound / levels;
@@ -870,7 +947,8 @@ struct Kernel {
           const __m256i wi = _mm256_cvtps_epi32(w);
           ws = _mm256_add_epi32(ws, wi);
           z = _mm256_fmadd_ps(pv, _mm256_load_ps(cgm[g] + t), z);
-          const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(wi, wi), _mm256_setzero_si256());  // per half: 4 bytes
+          const __m256i b =
+              _mm256_packus_epi16(_mm256_packus_epi32(wi, wi), _mm256_setzero_si256());  // per half: 4 bytes
           const __m128i b8 = _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
           _mm_storel_epi64(reinterpret_cast<__m128i*>(wb[h][g] + t), b8);
         }
@@ -887,7 +965,8 @@ struct Kernel {
   /// K row pairs summed in int16 and then added to int32 sums in channel order. Then
   /// acc += beta * (sum w * code - mid * sum w) + vconst, the sums exact.
   template <int Bits, int NH>
-  KVQ_TARGET_AVX2_ATTENTION void int_value_chunk(std::size_t x, std::size_t n, std::size_t h0, std::size_t c0) noexcept {
+  KVQ_TARGET_AVX2_ATTENTION void int_value_chunk(std::size_t x, std::size_t n, std::size_t h0,
+                                                 std::size_t c0) noexcept {
     constexpr std::size_t K = 32767 / (2 * 255 * ((1 << Bits) - 1));  // row pairs summed in int16
     const std::size_t g = c0 / v.spec.group, valid = std::min<std::size_t>(32, dim - c0), bytes = valid * Bits / 8;
     const std::uint8_t* base = v.code_row(x) + c0 * Bits / 8;
@@ -903,7 +982,8 @@ struct Kernel {
           src.prefetch(t1);
         }
         __m256i c[2];
-        value_code_pairs<Bits>(chunk_bytes<Bits>(base + t * v.row_bytes, bytes), chunk_bytes<Bits>(base + t1 * v.row_bytes, bytes), c);
+        value_code_pairs<Bits>(chunk_bytes<Bits>(base + t * v.row_bytes, bytes),
+                               chunk_bytes<Bits>(base + t1 * v.row_bytes, bytes), c);
 #pragma GCC unroll 4
         for (int h = 0; h < NH; ++h) {
           std::uint16_t pair;
@@ -916,7 +996,8 @@ struct Kernel {
       for (int h = 0; h < NH; ++h) {
         // even and odd channels interleaved: 16-bit lanes of channels 0..7 | 16..23 and 8..15 | 24..31
         const __m256i u = _mm256_unpacklo_epi16(a[h][0], a[h][1]), w = _mm256_unpackhi_epi16(a[h][0], a[h][1]);
-        const __m128i part[4] = {_mm256_castsi256_si128(u), _mm256_castsi256_si128(w), _mm256_extracti128_si256(u, 1), _mm256_extracti128_si256(w, 1)};
+        const __m128i part[4] = {_mm256_castsi256_si128(u), _mm256_castsi256_si128(w), _mm256_extracti128_si256(u, 1),
+                                 _mm256_extracti128_si256(w, 1)};
         for (int j = 0; j < 4; ++j) {
           __m256i* d = reinterpret_cast<__m256i*>(dot[h] + 8 * j);
           _mm256_store_si256(d, _mm256_add_epi32(_mm256_load_si256(d), _mm256_cvtepi16_epi32(part[j])));
@@ -925,10 +1006,12 @@ struct Kernel {
     }
     const float mid = reference::mid_code(v.spec);
     for (int h = 0; h < NH; ++h) {
-      const __m256 beta = _mm256_set1_ps(vbeta[h]), cst = _mm256_set1_ps(vconst[h][g]), msum = _mm256_set1_ps(mid * vwsum[h][g]);
+      const __m256 beta = _mm256_set1_ps(vbeta[h]), cst = _mm256_set1_ps(vconst[h][g]),
+                   msum = _mm256_set1_ps(mid * vwsum[h][g]);
       float* o = task.acc + (h0 + std::size_t(h)) * dim + c0;
       for (std::size_t j = 0; j < valid; j += 8) {
-        const __m256 d = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dot[h] + j))), msum);
+        const __m256 d =
+            _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dot[h] + j))), msum);
         _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_fmadd_ps(beta, d, cst)));
       }
     }
@@ -938,10 +1021,18 @@ struct Kernel {
   KVQ_TARGET_AVX2_ATTENTION void int_value_rows(std::size_t x, std::size_t n, std::size_t h0, std::size_t nh) noexcept {
     for (std::size_t c0 = 0; c0 < dim; c0 += 32) {
       switch (nh) {
-        case 4: int_value_chunk<Bits, 4>(x, n, h0, c0); break;
-        case 3: int_value_chunk<Bits, 3>(x, n, h0, c0); break;
-        case 2: int_value_chunk<Bits, 2>(x, n, h0, c0); break;
-        default: int_value_chunk<Bits, 1>(x, n, h0, c0); break;
+        case 4:
+          int_value_chunk<Bits, 4>(x, n, h0, c0);
+          break;
+        case 3:
+          int_value_chunk<Bits, 3>(x, n, h0, c0);
+          break;
+        case 2:
+          int_value_chunk<Bits, 2>(x, n, h0, c0);
+          break;
+        default:
+          int_value_chunk<Bits, 1>(x, n, h0, c0);
+          break;
       }
     }
   }
@@ -956,9 +1047,12 @@ struct Kernel {
     for (; f + 8 <= np; f += 8) _mm256_store_ps(vscale + f, load8(v.spec.param, v.scales, pi + f));
     for (; f < np; ++f) vscale[f] = kvq::detail::load_scalar_f16c(v.spec.param, v.scales, pi + f);
     for (f = 0; f + 8 <= np; f += 8)
-      _mm256_store_ps(vcentre + f, v.zeros != nullptr ? _mm256_fmadd_ps(_mm256_load_ps(vscale + f), _mm256_set1_ps(mid), load8(v.spec.param, v.zeros, pi + f))
+      _mm256_store_ps(vcentre + f, v.zeros != nullptr ? _mm256_fmadd_ps(_mm256_load_ps(vscale + f), _mm256_set1_ps(mid),
+                                                                        load8(v.spec.param, v.zeros, pi + f))
                                                       : _mm256_setzero_ps());
-    for (; f < np; ++f) vcentre[f] = v.zeros != nullptr ? kvq::detail::load_scalar_f16c(v.spec.param, v.zeros, pi + f) + mid * vscale[f] : 0.0f;
+    for (; f < np; ++f)
+      vcentre[f] =
+          v.zeros != nullptr ? kvq::detail::load_scalar_f16c(v.spec.param, v.zeros, pi + f) + mid * vscale[f] : 0.0f;
     for (; f % 8 != 0; ++f) vscale[f] = vcentre[f] = 0.0f;
     __m256 sm = _mm256_setzero_ps();
     for (f = 0; f < np; f += 8) sm = _mm256_max_ps(sm, _mm256_load_ps(vscale + f));
@@ -983,9 +1077,15 @@ struct Kernel {
       const std::size_t nh = std::min(heads_per_pass, task.group - h0);
       value_weights(tile, x, n, G, h0, nh, smax);
       switch (v.spec.bits) {
-        case 2: packed_rows_heads<2>(x, n, G, h0, nh); break;
-        case 4: packed_rows_heads<4>(x, n, G, h0, nh); break;
-        default: packed_rows_heads<8>(x, n, G, h0, nh); break;
+        case 2:
+          packed_rows_heads<2>(x, n, G, h0, nh);
+          break;
+        case 4:
+          packed_rows_heads<4>(x, n, G, h0, nh);
+          break;
+        default:
+          packed_rows_heads<8>(x, n, G, h0, nh);
+          break;
       }
     }
   }
@@ -997,9 +1097,12 @@ struct Kernel {
       qb = std::min(b, v.end_quantized);
     }
     if (qa < qb) {
-      if (const std::size_t G = packed_value_groups(); G != 0) packed_values(a, qa, qb, G);
-      else if (task.tier == Tier::integer && v.spec.axis == Axis::per_token) attention::detail::integer_values(task, a, qa, qb, scores);
-      else buffered_values(a, qa, qb);
+      if (const std::size_t G = packed_value_groups(); G != 0)
+        packed_values(a, qa, qb, G);
+      else if (task.tier == Tier::integer && v.spec.axis == Axis::per_token)
+        attention::detail::integer_values(task, a, qa, qb, scores);
+      else
+        buffered_values(a, qa, qb);
       residual_values(a, a, qa);
       residual_values(a, qb, b);
     } else {

@@ -39,7 +39,6 @@
 
 KVQ_INTRINSIC_WARNINGS_OFF
 
-
 namespace kvq::inline v0::kernels::attention::avx512 {
 
 /// Which AVX-512 kernel takes a task's rows: the dense one (both tensors unquantized), the
@@ -48,7 +47,10 @@ namespace kvq::inline v0::kernels::attention::avx512 {
 enum class Kernel : unsigned char { generic, dense, integer, exact };
 
 constexpr const char* to_string(Kernel k) noexcept {
-  return k == Kernel::dense ? "avx512-dense" : k == Kernel::integer ? "avx512-integer" : k == Kernel::exact ? "avx512-exact" : "avx512-generic";
+  return k == Kernel::dense     ? "avx512-dense"
+         : k == Kernel::integer ? "avx512-integer"
+         : k == Kernel::exact   ? "avx512-exact"
+                                : "avx512-generic";
 }
 
 inline Kernel kernel_for(const DecodeTask& task) noexcept {
@@ -224,16 +226,21 @@ struct Kernels {
           }
           continue;
         }
-        for (int i = 0; i < NV; ++i) x[i] = _mm512_fmadd_ps(x[i], _mm512_load_ps(kscale + 16 * i), _mm512_load_ps(kzero + 16 * i));
+        for (int i = 0; i < NV; ++i)
+          x[i] = _mm512_fmadd_ps(x[i], _mm512_load_ps(kscale + 16 * i), _mm512_load_ps(kzero + 16 * i));
         rotate(x, p);
         dot_heads(x, task.queries, t);
       }
       for (std::size_t h = 0; h < task.group; ++h) {
         for (std::size_t t = n; t < 16; ++t) _mm512_store_ps(part[h][t], _mm512_setzero_ps());
         __m512 s;
-        if (integer) s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(reduce16_epi32(part[h][0])), _mm512_set1_ps(alpha[h]), _mm512_set1_ps(bias[h]));
-        else if (folded) s = _mm512_add_ps(reduce16(part[h][0]), _mm512_set1_ps(bias[h]));
-        else s = reduce16(part[h][0]);
+        if (integer)
+          s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(reduce16_epi32(part[h][0])), _mm512_set1_ps(alpha[h]),
+                              _mm512_set1_ps(bias[h]));
+        else if (folded)
+          s = _mm512_add_ps(reduce16(part[h][0]), _mm512_set1_ps(bias[h]));
+        else
+          s = reduce16(part[h][0]);
         _mm512_mask_storeu_ps(scores[h] + (s0 - a), __mmask16((1u << n) - 1u), s);
       }
     }
@@ -297,7 +304,8 @@ struct Kernels {
     for (unsigned u = 0; u < NU; ++u) {
       __m512 acc[HB][4];
       for (int h = 0; h < HB; ++h)
-        for (int i = 0; i < 4; ++i) acc[h][i] = _mm512_loadu_ps(task.acc + (h0 + std::size_t(h)) * dim + 64 * u + 16 * std::size_t(i));
+        for (int i = 0; i < 4; ++i)
+          acc[h][i] = _mm512_loadu_ps(task.acc + (h0 + std::size_t(h)) * dim + 64 * u + 16 * std::size_t(i));
       for (std::size_t p = a; p < b; ++p) {
         if (p >= skip_a && p < skip_b) continue;
         __m512 x[4];
@@ -308,7 +316,8 @@ struct Kernels {
         }
       }
       for (int h = 0; h < HB; ++h)
-        for (int i = 0; i < 4; ++i) _mm512_storeu_ps(task.acc + (h0 + std::size_t(h)) * dim + 64 * u + 16 * std::size_t(i), acc[h][i]);
+        for (int i = 0; i < 4; ++i)
+          _mm512_storeu_ps(task.acc + (h0 + std::size_t(h)) * dim + 64 * u + 16 * std::size_t(i), acc[h][i]);
     }
   }
 
@@ -317,10 +326,17 @@ struct Kernels {
     std::size_t h = 0;
     for (; h + 4 <= task.group; h += 4) value_rows_heads<4>(tile, a, b, h, skip_a, skip_b);
     switch (task.group - h) {
-      case 3: value_rows_heads<3>(tile, a, b, h, skip_a, skip_b); break;
-      case 2: value_rows_heads<2>(tile, a, b, h, skip_a, skip_b); break;
-      case 1: value_rows_heads<1>(tile, a, b, h, skip_a, skip_b); break;
-      default: break;
+      case 3:
+        value_rows_heads<3>(tile, a, b, h, skip_a, skip_b);
+        break;
+      case 2:
+        value_rows_heads<2>(tile, a, b, h, skip_a, skip_b);
+        break;
+      case 1:
+        value_rows_heads<1>(tile, a, b, h, skip_a, skip_b);
+        break;
+      default:
+        break;
     }
   }
 
@@ -338,8 +354,9 @@ struct Kernels {
       const __m512 s = load_n(v.spec.param, v.scales, pi + i, n);
       _mm512_store_ps(sv + i, s);
       // zero + mid * scale: the value of the centre code (see reference.hpp)
-      _mm512_store_ps(zv + i, v.zeros != nullptr ? _mm512_fmadd_ps(s, _mm512_set1_ps(mid), load_n(v.spec.param, v.zeros, pi + i, n))
-                                                 : _mm512_setzero_ps());
+      _mm512_store_ps(zv + i, v.zeros != nullptr
+                                  ? _mm512_fmadd_ps(s, _mm512_set1_ps(mid), load_n(v.spec.param, v.zeros, pi + i, n))
+                                  : _mm512_setzero_ps());
     }
     // Lane i of a parameter vector belongs to row i / G of its 16 / G rows.
     alignas(64) int tok[16], gidx[2][16];
@@ -361,7 +378,8 @@ struct Kernels {
       __m512 wmax = _mm512_setzero_ps();
       for (std::size_t i = 0; i < np; i += 16) {
         const __mmask16 m = np - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (np - i)) - 1u);
-        const __m512 pv = _mm512_permutexvar_ps(tokv, _mm512_maskz_loadu_ps(__mmask16((1u << per_vec) - 1u), p + i / G));
+        const __m512 pv =
+            _mm512_permutexvar_ps(tokv, _mm512_maskz_loadu_ps(__mmask16((1u << per_vec) - 1u), p + i / G));
         wmax = _mm512_max_ps(wmax, _mm512_maskz_mul_ps(m, pv, _mm512_load_ps(sv + i)));
       }
       const float wm = _mm512_reduce_max_ps(wmax);
@@ -369,7 +387,8 @@ struct Kernels {
       __m512 zacc = _mm512_setzero_ps(), wacc = _mm512_setzero_ps();
       for (std::size_t i = 0; i < np; i += 16) {
         const __mmask16 m = np - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (np - i)) - 1u);
-        const __m512 pv = _mm512_maskz_permutexvar_ps(m, tokv, _mm512_maskz_loadu_ps(__mmask16((1u << per_vec) - 1u), p + i / G));
+        const __m512 pv =
+            _mm512_maskz_permutexvar_ps(m, tokv, _mm512_maskz_loadu_ps(__mmask16((1u << per_vec) - 1u), p + i / G));
         const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_mul_ps(pv, _mm512_load_ps(sv + i)), inv),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + i), _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(r)));
@@ -387,7 +406,8 @@ struct Kernels {
       float* acc = task.acc + h * dim;
       for (unsigned u = 0; u < NU; ++u) {
         const __m512i gv = _mm512_load_si512(gidx[u]);
-        __m512i ai[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+        __m512i ai[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                         _mm512_setzero_si512()};
         for (std::size_t qd = 0; qd < quads; ++qd) {
           __m512i r[4];
           for (std::size_t j = 0; j < 4; ++j) {
@@ -399,7 +419,8 @@ struct Kernels {
           const __m512i lo23 = _mm512_unpacklo_epi8(r[2], r[3]), hi23 = _mm512_unpackhi_epi8(r[2], r[3]);
           const __m512i x[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
                                 _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
-          const __m512i W = _mm512_permutexvar_epi8(trv, _mm512_maskz_loadu_epi8((__mmask64(1) << (4 * G)) - 1, wq + 4 * qd * G));
+          const __m512i W =
+              _mm512_permutexvar_epi8(trv, _mm512_maskz_loadu_epi8((__mmask64(1) << (4 * G)) - 1, wq + 4 * qd * G));
           const __m512i wv = _mm512_permutexvar_epi32(gv, W);
           for (int kk = 0; kk < 4; ++kk)
             ai[kk] = wide ? _mm512_dpbusd_epi32(ai[kk], x[kk], wv) : _mm512_dpbusd_epi32(ai[kk], wv, x[kk]);
@@ -434,15 +455,17 @@ struct Kernels {
       // Whole tiles from the start (a sliding window can begin inside one) and whole 16-position
       // steps at the end (an older query position can end the range inside a block).
       const std::size_t fq = k.first_quantized, tile = tile_tokens(k);
-      const std::size_t qa = task.begin <= fq                     ? fq
+      const std::size_t qa = task.begin <= fq                ? fq
                              : (task.begin - fq) % tile == 0 ? task.begin
                                                              : tile_end(k, task.begin, k.end_quantized);
       const std::size_t qe = std::min(task.end, k.end_quantized);
       const std::size_t qb = qe > qa ? qa + (qe - qa) / 16 * 16 : qa;
       if (qa < qb) {
         run_range(task.begin, qa);
-        if (int_path) int_span<NV>(task, qa, qb);
-        else exact_span<NV>(task, qa, qb);
+        if (int_path)
+          int_span<NV>(task, qa, qb);
+        else
+          exact_span<NV>(task, qa, qb);
         run_range(qb, task.end);
         return;
       }
@@ -470,7 +493,8 @@ struct Kernels {
             const __m512 w = _mm512_set1_ps(scores[h][p - a]);
             float* acc = task.acc + h * dim;
             for (int i = 0; i < NV; ++i)
-              _mm512_storeu_ps(acc + 16 * i, _mm512_fmadd_ps(_mm512_load_ps(row + 16 * i), w, _mm512_loadu_ps(acc + 16 * i)));
+              _mm512_storeu_ps(acc + 16 * i,
+                               _mm512_fmadd_ps(_mm512_load_ps(row + 16 * i), w, _mm512_loadu_ps(acc + 16 * i)));
           }
         }
         value_rows(a, a, b, qa, qb);
@@ -501,7 +525,9 @@ KVQ_TARGET_AVX512_ATTENTION inline void decode_task(const DecodeTask& task, bool
   }
 }
 
-KVQ_TARGET_AVX512_ATTENTION inline void decode_task_generic(const DecodeTask& task) noexcept { decode_task(task, true); }
+KVQ_TARGET_AVX512_ATTENTION inline void decode_task_generic(const DecodeTask& task) noexcept {
+  decode_task(task, true);
+}
 
 }  // namespace kvq::inline v0::kernels::attention::avx512
 

@@ -18,7 +18,6 @@
 #define KVQ_TARGET_AVX512_ATTENTION \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,bmi2,f16c,fma")))
 
-
 KVQ_INTRINSIC_WARNINGS_OFF
 
 namespace kvq::inline v0::kernels::attention::avx512 {
@@ -36,7 +35,8 @@ inline bool supported() noexcept {
 inline bool fast_bits(int bits) noexcept { return bits == 2 || bits == 4 || bits == 8; }
 
 /// Shapes the kernels take; anything else runs on the reference kernel.
-inline bool supports(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope) noexcept {
+inline bool supports(const StreamView& keys, const StreamView& values, std::size_t group,
+                     const RopeTable* rope) noexcept {
   const std::size_t d = keys.head_dim;
   if ((d != 64 && d != 128) || values.head_dim != d || group == 0 || group > max_group) return false;
   if (rope != nullptr && rope->config().dims() != d) return false;
@@ -61,7 +61,8 @@ KVQ_TARGET_AVX512_ATTENTION inline __m512 load16(Scalar s, const std::uint8_t* b
 }
 
 /// Up to 16 values (n of them; the rest 0) of type s as floats.
-KVQ_TARGET_AVX512_ATTENTION inline __m512 load_n(Scalar s, const std::uint8_t* base, std::size_t i, std::size_t n) noexcept {
+KVQ_TARGET_AVX512_ATTENTION inline __m512 load_n(Scalar s, const std::uint8_t* base, std::size_t i,
+                                                 std::size_t n) noexcept {
   const __mmask16 m = n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u);
   if (s == Scalar::f32) return _mm512_maskz_loadu_ps(m, base + 4 * i);
   const __m256i h = _mm256_maskz_loadu_epi16(m, base + 2 * i);
@@ -84,7 +85,8 @@ struct Unpacker {
     const unsigned per_qword = unsigned(b);  // source bytes per 8 codes
     for (unsigned u = 0; u < 2; ++u)
       for (unsigned q = 0; q < 8; ++q)
-        for (unsigned j = 0; j < 8; ++j) idx[u][8 * q + j] = std::uint8_t((u * 8 + q) * per_qword + (j < per_qword ? j : 0));
+        for (unsigned j = 0; j < 8; ++j)
+          idx[u][8 * q + j] = std::uint8_t((u * 8 + q) * per_qword + (j < per_qword ? j : 0));
     for (unsigned j = 0; j < 64; ++j) sh[j] = std::uint8_t((j % 8) * unsigned(b));
     index[0] = _mm512_load_si512(idx[0]);
     index[1] = _mm512_load_si512(idx[1]);
@@ -113,7 +115,8 @@ KVQ_TARGET_AVX512_ATTENTION inline __m512 reduce16(const float* v) noexcept {
   for (int t = 0; t < 16; ++t) x[t] = _mm512_load_ps(v + 16 * t);
   for (int n = 16; n > 1; n /= 2)
     for (int i = 0; i < n / 2; ++i)
-      x[i] = _mm512_add_ps(_mm512_permutex2var_ps(x[2 * i], e, x[2 * i + 1]), _mm512_permutex2var_ps(x[2 * i], o, x[2 * i + 1]));
+      x[i] = _mm512_add_ps(_mm512_permutex2var_ps(x[2 * i], e, x[2 * i + 1]),
+                           _mm512_permutex2var_ps(x[2 * i], o, x[2 * i + 1]));
   return x[0];
 }
 

@@ -46,8 +46,10 @@ struct DenseState {
 template <bool Half, int NV>
 KVQ_DENSE_INLINE inline void dense_row(const std::uint8_t* row, __m512* x) noexcept {
   for (int i = 0; i < NV; ++i) {
-    if constexpr (Half) x[i] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * i)));
-    else x[i] = _mm512_loadu_ps(row + 64 * i);
+    if constexpr (Half)
+      x[i] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * i)));
+    else
+      x[i] = _mm512_loadu_ps(row + 64 * i);
   }
 }
 
@@ -58,10 +60,14 @@ KVQ_DENSE_INLINE inline __m512 merge(__m512 a, __m512 b) noexcept {
   constexpr __mmask16 m = L == 1 ? 0xAAAA : L == 2 ? 0xCCCC : L == 3 ? 0xF0F0 : 0xFF00;
   const __m512 x = _mm512_mask_blend_ps(m, a, b), y = _mm512_mask_blend_ps(m, b, a);
   __m512 ys;
-  if constexpr (L == 1) ys = _mm512_permute_ps(y, 0xB1);
-  else if constexpr (L == 2) ys = _mm512_permute_ps(y, 0x4E);
-  else if constexpr (L == 3) ys = _mm512_shuffle_f32x4(y, y, 0xB1);
-  else ys = _mm512_shuffle_f32x4(y, y, 0x4E);
+  if constexpr (L == 1)
+    ys = _mm512_permute_ps(y, 0xB1);
+  else if constexpr (L == 2)
+    ys = _mm512_permute_ps(y, 0x4E);
+  else if constexpr (L == 3)
+    ys = _mm512_shuffle_f32x4(y, y, 0xB1);
+  else
+    ys = _mm512_shuffle_f32x4(y, y, 0x4E);
   return _mm512_add_ps(x, ys);
 }
 
@@ -82,8 +88,7 @@ KVQ_DENSE_INLINE inline void dense_keys16(const std::uint8_t* rows, std::size_t 
         if (const std::uint8_t* ahead = region.ahead(row))
           for (std::size_t i = 0; i < rb; i += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T1);
         dense_row<Half, NV>(row, x);
-      }
-      else
+      } else
         for (int i = 0; i < NV; ++i) x[i] = _mm512_setzero_ps();
 #pragma GCC unroll 4
       for (int h = 0; h < NH; ++h) {
@@ -115,7 +120,8 @@ KVQ_DENSE_INLINE inline void dense_keys16(const std::uint8_t* rows, std::size_t 
   }
   const __mmask16 valid = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
   for (int h = 0; h < NH; ++h)
-    _mm512_store_ps(out[h] + off, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), l4[h]));
+    _mm512_store_ps(out[h] + off,
+                    _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), l4[h]));
 }
 
 /// acc (NH heads, natural channel order) = acc * corr + scale * sum_t p'_t * row_t over the tile.
@@ -131,7 +137,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void dense_values(const DenseState& S, const 
     for (std::size_t t = 0; t < n; ++t) {
       const std::uint8_t* row = rows + t * rb + (Half ? 128 : 256) * std::size_t(u);
       if (const std::uint8_t* ahead = region.ahead(row))
-        for (std::size_t i = 0; i < (Half ? 128u : 256u); i += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T1);
+        for (std::size_t i = 0; i < (Half ? 128u : 256u); i += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T1);
       __m512 x[4];
       dense_row<Half, 4>(row, x);
 #pragma GCC unroll 4
@@ -144,7 +151,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void dense_values(const DenseState& S, const 
     for (int h = 0; h < NH; ++h) {
       const __m512 c = _mm512_set1_ps(S.corr[4 * h]), e = _mm512_set1_ps(S.scale[4 * h]);
       float* o = acc + std::size_t(h) * dim + 64 * std::size_t(u);
-      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(o + 16 * i, _mm512_fmadd_ps(a[h][i], e, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * i), c)));
+      for (int i = 0; i < 4; ++i)
+        _mm512_storeu_ps(o + 16 * i, _mm512_fmadd_ps(a[h][i], e, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * i), c)));
     }
   }
 }
@@ -182,10 +190,18 @@ KVQ_TARGET_AVX512_ATTENTION void dense_rows(const DecodeTask& t, const std::uint
                                             const RowRegion& vregion) noexcept {
   for (std::size_t h0 = 0; h0 < t.group; h0 += 4) {
     switch (t.group - h0 < 4 ? t.group - h0 : 4) {
-      case 4: dense_run<Half, NV, 4>(t, h0, krows, vrows, rb, n, kregion, vregion); break;
-      case 3: dense_run<Half, NV, 3>(t, h0, krows, vrows, rb, n, kregion, vregion); break;
-      case 2: dense_run<Half, NV, 2>(t, h0, krows, vrows, rb, n, kregion, vregion); break;
-      default: dense_run<Half, NV, 1>(t, h0, krows, vrows, rb, n, kregion, vregion); break;
+      case 4:
+        dense_run<Half, NV, 4>(t, h0, krows, vrows, rb, n, kregion, vregion);
+        break;
+      case 3:
+        dense_run<Half, NV, 3>(t, h0, krows, vrows, rb, n, kregion, vregion);
+        break;
+      case 2:
+        dense_run<Half, NV, 2>(t, h0, krows, vrows, rb, n, kregion, vregion);
+        break;
+      default:
+        dense_run<Half, NV, 1>(t, h0, krows, vrows, rb, n, kregion, vregion);
+        break;
     }
   }
 }
@@ -206,11 +222,14 @@ KVQ_TARGET_AVX512_ATTENTION void dense_span(const DecodeTask& t, std::size_t a, 
   const bool half = k.residual == Scalar::f16;
   auto run = [&](const std::uint8_t* kr, const std::uint8_t* vr, std::size_t n, const RowRegion& kregion,
                  const RowRegion& vregion) {
-    if (half) dense_rows<true, NV>(t, kr, vr, rb, n, kregion, vregion);
-    else dense_rows<false, NV>(t, kr, vr, rb, n, kregion, vregion);
+    if (half)
+      dense_rows<true, NV>(t, kr, vr, rb, n, kregion, vregion);
+    else
+      dense_rows<false, NV>(t, kr, vr, rb, n, kregion, vregion);
   };
   // Read-ahead stays within the ring and goes on into the next segment's (sinks: no read-ahead).
-  const RowRegion kring{k.ring, k.ring + k.ring_rows * rb, t.next_keys}, vring{v.ring, v.ring + v.ring_rows * rb, t.next_values};
+  const RowRegion kring{k.ring, k.ring + k.ring_rows * rb, t.next_keys},
+      vring{v.ring, v.ring + v.ring_rows * rb, t.next_values};
   while (a < b) {
     if (a < k.sinks_stored) {
       const std::size_t e = b < k.sinks_stored ? b : k.sinks_stored;

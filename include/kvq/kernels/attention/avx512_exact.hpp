@@ -30,9 +30,9 @@ namespace kvq::inline v0::kernels::attention::avx512::detail {
 
 struct ExactState {
   alignas(64) float qf[max_tile / 16][int_heads][max_head_dim];  // folded queries per block slot
-  alignas(64) float bias[max_tile / 16][16];                       // lane 4h
-  alignas(64) float w[int_heads][max_tile * 4 + 16];               // p' * scale per (row, group)
-  alignas(64) float zs[int_heads][4];                              // sum p' * zero per group
+  alignas(64) float bias[max_tile / 16][16];                     // lane 4h
+  alignas(64) float w[int_heads][max_tile * 4 + 16];             // p' * scale per (row, group)
+  alignas(64) float zs[int_heads][4];                            // sum p' * zero per group
 };
 
 /// The calling thread's scratch (one per thread, not one per kernel instantiation: thread-local
@@ -62,8 +62,9 @@ KVQ_EXACT_INLINE inline void exact_fold(const IntState& S, ExactState& E, std::s
   for (int h = 0; h < 4; ++h) bs[h] = _mm512_setzero_ps();
   for (int i = 0; i < NV; ++i) {
     const __m512 s = _mm512_permutexvar_ps(perm, load16(k.spec.param, k.scales, pi + 16 * std::size_t(i)));
-    const __m512 z = k.zeros != nullptr ? _mm512_permutexvar_ps(perm, load16(k.spec.param, k.zeros, pi + 16 * std::size_t(i)))
-                                        : _mm512_mul_ps(s, _mm512_set1_ps(-reference::mid_code(k.spec)));
+    const __m512 z = k.zeros != nullptr
+                         ? _mm512_permutexvar_ps(perm, load16(k.spec.param, k.zeros, pi + 16 * std::size_t(i)))
+                         : _mm512_mul_ps(s, _mm512_set1_ps(-reference::mid_code(k.spec)));
     for (int h = 0; h < NH; ++h) {
       const __m512 q = _mm512_load_ps(S.qp[S.h0 + std::size_t(h)] + 16 * i);
       _mm512_store_ps(E.qf[slot][h] + 16 * i, _mm512_mul_ps(q, s));
@@ -124,20 +125,21 @@ KVQ_EXACT_INLINE inline void exact_keys16(IntState& S, const ExactState& E, std:
   for (int a = 0; a < 2; ++a)
     for (int h = 0; h < NH; ++h) acc[a][h] = _mm512_setzero_ps();
   const __m512i mask = _mm512_set1_epi32((1 << KB) - 1);
-  const __m512 table = _mm512_load_ps(code_table<KB < 8 ? KB : 4>.code);
+  const __m512 table = _mm512_load_ps(code_table < KB < 8 ? KB : 4 >.code);
   const float* qbase = E.qf[slot][0];
   __asm__("" : "+r"(qbase));
-#define KVQ_EXACT_DOTS(T, j)                                                                      \
-  _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {                                           \
-    _Pragma("GCC unroll 4") for (int f = 0; f < F; ++f) {                                         \
-      const int sh = 8 * i + KB * f;                                                              \
-      const __m512i ci = sh == 0 ? (T) : _mm512_srli_epi32((T), unsigned(sh));                    \
-      const __m512 c = KB < 8           ? _mm512_permutexvar_ps(ci, table)                        \
-                       : sh + KB == 32 ? _mm512_cvtepi32_ps(ci)                                   \
-                                       : _mm512_cvtepi32_ps(_mm512_and_si512(ci, mask));          \
-      _Pragma("GCC unroll 4") for (int h = 0; h < NH; ++h) acc[i % 2][h] = _mm512_fmadd_ps(      \
-          c, _mm512_set1_ps(qbase[max_head_dim * std::size_t(h) + 4 * std::size_t((j) * F + f) + std::size_t(i)]), acc[i % 2][h]); \
-    }                                                                                             \
+#define KVQ_EXACT_DOTS(T, j)                                                                                     \
+  _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {                                                          \
+    _Pragma("GCC unroll 4") for (int f = 0; f < F; ++f) {                                                        \
+      const int sh = 8 * i + KB * f;                                                                             \
+      const __m512i ci = sh == 0 ? (T) : _mm512_srli_epi32((T), unsigned(sh));                                   \
+      const __m512 c = KB < 8          ? _mm512_permutexvar_ps(ci, table)                                        \
+                       : sh + KB == 32 ? _mm512_cvtepi32_ps(ci)                                                  \
+                                       : _mm512_cvtepi32_ps(_mm512_and_si512(ci, mask));                         \
+      _Pragma("GCC unroll 4") for (int h = 0; h < NH; ++h) acc[i % 2][h] = _mm512_fmadd_ps(                      \
+          c, _mm512_set1_ps(qbase[max_head_dim * std::size_t(h) + 4 * std::size_t((j)*F + f) + std::size_t(i)]), \
+          acc[i % 2][h]);                                                                                        \
+    }                                                                                                            \
   }
   if constexpr (ND <= 8) {
     __m512i z[8];
@@ -152,7 +154,8 @@ KVQ_EXACT_INLINE inline void exact_keys16(IntState& S, const ExactState& E, std:
   }
 #undef KVQ_EXACT_DOTS
   for (int h = 0; h < NH; ++h)
-    _mm512_store_ps(S.score[h] + off, _mm512_add_ps(_mm512_add_ps(acc[0][h], acc[1][h]), _mm512_set1_ps(E.bias[slot][4 * h])));
+    _mm512_store_ps(S.score[h] + off,
+                    _mm512_add_ps(_mm512_add_ps(acc[0][h], acc[1][h]), _mm512_set1_ps(E.bias[slot][4 * h])));
 }
 
 /// Value codes of VB = 2 or 4 bits as fp32, 16 channels at a time: the 2 VB bytes that hold them
@@ -172,7 +175,8 @@ KVQ_EXACT_INLINE inline __m512 value_codes16(const std::uint8_t* bytes, __m512i 
 
 /// P.V of the tile (exact): task.acc (natural channel order) = acc * corr + e * sum_t p'_t v_t.
 template <int NV, int VB, int NH>
-KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E, std::size_t a, std::size_t n) noexcept {
+KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E, std::size_t a,
+                                                     std::size_t n) noexcept {
   const StreamView& v = S.task->values;
   constexpr int G = NV / 2;
   constexpr std::size_t dim = 16 * NV;
@@ -201,8 +205,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
     _mm_store_ps(E.zs[h], _mm512_castps512_ps128(c));
   }
   const std::uint8_t* base = v.code_row(a);
-  const __m512i shift = _mm512_load_si512(value_lanes<VB < 8 ? VB : 2>.shift);
-  const __m512i lane = _mm512_load_si512(value_lanes<VB < 8 ? VB : 2>.lane);
+  const __m512i shift = _mm512_load_si512(value_lanes < VB < 8 ? VB : 2 >.shift);
+  const __m512i lane = _mm512_load_si512(value_lanes < VB < 8 ? VB : 2 >.lane);
   const __m512 table = _mm512_load_ps(code_table<VB>.code);
   for (unsigned u = 0; u < unsigned(NV / 4); ++u) {
     __m512 acc[NH][4];
@@ -216,7 +220,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
       __m512 x[4];
       if constexpr (VB == 8) {
         for (int i = 0; i < 4; ++i)
-          x[i] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 64 * u + 16 * unsigned(i)))));
+          x[i] = _mm512_cvtepi32_ps(
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 64 * u + 16 * unsigned(i)))));
       } else {
         for (int i = 0; i < 4; ++i) x[i] = value_codes16<VB>(row + (64 * u + 16 * unsigned(i)) * VB / 8, shift, table);
       }
@@ -224,7 +229,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
       for (int h = 0; h < NH; ++h)
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i)
-          acc[h][i] = _mm512_fmadd_ps(x[i], _mm512_set1_ps(E.w[h][t * G + (64 * u + 16 * unsigned(i)) / 32]), acc[h][i]);
+          acc[h][i] =
+              _mm512_fmadd_ps(x[i], _mm512_set1_ps(E.w[h][t * G + (64 * u + 16 * unsigned(i)) / 32]), acc[h][i]);
     }
     for (int h = 0; h < NH; ++h) {
       const __m512 cr = _mm512_set1_ps(S.corr[4 * h]), e = _mm512_set1_ps(S.scale[4 * h]);
@@ -251,7 +257,8 @@ KVQ_TARGET_AVX512_ATTENTION void exact_tiles(IntState& S, ExactState& E, std::si
     } else {
       const std::size_t b0 = (a - k.first_quantized) / g, b1 = (a + n - 1 - k.first_quantized) / g;
       for (std::size_t b = b0; b <= b1; ++b) exact_fold<NV, NH>(S, E, b, b - b0);
-      for (std::size_t o = 0; o < n; o += 16) exact_keys16<NV, KB, NH>(S, E, a + o, o, (a + o - k.first_quantized) / g - b0);
+      for (std::size_t o = 0; o < n; o += 16)
+        exact_keys16<NV, KB, NH>(S, E, a + o, o, (a + o - k.first_quantized) / g - b0);
     }
     tile_softmax<NH>(S, n, S.task->softcap);
     exact_values<NV, VB, NH>(S, E, a, n);

@@ -46,14 +46,14 @@ KVQ_INTRINSIC_WARNINGS_OFF
 
 namespace kvq::inline v0::kernels::attention::avx512::detail {
 
-inline constexpr std::size_t int_heads = 4;        // query heads per pass over a tile
+inline constexpr std::size_t int_heads = 4;  // query heads per pass over a tile
 // Software prefetch of the code rows into L2, this many bytes ahead (measured on Zen 4 at 32K:
 // 12% faster than 8 KB into L1, which was no better than the hardware prefetcher alone).
 inline constexpr std::size_t prefetch_bytes = 64 * 1024;
 
 /// read_ahead over a segment's packed codes.
 KVQ_TARGET_AVX512_ATTENTION inline const std::uint8_t* read_ahead(const StreamView& v, const std::uint8_t* row,
-                                                                const std::uint8_t* next) noexcept {
+                                                                  const std::uint8_t* next) noexcept {
   return kernels::attention::read_ahead(row, v.codes, v.code_row(v.end_quantized), next, prefetch_bytes);
 }
 
@@ -67,18 +67,18 @@ struct IntState {
   std::size_t group = 0;
 
   // keys
-  alignas(64) std::int32_t kperm[16];          // lane l of a permuted 16-channel vector <- channel
+  alignas(64) std::int32_t kperm[16];             // lane l of a permuted 16-channel vector <- channel
   alignas(64) float qp[max_group][max_head_dim];  // queries, channels permuted like the key fields
   // int8 folded queries, alpha and bias of the key blocks of the current tile (slot = block in tile)
   alignas(64) std::int8_t qb[max_tile / 16][int_heads][max_head_dim];
-  alignas(64) float fold[max_tile / 16][2][16];  // [slot][alpha, bias][4 * head]
+  alignas(64) float fold[max_tile / 16][2][16];   // [slot][alpha, bias][4 * head]
   alignas(64) float qt[int_heads][max_head_dim];  // q * scale of the block being folded
 
   // values
-  alignas(64) std::uint8_t vidx[8][64];     // vpermt2b indices per byte vector (rows of <= 32 bytes)
-  alignas(64) std::int32_t widx[8][16];     // value group of each lane of byte vector x
-  int wpair[8];                             // rows <= 32 bytes: byte vector x holds group pair wpair[x]
-  alignas(64) std::int32_t gsel[8][16];     // 4 * group of each lane of accumulator vector a
+  alignas(64) std::uint8_t vidx[8][64];          // vpermt2b indices per byte vector (rows of <= 32 bytes)
+  alignas(64) std::int32_t widx[8][16];          // value group of each lane of byte vector x
+  int wpair[8];                                  // rows <= 32 bytes: byte vector x holds group pair wpair[x]
+  alignas(64) std::int32_t gsel[8][16];          // 4 * group of each lane of accumulator vector a
   alignas(64) std::int32_t vchan[max_head_dim];  // channel of lane l of accumulator a: vchan[16a + l]
   alignas(64) std::int32_t tperm[16], pidx[16];
   alignas(64) float st[max_tile * 4 / 16][16], zt[max_tile * 4 / 16][16];  // scales, centre values
@@ -119,7 +119,8 @@ KVQ_INT_INLINE inline void transpose16(__m512i* r) noexcept {
   }
   for (int m = 0; m < 4; ++m) {
     const __m512i u0 = _mm512_shuffle_i32x4(s[m], s[4 + m], 0x44), u1 = _mm512_shuffle_i32x4(s[m], s[4 + m], 0xEE);
-    const __m512i u2 = _mm512_shuffle_i32x4(s[8 + m], s[12 + m], 0x44), u3 = _mm512_shuffle_i32x4(s[8 + m], s[12 + m], 0xEE);
+    const __m512i u2 = _mm512_shuffle_i32x4(s[8 + m], s[12 + m], 0x44),
+                  u3 = _mm512_shuffle_i32x4(s[8 + m], s[12 + m], 0xEE);
     r[m] = _mm512_shuffle_i32x4(u0, u2, 0x88);
     r[4 + m] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
     r[8 + m] = _mm512_shuffle_i32x4(u1, u3, 0x88);
@@ -280,7 +281,8 @@ KVQ_INT_INLINE inline void int_fold(IntState& S, std::size_t blk, std::size_t sl
     const __m512 sc = load16(k.spec.param, k.scales, pi + 16 * std::size_t(i));
     s[i] = _mm512_permutexvar_ps(perm, sc);
     zm[i] = k.zeros != nullptr
-                ? _mm512_permutexvar_ps(perm, _mm512_fmadd_ps(sc, _mm512_set1_ps(mid), load16(k.spec.param, k.zeros, pi + 16 * std::size_t(i))))
+                ? _mm512_permutexvar_ps(perm, _mm512_fmadd_ps(sc, _mm512_set1_ps(mid),
+                                                              load16(k.spec.param, k.zeros, pi + 16 * std::size_t(i))))
                 : _mm512_setzero_ps();
   }
   // Pass 1: q~ = q * scale (kept in S.qt for pass 2), max |q~| and q.(zero + mid * scale) per head.
@@ -350,12 +352,12 @@ KVQ_INT_INLINE inline void int_keys16(IntState& S, std::size_t s0, std::size_t o
   // addresses out of the loop and spills them).
   const std::int8_t* qbase = S.qb[slot][0];
   __asm__("" : "+r"(qbase));
-#define KVQ_INT_DOTS(T, j)                                                                                        \
-  _Pragma("GCC unroll 4") for (int f = 0; f < F; ++f) {                                                           \
+#define KVQ_INT_DOTS(T, j)                                                                                          \
+  _Pragma("GCC unroll 4") for (int f = 0; f < F; ++f) {                                                             \
     const __m512i c = KB == 8 ? (T) : _mm512_and_si512((T), _mm512_set1_epi8(char(((1u << KB) - 1u) << (KB * f)))); \
-    const int a = F == 1 ? (j) % 2 : f;                                                                           \
-    _Pragma("GCC unroll 4") for (int h = 0; h < NH; ++h)                                                          \
-      acc[a][h] = dpbusd_bcast(acc[a][h], c, qbase + max_head_dim * std::size_t(h) + 4 * ((j) * F + f));          \
+    const int a = F == 1 ? (j) % 2 : f;                                                                             \
+    _Pragma("GCC unroll 4") for (int h = 0; h < NH; ++h) acc[a][h] =                                                \
+        dpbusd_bcast(acc[a][h], c, qbase + max_head_dim * std::size_t(h) + 4 * ((j)*F + f));                        \
   }
   if constexpr (ND <= 8) {
     __m512i z[8];
@@ -376,7 +378,8 @@ KVQ_INT_INLINE inline void int_keys16(IntState& S, std::size_t s0, std::size_t o
     for (int a = 1; a < NA; ++a)
       dot = F == 1 ? _mm512_add_ps(dot, _mm512_cvtepi32_ps(acc[a][h]))
                    : _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[a][h]), _mm512_set1_ps(1.0f / float(1u << (KB * a))), dot);
-    _mm512_store_ps(S.score[h] + off, _mm512_fmadd_ps(dot, _mm512_set1_ps(S.fold[slot][0][4 * h]), _mm512_set1_ps(S.fold[slot][1][4 * h])));
+    _mm512_store_ps(S.score[h] + off, _mm512_fmadd_ps(dot, _mm512_set1_ps(S.fold[slot][0][4 * h]),
+                                                      _mm512_set1_ps(S.fold[slot][1][4 * h])));
   }
 }
 
@@ -438,8 +441,10 @@ template <int R>
 KVQ_INT_INLINE inline __m512i int_interleave(const IntState& S, const std::uint8_t* rows, int x) noexcept {
   if constexpr (R <= 32) {
     const __m512i idx = _mm512_load_si512(S.vidx[x]);
-    if constexpr (R == 16) return _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(rows));
-    else return _mm512_permutex2var_epi8(_mm512_loadu_si512(rows), idx, _mm512_loadu_si512(rows + 64));
+    if constexpr (R == 16)
+      return _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(rows));
+    else
+      return _mm512_permutex2var_epi8(_mm512_loadu_si512(rows), idx, _mm512_loadu_si512(rows + 64));
   } else {
     const int c = x / 4, kk = x % 4;
     const __m512i r0 = _mm512_loadu_si512(rows + 64 * c), r1 = _mm512_loadu_si512(rows + R + 64 * c);
@@ -454,9 +459,9 @@ KVQ_INT_INLINE inline __m512i int_interleave(const IntState& S, const std::uint8
 template <int NV, int VB, int NH>
 KVQ_TARGET_AVX512_ATTENTION inline void int_values(IntState& S, std::size_t a, std::size_t n) noexcept {
   const StreamView& v = S.task->values;
-  constexpr int G = NV / 2;                 // value groups of 32 per row
+  constexpr int G = NV / 2;                                // value groups of 32 per row
   constexpr int F = 8 / VB, R = 2 * NV * VB, NX = R / 16;  // fields per byte, bytes per row, byte vectors
-  constexpr bool wide = VB == 8;            // 8-bit codes take the unsigned side; weights are s8
+  constexpr bool wide = VB == 8;                           // 8-bit codes take the unsigned side; weights are s8
   const float levels = weight_levels(VB), mid = reference::mid_code(v.spec);
   // Scales and centre values of the tile's rows, lanes ordered (quad, group, row); the scales
   // times levels / (largest scale of the tile), shared by the heads.
@@ -474,7 +479,9 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_values(IntState& S, std::size_t a, s
     const __m512 s = load16(v.spec.param, v.scales, pi + 16 * i);
     smax = _mm512_max_ps(smax, s);
     _mm512_store_ps(S.st[i], _mm512_permutexvar_ps(tp, s));
-    _mm512_store_ps(S.zt[i], v.zeros != nullptr ? _mm512_permutexvar_ps(tp, _mm512_fmadd_ps(s, _mm512_set1_ps(mid), load16(v.spec.param, v.zeros, pi + 16 * i)))
+    _mm512_store_ps(S.zt[i], v.zeros != nullptr ? _mm512_permutexvar_ps(
+                                                      tp, _mm512_fmadd_ps(s, _mm512_set1_ps(mid),
+                                                                          load16(v.spec.param, v.zeros, pi + 16 * i)))
                                                 : _mm512_setzero_ps());
   }
   float sm = _mm512_reduce_max_ps(smax);
@@ -487,9 +494,11 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_values(IntState& S, std::size_t a, s
     for (std::size_t i = 0; i < nvec; ++i) {
       const __m512 sv = _mm512_load_ps(S.st[i]);
       for (int h = 0; h < NH; ++h)
-        wmax[h] = _mm512_max_ps(wmax[h], _mm512_mul_ps(_mm512_permutexvar_ps(pidx, _mm512_loadu_ps(S.score[h] + i * 16 / G)), sv));
+        wmax[h] = _mm512_max_ps(
+            wmax[h], _mm512_mul_ps(_mm512_permutexvar_ps(pidx, _mm512_loadu_ps(S.score[h] + i * 16 / G)), sv));
     }
-    _mm512_store_ps(hm, _mm512_mul_ps(reduce4<true>(wmax[0], wmax[1], wmax[2], wmax[3]), _mm512_set1_ps(inverse_step(1.0f, sm))));
+    _mm512_store_ps(
+        hm, _mm512_mul_ps(reduce4<true>(wmax[0], wmax[1], wmax[2], wmax[3]), _mm512_set1_ps(inverse_step(1.0f, sm))));
   } else {
     _mm512_store_ps(hm, _mm512_set1_ps(1.0f));
   }
@@ -504,7 +513,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_values(IntState& S, std::size_t a, s
     __m512i ws = _mm512_setzero_si512();
     __m512 zs = _mm512_setzero_ps();
     auto weights = [&](std::size_t i) KVQ_INT_INLINE {
-      const __m512 pv = G == 4 ? _mm512_broadcast_f32x4(_mm_loadu_ps(p + 4 * i)) : _mm512_permutexvar_ps(pidx, _mm512_loadu_ps(p + i * 16 / G));
+      const __m512 pv = G == 4 ? _mm512_broadcast_f32x4(_mm_loadu_ps(p + 4 * i))
+                               : _mm512_permutexvar_ps(pidx, _mm512_loadu_ps(p + i * 16 / G));
       const __m512i r = _mm512_cvtps_epi32(wide ? _mm512_mul_ps(_mm512_mul_ps(pv, _mm512_load_ps(S.st[i])), hinv)
                                                 : _mm512_mul_ps(pv, _mm512_load_ps(S.st[i])));
       ws = _mm512_add_epi32(ws, r);
@@ -516,7 +526,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_values(IntState& S, std::size_t a, s
       const __m512i r[4] = {weights(i), weights(i + 1), weights(i + 2), weights(i + 3)};
       _mm512_store_si512(S.wb[h] + 16 * i, pack_bytes<false>(r));
     }
-    for (; i < nvec; ++i) _mm_store_si128(reinterpret_cast<__m128i*>(S.wb[h] + 16 * i), _mm512_cvtusepi32_epi8(weights(i)));
+    for (; i < nvec; ++i)
+      _mm_store_si128(reinterpret_cast<__m128i*>(S.wb[h] + 16 * i), _mm512_cvtusepi32_epi8(weights(i)));
     const float e = S.scale[4 * h], b = e * sm * hb / levels;
     S.beta[h] = b;
     // per group: sum p * (zero + mid * scale) - beta * mid * sum wq (lanes (quad, group, row))
@@ -568,9 +579,9 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_values(IntState& S, std::size_t a, s
 #pragma GCC unroll 8
         for (int f = 0; f < F; ++f) {
           // fields whose codes times 2^(VB f) fit s8 are masked in place (scaled back with beta)
-          const __m512i c = wide                 ? X
-                            : in_place(f)        ? _mm512_and_si512(X, _mm512_set1_epi8(char(((1u << VB) - 1u) << (VB * f))))
-                                                 : _mm512_and_si512(_mm512_srli_epi32(X, unsigned(VB * f)), mask);
+          const __m512i c = wide          ? X
+                            : in_place(f) ? _mm512_and_si512(X, _mm512_set1_epi8(char(((1u << VB) - 1u) << (VB * f))))
+                                          : _mm512_and_si512(_mm512_srli_epi32(X, unsigned(VB * f)), mask);
 #pragma GCC unroll 4
           for (int h = 0; h < NH; ++h)
             acc[h][xx][f] = wide ? dpbusd(acc[h][xx][f], c, w[h]) : dpbusd(acc[h][xx][f], w[h], c);
@@ -585,7 +596,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_values(IntState& S, std::size_t a, s
           float* o = S.accf[h] + 16 * av;
           const __m512 cgv = _mm512_permutexvar_ps(_mm512_load_si512(S.gsel[av]), cv);
           const __m512 bf = in_place(f) ? _mm512_mul_ps(b, _mm512_set1_ps(1.0f / float(1u << (VB * f)))) : b;
-          _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][xx][f]), bf, _mm512_fmadd_ps(_mm512_load_ps(o), cr, cgv)));
+          _mm512_store_ps(
+              o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][xx][f]), bf, _mm512_fmadd_ps(_mm512_load_ps(o), cr, cgv)));
         }
     }
   }
@@ -602,8 +614,10 @@ KVQ_TARGET_AVX512_ATTENTION void int_tiles(IntState& S, std::size_t a0, std::siz
   RopeKeyState& P = rope_key_state(true);
   for (std::size_t a = a0; a < a1; a += T) {
     const std::size_t n = a1 - a < T ? a1 - a : T;
-    if (S.task->rope != nullptr) rope_keys<NV, KB, NH>(S, P, a, n);
-    else int_keys<NV, KB, NH>(S, a, n);
+    if (S.task->rope != nullptr)
+      rope_keys<NV, KB, NH>(S, P, a, n);
+    else
+      int_keys<NV, KB, NH>(S, a, n);
     tile_softmax<NH>(S, n, S.task->softcap);
     int_values<NV, VB, NH>(S, a, n);
   }
@@ -627,10 +641,18 @@ KVQ_TARGET_AVX512_ATTENTION void head_passes(IntState& S, std::size_t a0, std::s
     }
     Span::load(S);
     switch (nh) {
-      case 4: Span::template tiles<4>(S, a0, a1, T); break;
-      case 3: Span::template tiles<3>(S, a0, a1, T); break;
-      case 2: Span::template tiles<2>(S, a0, a1, T); break;
-      default: Span::template tiles<1>(S, a0, a1, T); break;
+      case 4:
+        Span::template tiles<4>(S, a0, a1, T);
+        break;
+      case 3:
+        Span::template tiles<3>(S, a0, a1, T);
+        break;
+      case 2:
+        Span::template tiles<2>(S, a0, a1, T);
+        break;
+      default:
+        Span::template tiles<1>(S, a0, a1, T);
+        break;
     }
     for (std::size_t h = 0; h < nh; ++h) {
       t.max[h0 + h] = S.mx[h];
@@ -646,9 +668,12 @@ KVQ_TARGET_AVX512_ATTENTION void head_passes(IntState& S, std::size_t a0, std::s
 template <template <int, int, int> class Span, int NV, int KB>
 KVQ_TARGET_AVX512_ATTENTION void run_span_kb(IntState& S, std::size_t a0, std::size_t a1) noexcept {
   switch (S.vbits) {
-    case 2: return head_passes<Span<NV, KB, 2>>(S, a0, a1);
-    case 4: return head_passes<Span<NV, KB, 4>>(S, a0, a1);
-    default: return head_passes<Span<NV, KB, 8>>(S, a0, a1);
+    case 2:
+      return head_passes<Span<NV, KB, 2>>(S, a0, a1);
+    case 4:
+      return head_passes<Span<NV, KB, 4>>(S, a0, a1);
+    default:
+      return head_passes<Span<NV, KB, 8>>(S, a0, a1);
   }
 }
 
@@ -664,9 +689,12 @@ KVQ_TARGET_AVX512_ATTENTION void run_span(const DecodeTask& t, std::size_t a0, s
   IntState& S = int_state();
   int_init(S, t);
   switch (S.kbits) {
-    case 2: return run_span_kb<Span, NV, 2>(S, a0, a1);
-    case 4: return run_span_kb<Span, NV, 4>(S, a0, a1);
-    default: return run_span_kb<Span, NV, 8>(S, a0, a1);
+    case 2:
+      return run_span_kb<Span, NV, 2>(S, a0, a1);
+    case 4:
+      return run_span_kb<Span, NV, 4>(S, a0, a1);
+    default:
+      return run_span_kb<Span, NV, 8>(S, a0, a1);
   }
 }
 

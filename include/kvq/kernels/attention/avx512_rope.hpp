@@ -40,11 +40,11 @@ static_assert(RopeTable::steps >= 32, "rotation units of 32 positions need 32 st
 
 /// Per-task scratch of the pre-RoPE key stage.
 struct RopeKeyState {
-  alignas(64) float lut[max_head_dim][16];        // zero + scale * code per channel (2/4 bits)
+  alignas(64) float lut[max_head_dim][16];  // zero + scale * code per channel (2/4 bits)
   alignas(64) float scale[max_head_dim], zero[max_head_dim];
-  alignas(64) float qr[int_heads][max_head_dim];  // query heads rotated back to the unit's start
+  alignas(64) float qr[int_heads][max_head_dim];          // query heads rotated back to the unit's start
   alignas(64) std::uint32_t codes[max_head_dim / 4][16];  // transposed dwords of 16 rows
-  std::size_t block = ~std::size_t(0);            // key block whose tables are loaded
+  std::size_t block = ~std::size_t(0);                    // key block whose tables are loaded
 };
 
 /// Dequantization tables of key block `blk`.
@@ -56,7 +56,8 @@ KVQ_ROPE_INLINE inline void rope_key_tables(const StreamView& k, RopeKeyState& P
   __m512 s[NV], z[NV];
   for (int i = 0; i < NV; ++i) {
     s[i] = load16(k.spec.param, k.scales, pi + 16 * std::size_t(i));
-    z[i] = k.zeros != nullptr ? load16(k.spec.param, k.zeros, pi + 16 * std::size_t(i)) : _mm512_mul_ps(s[i], _mm512_set1_ps(-mid));
+    z[i] = k.zeros != nullptr ? load16(k.spec.param, k.zeros, pi + 16 * std::size_t(i))
+                              : _mm512_mul_ps(s[i], _mm512_set1_ps(-mid));
   }
   for (int i = 0; i < NV; ++i) {
     _mm512_store_ps(P.scale + 16 * i, s[i]);
@@ -131,7 +132,8 @@ KVQ_ROPE_INLINE inline void rope_key_pair(const RopeKeyState& P, const RopeTable
 
 /// 16 rows at `rows` transposed into P.codes.
 template <int NV, int KB>
-KVQ_ROPE_INLINE inline void rope_load_codes(RopeKeyState& P, const std::uint8_t* rows, const std::uint8_t* ahead) noexcept {
+KVQ_ROPE_INLINE inline void rope_load_codes(RopeKeyState& P, const std::uint8_t* rows,
+                                            const std::uint8_t* ahead) noexcept {
   constexpr int R = 2 * NV * KB, ND = R / 4;
   if (ahead != nullptr)
     for (int i = 0; i < R / 4; ++i)  // 16 rows = 4R bytes, into L2 (see avx512_int.hpp)
@@ -168,7 +170,8 @@ KVQ_ROPE_INLINE inline void rope_keys16(IntState& S, const RopeKeyState& P, cons
 }
 
 template <int NV, int KB, int NH, bool HalfSplit>
-KVQ_TARGET_AVX512_ATTENTION inline void rope_keys_style(IntState& S, RopeKeyState& P, std::size_t a, std::size_t n) noexcept {
+KVQ_TARGET_AVX512_ATTENTION inline void rope_keys_style(IntState& S, RopeKeyState& P, std::size_t a,
+                                                        std::size_t n) noexcept {
   const StreamView& k = S.task->keys;
   const RopeTable& rope = *S.task->rope;
   // Units of 32 positions (16 when blocks are not a multiple of 32): measured 10% faster than 16.
@@ -197,8 +200,10 @@ KVQ_TARGET_AVX512_ATTENTION inline void rope_keys_style(IntState& S, RopeKeyStat
 /// Scores of the tile [a, a + n) (whole key blocks) for the task's current heads.
 template <int NV, int KB, int NH>
 KVQ_TARGET_AVX512_ATTENTION inline void rope_keys(IntState& S, RopeKeyState& P, std::size_t a, std::size_t n) noexcept {
-  if (S.task->rope->config().style == RopeStyle::half_split) rope_keys_style<NV, KB, NH, true>(S, P, a, n);
-  else rope_keys_style<NV, KB, NH, false>(S, P, a, n);
+  if (S.task->rope->config().style == RopeStyle::half_split)
+    rope_keys_style<NV, KB, NH, true>(S, P, a, n);
+  else
+    rope_keys_style<NV, KB, NH, false>(S, P, a, n);
 }
 
 /// The calling thread's scratch; `reset` forgets the loaded key block (a new task or head pass).

@@ -37,13 +37,15 @@ class ScaleSpread {
     if (task.rope == nullptr && k.quantized && k.spec.axis == Axis::per_channel) {
       const std::size_t first = std::max(task.begin, k.first_quantized), last = std::min(task.end, k.end_quantized);
       if (first < last) {  // the key blocks hold consecutive parameter rows
-        const std::size_t g = k.spec.group, blocks = (last - 1 - k.first_quantized) / g - (first - k.first_quantized) / g + 1;
+        const std::size_t g = k.spec.group,
+                          blocks = (last - 1 - k.first_quantized) / g - (first - k.first_quantized) / g + 1;
         keys_.add(k.spec.param, k.scales + k.param_index(first) * size_of(k.spec.param), blocks * k.head_dim);
       }
     }
     const auto [a, b] = quantized_value_rows(v, task.begin, task.end);  // the integer tier reads these rows
     if (a < b)
-      values_.add(v.spec.param, v.scales + v.param_index(a) * size_of(v.spec.param), (b - a) * groups_per_row(v.spec, v.head_dim));
+      values_.add(v.spec.param, v.scales + v.param_index(a) * size_of(v.spec.param),
+                  (b - a) * groups_per_row(v.spec, v.head_dim));
   }
   /// False when the keys or the values have a spread the integer tier cannot carry (limits above).
   bool integer_tier_carries() const noexcept {

@@ -40,21 +40,21 @@ inline bool avx512_level() noexcept { return isa::detected() == isa::Level::avx5
 inline std::span<const KernelEntry> registry() noexcept {
   static constexpr KernelEntry table[] = {
 #if defined(KVQ_HAVE_X86_KERNELS)
-      {"avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", true, avx512::supported,
-       avx512::supports, [](const DecodeTask& t) noexcept { avx512::decode_task(t); }},
-      {"avx512-generic", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", false,
-       avx512::supported, avx512::supports, avx512::decode_task_generic},
-      {"avx2", "avx2 fma f16c", true, avx2::supported, avx2::supports, avx2::decode_task},
+    {"avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", true, avx512::supported,
+     avx512::supports, [](const DecodeTask& t) noexcept { avx512::decode_task(t); }},
+    {"avx512-generic", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", false,
+     avx512::supported, avx512::supports, avx512::decode_task_generic},
+    {"avx2", "avx2 fma f16c", true, avx2::supported, avx2::supports, avx2::decode_task},
 #endif
 #if defined(KVQ_HAVE_X86_VECTOR_KERNELS)
-      {"vector-avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni bmi2 f16c fma", false, detail::avx512_level,
-       VectorKernel<ops::Avx512>::accepts, vector_avx512_task},
-      {"vector-avx2", "avx2 fma f16c", false, avx2::supported, VectorKernel<ops::Avx2>::accepts, vector_avx2_task},
+    {"vector-avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni bmi2 f16c fma", false, detail::avx512_level,
+     VectorKernel<ops::Avx512>::accepts, vector_avx512_task},
+    {"vector-avx2", "avx2 fma f16c", false, avx2::supported, VectorKernel<ops::Avx2>::accepts, vector_avx2_task},
 #endif
 #if defined(__aarch64__)
-      {"vector-neon", "asimd", true, detail::always, VectorKernel<ops::Neon>::accepts, vector_neon_task},
+    {"vector-neon", "asimd", true, detail::always, VectorKernel<ops::Neon>::accepts, vector_neon_task},
 #endif
-      {"reference", "", true, detail::always, VectorKernel<ops::Scalar>::accepts, decode_task},
+    {"reference", "", true, detail::always, VectorKernel<ops::Scalar>::accepts, decode_task},
   };
   return table;
 }
@@ -67,8 +67,8 @@ inline const KernelEntry& select_kernel(const StreamView& keys, const StreamView
   for (const KernelEntry& e : registry()) {
     if (name.empty() ? !e.automatic : name != e.name) continue;
     if (!name.empty() && !e.available())
-      throw Error(ErrorCode::unsupported, "attention kernel '" + std::string(name) + "' needs " + e.needs +
-                                              ", which this CPU lacks");
+      throw Error(ErrorCode::unsupported,
+                  "attention kernel '" + std::string(name) + "' needs " + e.needs + ", which this CPU lacks");
     if (e.available() && e.accepts(keys, values, group, rope)) return e;
     if (!name.empty())
       throw Error(ErrorCode::unsupported, "attention kernel '" + std::string(name) + "' does not take head_dim " +
@@ -78,7 +78,8 @@ inline const KernelEntry& select_kernel(const StreamView& keys, const StreamView
   if (name.empty()) return registry().back();  // not reached: the reference kernel takes every shape
   std::string known;
   for (const KernelEntry& e : registry()) known += std::string(known.empty() ? "" : ", ") + e.name;
-  throw Error(ErrorCode::invalid_argument, "unknown attention kernel '" + std::string(name) + "' (this build has " + known + ")");
+  throw Error(ErrorCode::invalid_argument,
+              "unknown attention kernel '" + std::string(name) + "' (this build has " + known + ")");
 }
 
 }  // namespace kvq::inline v0::kernels::attention

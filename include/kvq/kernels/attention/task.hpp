@@ -18,7 +18,8 @@
 //            (W = 255 for codes of up to 7 bits, 127 for 8-bit codes), b = B / W with the bound
 //            B = max_t p_t * max_t,g scale_t,g (up to 7 bits; the heads share the scale factor)
 //            or B = max_t,g w_t,g (8 bits), and the output gains
-//            b * sum(wq * (code - mid)) + sum(p * (zero + mid * scale)), mid = (2^bits - 1) / 2. Everything else is computed as in the exact tier.
+//            b * sum(wq * (code - mid)) + sum(p * (zero + mid * scale)), mid = (2^bits - 1) / 2. Everything else is
+//            computed as in the exact tier.
 // The x86 kernels implement the same definitions (up to exp() rounding and rounding ties).
 
 #include <algorithm>
@@ -27,23 +28,12 @@
 #include <cstdint>
 #include <limits>
 
+#include "kvq/attention/options.hpp"
 #include "kvq/attention/scores.hpp"
 #include "kvq/cache/stream_layout.hpp"
 #include "kvq/cache/stream_view.hpp"
 #include "kvq/pack/bitpack.hpp"
 #include "kvq/rope/rope.hpp"
-
-namespace kvq::inline v0 {
-
-/// Accuracy tier of decode attention.
-enum class Tier : unsigned char {
-  exact,    // fp32 arithmetic; within 1e-5 relative of reference_attention
-  integer,  // int8 query and attention weights against the codes (vpdpbusd); within 2.5e-2 on random inputs
-};
-
-constexpr const char* to_string(Tier t) noexcept { return t == Tier::exact ? "exact" : "integer"; }
-
-}  // namespace kvq::inline v0
 
 namespace kvq::inline v0::kernels::attention {
 
@@ -105,7 +95,8 @@ inline bool quantized_key_block(const StreamView& k, std::size_t a, std::size_t 
 }
 
 /// Quantized per-token value rows of the tile: [first, last).
-inline std::pair<std::size_t, std::size_t> quantized_value_rows(const StreamView& v, std::size_t a, std::size_t b) noexcept {
+inline std::pair<std::size_t, std::size_t> quantized_value_rows(const StreamView& v, std::size_t a,
+                                                                std::size_t b) noexcept {
   if (!v.quantized || v.spec.axis != Axis::per_token) return {a, a};
   const std::size_t first = std::max(a, v.first_quantized), last = std::min(b, v.end_quantized);
   return first < last ? std::pair{first, last} : std::pair{a, a};

@@ -63,7 +63,8 @@ struct VectorKernel {
   /// acc += w * row over n channels.
   static void add_scaled(float w, const float* row, float* acc, std::size_t n) noexcept {
     const typename Ops::Vec wv = Ops::set1(w);
-    for (std::size_t c = 0; c < n; c += width) Ops::store(acc + c, Ops::fma(wv, Ops::load(row + c), Ops::load(acc + c)));
+    for (std::size_t c = 0; c < n; c += width)
+      Ops::store(acc + c, Ops::fma(wv, Ops::load(row + c), Ops::load(acc + c)));
   }
 
   /// The codes of row p of a packed stream as floats: out (head_dim).
@@ -93,7 +94,8 @@ struct VectorKernel {
     const std::size_t dim = k.head_dim, pi = k.param_index(a), psize = size_of(k.spec.param);
     alignas(64) float scale[max_head_dim], zero[max_head_dim], row[max_head_dim];
     for (std::size_t c = 0; c < dim; ++c) {
-      const auto gp = reference::load_params(k.spec, k.scales + pi * psize, k.zeros == nullptr ? nullptr : k.zeros + pi * psize, c);
+      const auto gp =
+          reference::load_params(k.spec, k.scales + pi * psize, k.zeros == nullptr ? nullptr : k.zeros + pi * psize, c);
       scale[c] = gp.scale;
       zero[c] = gp.zero;
     }
@@ -125,13 +127,15 @@ struct VectorKernel {
 
   /// acc += w * value row p for every head, the row packed per token in groups of a multiple of
   /// the width: each group adds (w * scale) * code + w * zero, never a dequantized row.
-  static void add_packed_value_row(const DecodeTask& task, std::size_t p, const float* weights, std::size_t stride) noexcept {
+  static void add_packed_value_row(const DecodeTask& task, std::size_t p, const float* weights,
+                                   std::size_t stride) noexcept {
     const StreamView& v = task.values;
     const std::size_t dim = v.head_dim, group = v.spec.group, pi = v.param_index(p), psize = size_of(v.spec.param);
     alignas(64) float codes[max_head_dim];
     codes_of(v, p, codes);
     for (std::size_t g = 0; g * group < dim; ++g) {
-      const auto gp = reference::load_params(v.spec, v.scales + pi * psize, v.zeros == nullptr ? nullptr : v.zeros + pi * psize, g);
+      const auto gp =
+          reference::load_params(v.spec, v.scales + pi * psize, v.zeros == nullptr ? nullptr : v.zeros + pi * psize, g);
       const std::size_t end = std::min(dim, (g + 1) * group);
       for (std::size_t h = 0; h < task.group; ++h) {
         const float w = weights[h * stride];
@@ -158,8 +162,10 @@ struct VectorKernel {
         if (k.quantized && k.spec.axis == Axis::per_channel && s0 >= k.first_quantized && s0 < k.end_quantized)
           s1 = std::min(b, k.first_quantized + ((s0 - k.first_quantized) / k.spec.group + 1) * k.spec.group);
         if (quantized_key_block(k, s0, s1)) {
-          if (task.tier == Tier::integer && task.rope == nullptr) detail::integer_key_scores(task, s0, s1, a, scores);
-          else key_block_scores(task, s0, s1, a, scores);
+          if (task.tier == Tier::integer && task.rope == nullptr)
+            detail::integer_key_scores(task, s0, s1, a, scores);
+          else
+            key_block_scores(task, s0, s1, a, scores);
         } else {
           for (std::size_t p = s0; p < s1; ++p) {
             k.read_row(p, row);

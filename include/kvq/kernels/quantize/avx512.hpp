@@ -30,7 +30,9 @@
 namespace kvq::inline v0::kernels::avx512 {
 
 /// Per-token groups must be whole vectors; everything else is handled here.
-inline bool supports(const QuantizerSpec& spec) noexcept { return spec.axis == Axis::per_channel || spec.group % 16 == 0; }
+inline bool supports(const QuantizerSpec& spec) noexcept {
+  return spec.axis == Axis::per_channel || spec.group % 16 == 0;
+}
 
 KVQ_QUANT_INLINE inline __m512 round_to(Scalar s, __m512 v) noexcept {
   if (s == Scalar::f16) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -80,14 +82,14 @@ KVQ_QUANT_INLINE inline Params16 compute_params(const QuantizerSpec& spec, __m51
 
 /// Stores the lanes in m of scale (and zero, when the mode keeps one) at element `index`.
 KVQ_QUANT_INLINE inline void store_params(const QuantizerSpec& spec, void* scales, void* zeros, std::size_t index,
-                                           __m512 scale, __m512 zero, __mmask16 m) noexcept {
+                                          __m512 scale, __m512 zero, __mmask16 m) noexcept {
   store_params(spec.param, scales, index, scale, m);
   if (spec.mode == Mode::asymmetric) store_params(spec.param, zeros, index, zero, m);
 }
 
 /// Parameters of 16 groups from their ranges, rounded as stored, and stored.
-KVQ_QUANT_INLINE inline Params16 make_params(const QuantizerSpec& spec, __m512 lo, __m512 hi, void* scales,
-                                              void* zeros, std::size_t index, __mmask16 m) noexcept {
+KVQ_QUANT_INLINE inline Params16 make_params(const QuantizerSpec& spec, __m512 lo, __m512 hi, void* scales, void* zeros,
+                                             std::size_t index, __mmask16 m) noexcept {
   const Params16 p = compute_params(spec, lo, hi);
   store_params(spec, scales, zeros, index, p.scale, p.zero, m);
   return p;
@@ -96,7 +98,8 @@ KVQ_QUANT_INLINE inline Params16 make_params(const QuantizerSpec& spec, __m512 l
 /// codes (dim bytes) -> packed row; identical to pack_codes. Widths 2 and 4 combine neighbouring
 /// bytes with multiply-adds (c0 + 16 c1, then c0 + 4 c1 + 16 c2 + 64 c3); the others by pext,
 /// 8 codes -> `bits` bytes, gathered in a 64-bit register so every store is a whole word.
-KVQ_TARGET_AVX512 inline void pack_row(const std::uint8_t* codes, std::size_t dim, int bits, std::uint8_t* out) noexcept {
+KVQ_TARGET_AVX512 inline void pack_row(const std::uint8_t* codes, std::size_t dim, int bits,
+                                       std::uint8_t* out) noexcept {
   if (bits == 8) {
     std::memcpy(out, codes, dim);
     return;

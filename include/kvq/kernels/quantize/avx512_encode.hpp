@@ -74,8 +74,8 @@ KVQ_QUANT_INLINE inline void pack64(__m512i codes, int bits, std::uint8_t* out) 
 /// One row's codes, packed at out; params_of(c) gives the zero points and inverses of the 16
 /// channels from c (never straddling a group).
 template <Scalar In, class ParamsOf>
-KVQ_TARGET_AVX512 inline void encode_row(const QuantizerSpec& spec, const void* row, std::size_t dim, ParamsOf params_of,
-                                 std::uint8_t* out) noexcept {
+KVQ_TARGET_AVX512 inline void encode_row(const QuantizerSpec& spec, const void* row, std::size_t dim,
+                                         ParamsOf params_of, std::uint8_t* out) noexcept {
   const __m512 top = _mm512_set1_ps(float(spec.levels() - 1));
   const bool packs_in_register = spec.bits == 2 || spec.bits == 4 || spec.bits == 8;
   alignas(64) std::uint8_t codes[max_head_dim + 64];

@@ -25,8 +25,9 @@ namespace kvq::inline v0::kernels::avx512 {
 /// read in place) -> one parameter pair per channel and the packed code rows at out + r * row_bytes.
 template <Scalar In>
 KVQ_TARGET_AVX512 inline void quantize_block_per_channel(const QuantizerSpec& spec, const void* x, std::size_t rows,
-                                                         std::size_t dim, std::size_t x_stride, void* scales, void* zeros,
-                                                         std::uint8_t* out, std::size_t row_bytes) noexcept {
+                                                         std::size_t dim, std::size_t x_stride, void* scales,
+                                                         void* zeros, std::uint8_t* out,
+                                                         std::size_t row_bytes) noexcept {
   const auto row_at = [&](std::size_t r) { return static_cast<const std::uint8_t*>(x) + r * x_stride; };
   Params16 params[max_head_dim / 16];
   for (std::size_t c = 0, v = 0; c < dim; c += 16, ++v) {
@@ -40,7 +41,8 @@ KVQ_TARGET_AVX512 inline void quantize_block_per_channel(const QuantizerSpec& sp
     params[v] = make_params(spec, lo, hi, scales, zeros, c, m);
   }
   for (std::size_t r = 0; r < rows; ++r)
-    encode_row<In>(spec, row_at(r), dim, [&](std::size_t c) KVQ_TARGET_AVX512 { return params[c / 16]; }, out + r * row_bytes);
+    encode_row<In>(
+        spec, row_at(r), dim, [&](std::size_t c) KVQ_TARGET_AVX512 { return params[c / 16]; }, out + r * row_bytes);
 }
 
 /// The same with the storage type chosen at run time.

@@ -82,8 +82,9 @@ KVQ_TARGET_AVX512 inline void quantize_rows_per_token(const QuantizerSpec& spec,
         const std::size_t count = per_row - in_row < g0 + n - first ? per_row - in_row : g0 + n - first;
         __m512 scale = p.scale, zero_point = p.zero;
         if (first != g0) {
-          const __m512i shift = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                 _mm512_set1_epi32(int(first - g0)));
+          const __m512i shift =
+              _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                               _mm512_set1_epi32(int(first - g0)));
           scale = _mm512_permutexvar_ps(shift, scale);
           zero_point = _mm512_permutexvar_ps(shift, zero_point);
         }

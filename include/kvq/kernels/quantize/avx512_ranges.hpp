@@ -25,7 +25,8 @@ namespace kvq::inline v0::kernels::avx512 {
 /// Lane-wise min and max over the n >= 1 channels of one group starting at element c of row;
 /// lanes past the group repeat a member, so they never widen the range.
 template <Scalar In>
-KVQ_QUANT_INLINE inline void group_range(const void* row, std::size_t c, std::size_t n, __m512& lo, __m512& hi) noexcept {
+KVQ_QUANT_INLINE inline void group_range(const void* row, std::size_t c, std::size_t n, __m512& lo,
+                                         __m512& hi) noexcept {
   if (n < 16) {
     const __mmask16 m = __mmask16((1u << n) - 1u);
     const __m512 v = load16<In>(row, c, m);
@@ -89,7 +90,8 @@ KVQ_QUANT_INLINE inline __m512 reduce16(const __m512* v, Op op) noexcept {
 constexpr std::size_t slot_of(std::size_t g) noexcept { return 4 * (g % 4) + g / 4; }
 
 /// lo[slot_of(g)], hi[slot_of(g)] for 16 groups -> their minima and maxima, lane g for group g.
-KVQ_QUANT_INLINE inline void reduce_ranges16(const __m512* lo, const __m512* hi, __m512& min16, __m512& max16) noexcept {
+KVQ_QUANT_INLINE inline void reduce_ranges16(const __m512* lo, const __m512* hi, __m512& min16,
+                                             __m512& max16) noexcept {
   min16 = detail::reduce16(lo, detail::Min{});
   max16 = detail::reduce16(hi, detail::Max{});
 }

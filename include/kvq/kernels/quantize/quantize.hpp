@@ -29,7 +29,8 @@ inline void quantize_rows_per_token(const QuantizerSpec& spec, Scalar in, const 
                                     std::size_t param_stride, std::uint8_t* out, std::size_t out_stride) noexcept {
 #if defined(KVQ_HAVE_X86_KERNELS)
   if (isa::detected() == isa::Level::avx512 && avx512::supports(spec))
-    return avx512::quantize_rows_per_token(spec, in, x, rows, dim, x_stride, scales, zeros, param_stride, out, out_stride);
+    return avx512::quantize_rows_per_token(spec, in, x, rows, dim, x_stride, scales, zeros, param_stride, out,
+                                           out_stride);
 #endif
   float row[max_head_dim];
   for (std::size_t r = 0; r < rows; ++r) {
@@ -59,7 +60,8 @@ inline void quantize_block_per_channel(const QuantizerSpec& spec, Scalar in, con
   if (isa::detected() == isa::Level::avx512 && avx512::supports(spec))
     return avx512::quantize_block_per_channel(spec, in, x, rows, dim, x_stride, scales, zeros, out, row_bytes);
 #endif
-  for (std::size_t r = 0; r < rows; ++r) load_row(in, static_cast<const std::uint8_t*>(x) + r * x_stride, dim, scratch + r * dim);
+  for (std::size_t r = 0; r < rows; ++r)
+    load_row(in, static_cast<const std::uint8_t*>(x) + r * x_stride, dim, scratch + r * dim);
   reference::quantize_block_per_channel(spec, scratch, rows, dim, dim, scales, zeros, out, row_bytes);
 }
 

@@ -59,13 +59,15 @@ inline float inverse(float scale) noexcept { return scale >= std::numeric_limits
 inline float decode(const GroupParams& p, std::uint8_t code) noexcept { return p.zero + float(code) * p.scale; }
 
 /// Parameters as they were stored (reloaded from the parameter type).
-inline GroupParams load_params(const QuantizerSpec& spec, const void* scales, const void* zeros, std::size_t i) noexcept {
+inline GroupParams load_params(const QuantizerSpec& spec, const void* scales, const void* zeros,
+                               std::size_t i) noexcept {
   const float scale = load_scalar(spec.param, scales, i);
   if (spec.mode == Mode::asymmetric) return {scale, load_scalar(spec.param, zeros, i)};
   return {scale, -mid_code(spec) * scale};
 }
 
-inline void store_params(const QuantizerSpec& spec, void* scales, void* zeros, std::size_t i, const GroupParams& p) noexcept {
+inline void store_params(const QuantizerSpec& spec, void* scales, void* zeros, std::size_t i,
+                         const GroupParams& p) noexcept {
   store_scalar(spec.param, scales, i, p.scale);
   if (spec.mode == Mode::asymmetric) store_scalar(spec.param, zeros, i, p.zero);
 }
