@@ -204,6 +204,17 @@ int main(int argc, char** argv) {
       }
     }
   }
+  // Dense-and-sparse outliers (one per key group of 32 and per value group), on the kernel chosen
+  // for them (the vector kernel: the hand-tuned ones refuse them), 32K, one thread.
+  const Named sparse[] = {{"K4V2o1-post", "k4c32o1-v2t32o1-r128-s0-post"}, {"K4V2o1-pre", "k4c32o1-v2t32o1-r128-s0"}};
+  for (const Named& c : sparse)
+    for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer})
+      benchmark::RegisterBenchmark(
+          ("decode_outliers/" + std::string(c.name) + "/" + kvq::to_string(tier) + "/32768/threads:1").c_str(),
+          decode_step, std::string(c.config), tier, std::size_t(32768), std::size_t(1), std::string(), true,
+          std::size_t(0))
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
   // The integer tier without its outlier scan (DecodeOptions::guard_outliers), 32K, one thread:
   // what the scan costs, beside the default rows above.
   for (const Named& c : caches) {

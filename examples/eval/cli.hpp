@@ -76,8 +76,9 @@ usage: kvq-eval [options]
                        (affine, NormalFloat, Lloyd-Max, Hadamard; no model needed)
   --help               this text
 
-Configuration strings: k<bits><c|t><group>[s][.bf16|.f32]-v...-r<window>-s<sinks>[-post][-f32]
+Configuration strings: k<bits><c|t><group>[o<n>][s][.bf16|.f32]-v...-r<window>-s<sinks>[-post][-f32]
   c = per channel (one scale per channel per run of <group> tokens), t = per token,
+  o<n> = keep the n values of each group farthest out exact (dense-and-sparse outliers),
   s = symmetric, k16/v16 = unquantized, -post = the cache receives post-RoPE keys.
 
 Engine formats, simulated (each stored key and value quantized and dequantized as the engine

@@ -80,10 +80,11 @@ void check_case(const Case& c, unsigned seed) {
   for (const std::string& kernel : kernels()) {
     SCOPED_TRACE("kernel '" + kernel + "'");
     DecodeOptions o = options_for(kernel);
-    const bool accepted =
-        kernel.empty() || entry(kernel)->accepts(cache.keys(0, 0, 0), cache.values(0, 0, 0), c.group, rope);
+    const bool accepted = kernel.empty() || kvq::kernels::attention::kernel_takes(*entry(kernel), cache.keys(0, 0, 0),
+                                                                                  cache.values(0, 0, 0), c.group, rope);
     if (kernel == "avx2" || kernel == "vector-avx2") {
-      EXPECT_EQ(accepted, c.dim % 8 == 0);  // they take every head_dim that is a multiple of 8, and only those
+      // They take every head_dim that is a multiple of 8, and only those; the AVX2 kernel no outliers.
+      EXPECT_EQ(accepted, c.dim % 8 == 0 && (kernel == "vector-avx2" || cache.config().key.outliers == 0));
     }
     if (!accepted) {
       EXPECT_THROW(run(cache, c, q, o), kvq::Error);  // named, but not for this shape
@@ -106,7 +107,10 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
         // unquantized caches on the dense kernel (fp16 and fp32, with sinks)
         "k16-v16-r0-s0-post", "k16-v16-r0-s3-post-f32",
         // integer kernel: K2 with V4 and V8, K8 with V2
-        "k2c32-v8t32-r16-s0-post", "k8c32-v2t32-r16-s1-post", "k4c64-v2t32-r16-s1-post", "k4c16-v4t32-r16-s0-post"}) {
+        "k2c32-v8t32-r16-s0-post", "k8c32-v2t32-r16-s1-post", "k4c64-v2t32-r16-s1-post", "k4c16-v4t32-r16-s0-post",
+        // dense-and-sparse outliers: keys before and after RoPE, values per token and per channel
+        "k3c32o1-v2t32o1-r40-s1", "k4c32o2-v4t32o1-r16-s0-post", "k2c32o1-v2t32o2s-r8-s2-post",
+        "k3c16o1-v3c32o1-r16-s1"}) {
     for (const auto& [kv, group] : {std::pair<std::size_t, std::size_t>{2, 1}, {1, 4}, {2, 8}}) {
       for (const std::size_t dim : {64, 128}) {
         check_case({config, kv, group, dim, 301, 300}, seed++);

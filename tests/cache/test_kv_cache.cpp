@@ -118,8 +118,8 @@ TEST(KVCacheWindow, ZeroWindowQuantizesEveryCompleteGroupAtOnce) {
 }
 
 TEST(KVCacheChunking, StorageIsByteIdenticalHoweverTokensArrive) {
-  for (const char* text :
-       {"k4c32-v2t32-r20-s3", "k3c8-v5t16-r0-s0", "k2t32-v2c32-r7-s1", "k8c16s-v4t64s-r33-s2-bf16"}) {
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k3c8-v5t16-r0-s0", "k2t32-v2c32-r7-s1", "k8c16s-v4t64s-r33-s2-bf16",
+                           "k3c32o1-v4t16o2-r20-s3"}) {
     const CacheShape shape{2, 2, 64, 300};
     const std::size_t n = 257, row = 2 * 64;
     const auto k = kvq::test::outlier_keys(n, 2, 64, 3, 8.0f, 5), v = kvq::test::normal_vector(n * row, 6);
@@ -283,7 +283,7 @@ std::vector<float> attend(const BasicKVCache& c, std::size_t layer, kvq::Tier ti
 TEST(KVCacheOperations, EraseMovesLaterTokensDownUnchanged) {
   std::size_t compared_with_fresh = 0;
   for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4c16-r0-s0", "k16-v16-r0-s2", "k8c16-v4t64s-r33-s2-bf16",
-                           "k4c32-v2t32-r128-s1", "k3c32-v3t16-r8-s1"}) {
+                           "k4c32-v2t32-r128-s1", "k3c32-v3t16-r8-s1", "k3c32o1-v2t16o1-r8-s1"}) {
     const CacheConfig config = config_of(text);
     const CacheShape shape{2, 2, 64, 400};
     const std::size_t n = 300, row = 2 * 64, s = config.sinks;
@@ -385,7 +385,7 @@ TEST(KVCacheRollback, RandomRollbacksEqualAFreshCache) {
   std::size_t rollbacks = 0, reopened = 0;
   for (const char* text :
        {"k4c32-v2t32-r20-s3", "k2c16-v4c16-r0-s0", "k16-v16-r0-s2", "k8c16-v4t32s-r33-s2-bf16", "k3c8-v5t16-r5-s0-d5",
-        "k2t32-v2c32-r7-s1-d40", "k4c8-v2t8-r8-s0-d1", "k4c32-v2t32-r128-s1"}) {
+        "k2t32-v2c32-r7-s1-d40", "k4c8-v2t8-r8-s0-d1", "k4c32-v2t32-r128-s1", "k3c8o1-v4t8o1-r5-s0-d5"}) {
     const CacheConfig config = config_of(text);
     const std::size_t D = config.rollback_depth, dim = 32, heads = 2, row = heads * dim, capacity = 400;
     const CacheShape shape{2, heads, dim, capacity};

@@ -461,6 +461,10 @@ class BasicKVCache {
         v.codes = block;
         v.scales = block + lay.block_scale_offset;
         v.zeros = lay.spec.has_zero_point() ? block + lay.block_zero_offset : nullptr;
+        if (lay.spec.outliers > 0) {
+          v.outlier_slots = reinterpret_cast<const std::uint16_t*>(block + lay.block_slot_offset);
+          v.outlier_corrections = block + lay.block_correction_offset;
+        }
       }
       v.ring = own + lay.ring_offset;
       v.ring_rows = lay.ring_rows;
@@ -609,6 +613,15 @@ class BasicKVCache {
     std::uint8_t* block = section(t, layer, head, row / block_rows_);
     const std::size_t offset = param_offset(lay, row % block_rows_);
     return {block + lay.block_scale_offset + offset, block + lay.block_zero_offset + offset};
+  }
+  /// The outlier entries of packed row `row`'s first parameter pair.
+  kernels::reference::Outliers outliers_of(Tensor t, std::size_t layer, std::size_t head, std::size_t row) noexcept {
+    const StreamLayout& lay = layouts_[index(t)];
+    if (lay.spec.outliers == 0) return {};
+    std::uint8_t* block = section(t, layer, head, row / block_rows_);
+    const std::size_t entry = param_offset(lay, row % block_rows_) / size_of(lay.spec.param) * lay.spec.outliers;
+    return {reinterpret_cast<std::uint16_t*>(block + lay.block_slot_offset) + entry,
+            block + lay.block_correction_offset + entry * size_of(lay.spec.param)};
   }
   bool in_blocks(std::size_t layer, std::size_t row) const noexcept {
     return row / block_rows_ < tables_[layer].size();
@@ -770,7 +783,13 @@ class BasicKVCache {
     // Every value reaching a group is stored in the residual type first, so a group spanning
     // that type's whole range bounds them all (true for f16 storage with 2+ bit f16 params).
     const float most = max_finite(lay.residual);
-    if (kernels::reference::representable(kernels::reference::make_params(spec, -most, most))) return;
+    // An outlier's correction is at most the group's span (both the value and its decoding lie in it).
+    auto corrections_fit = [&](float lo, float hi) {
+      return spec.outliers == 0 || std::isfinite(round_to(spec.param, (hi - lo) * 1.001f));
+    };
+    if (kernels::reference::representable(kernels::reference::make_params(spec, -most, most)) &&
+        corrections_fit(-most, most))
+      return;
     const std::size_t dim = shape_.head_dim;
     float row[max_head_dim], scratch[max_head_dim];
     for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
@@ -780,6 +799,11 @@ class BasicKVCache {
         load_row(lay.residual, scratch, dim, row);
       };
       auto check = [&](float lo, float hi, std::size_t p, std::size_t channel) {
+        if (!corrections_fit(lo, hi))
+          throw Error(ErrorCode::unrepresentable,
+                      where(t, layer, h, p) + ", channel " + std::to_string(channel) + ": the group spanning [" +
+                          std::to_string(lo) + ", " + std::to_string(hi) + "] may need an outlier correction beyond " +
+                          to_string(spec.param) + "'s range of " + std::to_string(max_finite(spec.param)));
         if (kernels::reference::representable(kernels::reference::make_params(spec, lo, hi))) return;
         throw Error(ErrorCode::unrepresentable,
                     where(t, layer, h, p) + ", channel " + std::to_string(channel) + ": the group spanning [" +
@@ -864,6 +888,10 @@ class BasicKVCache {
       const auto [scales, zeros] = params_of(t, layer, head, r);
       std::memset(scales, 0, param_bytes);
       if (lay.spec.has_zero_point()) std::memset(zeros, 0, param_bytes);
+      if (const auto o = outliers_of(t, layer, head, r); o.slots != nullptr) {
+        std::memset(o.slots, 0, param_bytes / size_of(lay.spec.param) * lay.spec.outliers * 2);
+        std::memset(o.corrections, 0, param_bytes * lay.spec.outliers);
+      }
       r += n;
     }
   }
@@ -935,6 +963,12 @@ class BasicKVCache {
         const auto [from_scales, from_zeros] = params_of(t, layer, head, from);
         std::memmove(to_scales, from_scales, param_offset(lay, n));
         if (lay.spec.has_zero_point()) std::memmove(to_zeros, from_zeros, param_offset(lay, n));
+        if (lay.spec.outliers > 0) {
+          const auto to_o = outliers_of(t, layer, head, to), from_o = outliers_of(t, layer, head, from);
+          const std::size_t entries = param_offset(lay, n) / size_of(lay.spec.param) * lay.spec.outliers;
+          std::memmove(to_o.slots, from_o.slots, entries * 2);
+          std::memmove(to_o.corrections, from_o.corrections, entries * size_of(lay.spec.param));
+        }
         from += n, to += n, left -= n;
       }
     }
@@ -970,7 +1004,8 @@ class BasicKVCache {
         const auto [scales, zeros] = params_of(t, layer, 0, q - lay.sinks);
         kernels::quantize_rows_per_token(lay.spec, lay.residual, ring_row(t, layer, 0, q), shape_.kv_heads, dim,
                                          head_bytes_, scales, zeros, block_head_bytes_,
-                                         code_row(t, layer, 0, q - lay.sinks), block_head_bytes_);
+                                         code_row(t, layer, 0, q - lay.sinks), block_head_bytes_,
+                                         outliers_of(t, layer, 0, q - lay.sinks));
       }
       keep_rows(t, layer, begin, end);
       return;
@@ -986,7 +1021,8 @@ class BasicKVCache {
       const auto [scales, zeros] = params_of(t, layer, h, row0);
       if (contiguous) {
         kernels::quantize_block_per_channel(lay.spec, lay.residual, ring + first_slot * row_bytes, end - begin, dim,
-                                            row_bytes, scales, zeros, codes, lay.row_bytes, scratch);
+                                            row_bytes, scales, zeros, codes, lay.row_bytes, scratch,
+                                            outliers_of(t, layer, h, row0));
         continue;
       }
       float* rows = scratch;
@@ -994,7 +1030,8 @@ class BasicKVCache {
         const std::uint8_t* src = ring + (q - lay.sinks) % lay.ring_rows * row_bytes;
         load_row(lay.residual, src, dim, rows + (q - begin) * dim);
       }
-      kernels::quantize_block_per_channel(lay.spec, rows, end - begin, dim, dim, scales, zeros, codes, lay.row_bytes);
+      kernels::quantize_block_per_channel(lay.spec, rows, end - begin, dim, dim, scales, zeros, codes, lay.row_bytes,
+                                          outliers_of(t, layer, h, row0));
     }
     keep_rows(t, layer, begin, end);
   }

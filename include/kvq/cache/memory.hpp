@@ -1,6 +1,6 @@
 #pragma once
 // Memory accounting: what a cache holds, split by kind, and bits per value with every scale,
-// zero point and full-precision token counted.
+// zero point, outlier and full-precision token counted.
 
 #include <cstddef>
 
@@ -10,7 +10,7 @@ namespace kvq::inline v0 {
 
 struct MemoryUsage {
   std::size_t code_bytes = 0;      // packed codes
-  std::size_t param_bytes = 0;     // scales and zero points
+  std::size_t param_bytes = 0;     // scales and zero points, and outliers' slots and corrections
   std::size_t residual_bytes = 0;  // sink and window tokens in the residual type
   std::size_t values = 0;          // K and V elements represented
 
@@ -38,7 +38,8 @@ inline MemoryUsage stream_usage(const StreamLayout& layout, std::size_t length, 
     const std::size_t pairs = layout.spec.axis == Axis::per_channel
                                   ? quantized_rows / layout.spec.group * layout.head_dim
                                   : quantized_rows * groups_per_row(layout.spec, layout.head_dim);
-    u.param_bytes = pairs * size_of(layout.spec.param) * (layout.spec.has_zero_point() ? 2 : 1);
+    u.param_bytes = pairs * (size_of(layout.spec.param) * (layout.spec.has_zero_point() ? 2 : 1) +
+                             layout.spec.outliers * (2 + size_of(layout.spec.param)));
   }
   u.residual_bytes = (length - quantized_rows) * layout.head_dim * size_of(layout.residual);
   u.values = length * layout.head_dim;

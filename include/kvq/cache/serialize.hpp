@@ -97,6 +97,10 @@ struct CacheAccess {
   static const StreamLayout& layout(const BasicKVCache& c, Tensor t) { return c.layouts_[BasicKVCache::index(t)]; }
   static std::size_t row(const StreamLayout& lay) { return BasicKVCache::row_size(lay); }
   static std::size_t params(const StreamLayout& lay, std::size_t rows) { return BasicKVCache::param_offset(lay, rows); }
+  /// Bytes of the outlier entries (slots, then corrections) of `rows` packed rows.
+  static std::size_t outlier_bytes(const StreamLayout& lay, std::size_t rows) {
+    return params(lay, rows) / size_of(lay.spec.param) * lay.spec.outliers * (2 + size_of(lay.spec.param));
+  }
 
   static LayerState state(const BasicKVCache& c, std::size_t layer) {
     LayerState s;
@@ -126,7 +130,8 @@ struct CacheAccess {
     const std::size_t ring = n > first && (pieces == Pieces::all || lay.quantized) ? n - first : 0;
     const std::size_t own = (std::min(lay.sinks, n) + ring + (end - kept)) * row(lay);
     if (pieces == Pieces::own) return own;
-    return own + packed * lay.row_bytes + params(lay, packed) * (lay.spec.has_zero_point() ? 2 : 1);
+    return own + packed * lay.row_bytes + params(lay, packed) * (lay.spec.has_zero_point() ? 2 : 1) +
+           outlier_bytes(lay, packed);
   }
 
   static std::size_t layer_bytes(const BasicKVCache& c, const LayerState& s, Pieces pieces = Pieces::all) {
@@ -206,7 +211,8 @@ struct CacheAccess {
   /// Calls visit(pointer, bytes) for every piece of one layer section, in file order: the
   /// pieces of `c` (const to save, mutable to restore) in state `s`.
   /// Packed rows [0, packed) of one stream are in blocks: the file holds all their codes, then all
-  /// scales, then all zero points, each visited by runs within one block. Pieces::own skips
+  /// scales, then all zero points, then the outliers' slots and corrections, each visited by runs
+  /// within one block. Pieces::own skips
   /// whatever lives in blocks (those and the rows of an unquantized stream).
   template <class Cache, class Visit>
   static void visit_pieces(Cache& c, std::size_t layer, const LayerState& s, Visit&& visit,
@@ -223,16 +229,23 @@ struct CacheAccess {
         visit(static_cast<Byte*>(cache.own_base(t, layer, h)) + lay.sink_offset, std::min(lay.sinks, length) * r);
         if (pieces == Pieces::all || lay.quantized)
           for (std::size_t p = first; p < length; ++p) visit(static_cast<Byte*>(cache.ring_row(t, layer, h, p)), r);
-        for (const int part : {0, 1, 2}) {  // codes, scales, zero points
+        for (const int part : {0, 1, 2, 3, 4}) {  // codes, scales, zero points, outlier slots and corrections
           if (pieces == Pieces::own) break;
-          if (part == 2 && !lay.spec.has_zero_point()) break;
+          if ((part == 2 && !lay.spec.has_zero_point()) || (part >= 3 && lay.spec.outliers == 0)) continue;
           for (std::size_t a = 0; a < packed;) {
             const std::size_t n = std::min(packed - a, block - a % block);
-            if (part == 0)
+            const std::size_t entries = params(lay, n) / size_of(lay.spec.param) * lay.spec.outliers;
+            if (part == 0) {
               visit(static_cast<Byte*>(cache.code_row(t, layer, h, a)), n * lay.row_bytes);
-            else {
+            } else if (part <= 2) {
               const auto [scales, zeros] = cache.params_of(t, layer, h, a);
               visit(static_cast<Byte*>(part == 1 ? scales : zeros), params(lay, n));
+            } else {
+              const auto o = cache.outliers_of(t, layer, h, a);
+              if (part == 3)
+                visit(reinterpret_cast<Byte*>(o.slots), entries * 2);
+              else
+                visit(static_cast<Byte*>(o.corrections), entries * size_of(lay.spec.param));
             }
             a += n;
           }

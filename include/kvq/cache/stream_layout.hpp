@@ -69,8 +69,10 @@ struct StreamLayout {
   // The stream's own memory, per (layer, KV head): sink rows, then the ring of a quantized stream.
   std::size_t sink_offset = 0, ring_offset = 0, bytes = 0;
   // Its part of a block of block_rows positions (from sinks + k * block_rows): packed codes, then
-  // scales and zero points for those rows; or, unquantized, the rows in the residual type.
+  // scales and zero points for those rows, then their outliers' slots and corrections; or,
+  // unquantized, the rows in the residual type.
   std::size_t block_rows = 0, block_scale_offset = 0, block_zero_offset = 0, block_bytes = 0;
+  std::size_t block_slot_offset = 0, block_correction_offset = 0;
 
   static constexpr std::size_t align(std::size_t n) noexcept { return (n + 63) / 64 * 64; }
 
@@ -110,7 +112,9 @@ struct StreamLayout {
       const std::size_t param_bytes = params_before(block_rows) * size_of(spec.param);
       block_scale_offset = align(block_rows * row_bytes);
       block_zero_offset = block_scale_offset + align(param_bytes);
-      block_bytes = block_zero_offset + (spec.has_zero_point() ? align(param_bytes) : 0);
+      block_slot_offset = block_zero_offset + (spec.has_zero_point() ? align(param_bytes) : 0);
+      block_correction_offset = block_slot_offset + align(param_bytes / size_of(spec.param) * spec.outliers * 2);
+      block_bytes = block_correction_offset + align(param_bytes * spec.outliers);
     } else {
       block_bytes = align(block_rows * residual_row);
     }

@@ -31,6 +31,9 @@ struct StreamView {
   std::size_t row_bytes = 0;
   const std::uint8_t* scales = nullptr;  // per-channel: (blocks, head_dim); per-token: (rows, groups_per_row)
   const std::uint8_t* zeros = nullptr;   // same shape as scales; unused when symmetric
+  // spec.outliers entries per parameter pair, in the pairs' order (kernels/quantize/reference.hpp)
+  const std::uint16_t* outlier_slots = nullptr;
+  const std::uint8_t* outlier_corrections = nullptr;  // parameter type
 
   const std::uint8_t* ring = nullptr;  // (ring_rows, head_dim) residual type
   std::size_t ring_rows = 0;
@@ -66,10 +69,13 @@ struct StreamView {
     const std::size_t param_bytes = size_of(spec.param);
     const std::uint8_t* s = scales + p * param_bytes;
     const std::uint8_t* z = zeros == nullptr ? nullptr : zeros + p * param_bytes;
+    const kernels::reference::ConstOutliers o{outlier_slots + p * spec.outliers,
+                                              outlier_corrections + p * spec.outliers * param_bytes};
     if (spec.axis == Axis::per_channel)
-      kernels::reference::dequantize_row_per_channel(spec, code_row(position), head_dim, s, z, out);
+      kernels::reference::dequantize_row_per_channel(spec, code_row(position), head_dim, s, z, out,
+                                                     (position - first_quantized) % spec.group, o);
     else
-      kernels::reference::dequantize_row_per_token(spec, code_row(position), head_dim, s, z, out);
+      kernels::reference::dequantize_row_per_token(spec, code_row(position), head_dim, s, z, out, o);
   }
 };
 

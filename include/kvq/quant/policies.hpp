@@ -20,10 +20,12 @@ concept Quantizer = requires {
 };
 
 namespace detail {
-template <int Bits, std::size_t Group, class Param>
+template <int Bits, std::size_t Group, class Param, std::size_t Outliers = 0>
 consteval bool check_quantizer() {
   static_assert(Bits >= 1 && Bits <= 8, "a quantizer's bit width must be between 1 and 8");
   static_assert(Group >= 1, "a quantizer's group must hold at least one element");
+  static_assert(Outliers == 0 || (Outliers < Group && Outliers <= max_outliers),
+                "a quantizer keeps fewer outliers per group than the group holds, and at most max_outliers");
   static_assert(std::same_as<Param, fp16> || std::same_as<Param, bf16> || std::same_as<Param, float>,
                 "scales and zero points are stored as fp16, bf16 or float");
   return true;
@@ -31,28 +33,30 @@ consteval bool check_quantizer() {
 }  // namespace detail
 
 /// Keys: one scale and zero point per channel per run of `Group` consecutive tokens (KIVI).
-template <int Bits, std::size_t Group, Mode M = Mode::asymmetric, class Param = fp16>
+template <int Bits, std::size_t Group, Mode M = Mode::asymmetric, class Param = fp16, std::size_t Outliers = 0>
 struct PerChannel {
-  static_assert(detail::check_quantizer<Bits, Group, Param>());
+  static_assert(detail::check_quantizer<Bits, Group, Param, Outliers>());
   static constexpr int bits = Bits;
   static constexpr std::size_t group_size = Group;
   static constexpr Axis axis = Axis::per_channel;
   static constexpr Mode mode = M;
   using param_type = Param;
-  static constexpr QuantizerSpec spec{Bits, Group, Axis::per_channel, M, scalar_of<Param>};
+  static constexpr std::size_t outliers = Outliers;
+  static constexpr QuantizerSpec spec{Bits, Group, Axis::per_channel, M, scalar_of<Param>, Outliers};
 };
 
 /// Values: one scale and zero point per `Group` consecutive channels of one token.
 /// `Group` equal to the head dimension means one pair per token and head.
-template <int Bits, std::size_t Group, Mode M = Mode::asymmetric, class Param = fp16>
+template <int Bits, std::size_t Group, Mode M = Mode::asymmetric, class Param = fp16, std::size_t Outliers = 0>
 struct PerToken {
-  static_assert(detail::check_quantizer<Bits, Group, Param>());
+  static_assert(detail::check_quantizer<Bits, Group, Param, Outliers>());
   static constexpr int bits = Bits;
   static constexpr std::size_t group_size = Group;
   static constexpr Axis axis = Axis::per_token;
   static constexpr Mode mode = M;
   using param_type = Param;
-  static constexpr QuantizerSpec spec{Bits, Group, Axis::per_token, M, scalar_of<Param>};
+  static constexpr std::size_t outliers = Outliers;
+  static constexpr QuantizerSpec spec{Bits, Group, Axis::per_token, M, scalar_of<Param>, Outliers};
 };
 
 }  // namespace kvq::inline v0

@@ -35,12 +35,18 @@ inline constexpr std::size_t max_head_dim = 1024;
 /// group x head_dim floats, so the group bounds that allocation (16 MiB at the limits).
 inline constexpr std::size_t max_group_tokens = 4096;
 
+/// Most values per group a quantizer keeps exact (dense-and-sparse outliers).
+inline constexpr std::size_t max_outliers = 64;
+
 struct QuantizerSpec {
   int bits = 4;
   std::size_t group = 32;
   Axis axis = Axis::per_token;
   Mode mode = Mode::asymmetric;
   Scalar param = Scalar::f16;
+  /// Dense-and-sparse (KVQuant): the `outliers` values of each group farthest out are left out
+  /// of its range and stored as corrections (kernels/quantize/reference.hpp defines which).
+  std::size_t outliers = 0;
 
   constexpr int levels() const noexcept { return 1 << bits; }
   constexpr bool has_zero_point() const noexcept { return mode == Mode::asymmetric; }
@@ -63,6 +69,10 @@ inline void validate(const QuantizerSpec& spec, std::string_view what) {
   if (spec.axis == Axis::per_channel && spec.group > max_group_tokens)
     throw Error(ErrorCode::invalid_argument, prefix + "a per-channel group of " + std::to_string(spec.group) +
                                                  " tokens exceeds the limit of " + std::to_string(max_group_tokens));
+  if (spec.outliers > max_outliers || (spec.outliers > 0 && spec.outliers >= spec.group))
+    throw Error(ErrorCode::invalid_argument,
+                prefix + std::to_string(spec.outliers) + " outliers per group must be fewer than the group's " +
+                    std::to_string(spec.group) + " values and at most " + std::to_string(max_outliers));
 }
 
 /// Throws if the spec cannot be used with vectors of `head_dim` channels.
@@ -75,6 +85,10 @@ inline void validate(const QuantizerSpec& spec, std::size_t head_dim, std::strin
   if (spec.axis == Axis::per_token && spec.group > head_dim)
     throw Error(ErrorCode::invalid_argument, prefix + "a per-token group of " + std::to_string(spec.group) +
                                                  " channels exceeds head_dim " + std::to_string(head_dim));
+  if (spec.axis == Axis::per_token && spec.outliers > 0 && head_dim % spec.group != 0)
+    throw Error(ErrorCode::invalid_argument, prefix + "outliers need per-token groups that divide head_dim " +
+                                                 std::to_string(head_dim) + " (group " + std::to_string(spec.group) +
+                                                 ")");
 }
 
 /// Parameter pairs per token row for per-token specs (the last group may be shorter).
@@ -83,12 +97,14 @@ constexpr std::size_t groups_per_row(const QuantizerSpec& spec, std::size_t head
 }
 
 /// "k4c32": tensor letter, bits, axis letter (c per channel, t per token), group; then optional
-/// "s" for symmetric and ".bf16" / ".f32" for the parameter type (default asymmetric, f16).
+/// "o<n>" for n outliers per group, "s" for symmetric and ".bf16" / ".f32" for the parameter type
+/// (default no outliers, asymmetric, f16).
 inline std::string to_string(const QuantizerSpec& spec, char tensor) {
   std::string s(1, tensor);
   s += std::to_string(spec.bits);
   s += spec.axis == Axis::per_channel ? 'c' : 't';
   s += std::to_string(spec.group);
+  if (spec.outliers > 0) s += 'o' + std::to_string(spec.outliers);
   if (spec.mode == Mode::symmetric) s += 's';
   if (spec.param != Scalar::f16) s += std::string(".") + to_string(spec.param);
   return s;
@@ -116,7 +132,8 @@ inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
   const std::string original(text);
   auto fail = [&](const std::string& why) -> QuantizerSpec {
     throw Error(ErrorCode::invalid_argument, "quantizer '" + original + "': " + why + " (expected e.g. " + tensor +
-                                                 "4c32, " + tensor + "2t64s, " + tensor + "8t128.bf16)");
+                                                 "4c32, " + tensor + "2t64s, " + tensor + "3c32o1, " + tensor +
+                                                 "8t128.bf16)");
   };
   QuantizerSpec spec;
   if (text.empty() || text.front() != tensor) return fail(std::string("must start with '") + tensor + "'");
@@ -130,6 +147,12 @@ inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
   if (!detail::parse_size(text, spec.group) || spec.group == 0) return fail("group size must be a positive number");
   if (spec.axis == Axis::per_channel && spec.group > max_group_tokens)
     return fail("a per-channel group may hold at most " + std::to_string(max_group_tokens) + " tokens");
+  if (!text.empty() && text.front() == 'o') {
+    text.remove_prefix(1);
+    if (!detail::parse_size(text, spec.outliers) || spec.outliers == 0 || spec.outliers > max_outliers ||
+        spec.outliers >= spec.group)
+      return fail("outliers per group must be 1.." + std::to_string(max_outliers) + " and fewer than the group");
+  }
   if (!text.empty() && text.front() == 's') {
     spec.mode = Mode::symmetric;
     text.remove_prefix(1);

@@ -21,6 +21,8 @@
 //            b * sum(wq * (code - mid)) + sum(p * (zero + mid * scale)), mid = (2^bits - 1) / 2. Everything else is
 //            computed as in the exact tier.
 // The x86 kernels implement the same definitions (up to exp() rounding and rounding ties).
+// Caches with dense-and-sparse outliers (QuantizerSpec::outliers) run the exact tier for both:
+// no integer path reads the outliers' corrections.
 
 #include <algorithm>
 #include <cmath>
@@ -41,6 +43,9 @@ namespace kvq::inline v0::kernels::attention {
 inline constexpr std::size_t max_tile = max_tile_tokens;
 /// Most query heads per KV head (GQA ratio) the kernels accept.
 inline constexpr std::size_t max_group = 64;
+
+/// Whether a stream keeps dense-and-sparse outliers (only the vector kernel reads them).
+inline bool has_outliers(const StreamView& s) noexcept { return s.quantized && s.spec.outliers > 0; }
 
 /// One unit of decode work: the query heads of one KV head over positions [begin, end).
 struct DecodeTask {

@@ -10,7 +10,9 @@
 // row by row and rotated (pre-RoPE); other rows are read through StreamView::read_row. Each row
 // is dotted with every query head of the GQA group. Values packed per token add
 // (p * scale) * code + p * zero per group; other rows are read whole. The integer tier's
-// quantized blocks use task.hpp's definitions as they stand.
+// quantized blocks use task.hpp's definitions as they stand. Dense-and-sparse outliers add their
+// corrections: q . e to a key's score (post-RoPE), e to a dequantized key row before rotation
+// (pre-RoPE), p * e to a value channel; caches with them run the exact tier for both tiers.
 
 #include <algorithm>
 #include <cstddef>
@@ -73,10 +75,14 @@ struct VectorKernel {
     const std::size_t n = s.head_dim;
     if (s.spec.bits == 8) {
       for (std::size_t c = 0; c < n; ++c) out[c] = float(in[c]);
-    } else if (s.spec.bits == 4) {
-      for (std::size_t c = 0; c < n; ++c) out[c] = float((in[c / 2] >> (c % 2 * 4)) & 15u);
-    } else if (s.spec.bits == 2) {
-      for (std::size_t c = 0; c < n; ++c) out[c] = float((in[c / 4] >> (c % 4 * 2)) & 3u);
+    } else if (s.spec.bits == 4 && n % 2 == 0) {  // byte by byte, constant shifts: the loops vectorize
+      for (std::size_t i = 0; i < n / 2; ++i) {
+        out[2 * i] = float(in[i] & 15u);
+        out[2 * i + 1] = float(in[i] >> 4);
+      }
+    } else if (s.spec.bits == 2 && n % 4 == 0) {
+      for (std::size_t i = 0; i < n / 4; ++i)
+        for (unsigned k = 0; k < 4; ++k) out[4 * i + k] = float((in[i] >> (2 * k)) & 3u);
     } else {
       std::uint8_t codes[max_head_dim];
       unpack_codes(in, n, s.spec.bits, codes);
@@ -100,10 +106,14 @@ struct VectorKernel {
       zero[c] = gp.zero;
     }
     if (task.rope != nullptr) {
+      const std::size_t n = k.spec.outliers, group_start = a - (a - k.first_quantized) % k.spec.group;
       for (std::size_t p = a; p < b; ++p) {
         codes_of(k, p, row);
         for (std::size_t c = 0; c < dim; c += width)
           Ops::store(row + c, Ops::fma(Ops::load(scale + c), Ops::load(row + c), Ops::load(zero + c)));
+        for (std::size_t e = pi * n; e < (pi + dim) * n; ++e)
+          if (group_start + k.outlier_slots[e] == p)
+            row[(e - pi * n) / n] += load_scalar(k.spec.param, k.outlier_corrections, e);
         task.rope->rotate_unscaled(row, p);
         for (std::size_t h = 0; h < task.group; ++h) scores[h][p - tile] = dot(task.queries + h * dim, row, dim);
       }
@@ -122,6 +132,34 @@ struct VectorKernel {
         codes_of(k, p, row);
         for (std::size_t h = 0; h < heads; ++h) scores[h0 + h][p - tile] = bias[h] + dot(folded[h], row, dim);
       }
+    }
+  }
+
+  /// Dense-and-sparse keys: the scores of rows [a, b) of a packed per-channel block (post-RoPE)
+  /// gain q . e for each outlier's correction e.
+  static void add_key_outliers(const DecodeTask& task, std::size_t a, std::size_t b, std::size_t tile,
+                               float (*scores)[max_tile]) noexcept {
+    const StreamView& k = task.keys;
+    const std::size_t n = k.spec.outliers, dim = k.head_dim, first = k.param_index(a) * n;
+    const std::size_t group_start = a - (a - k.first_quantized) % k.spec.group;
+    for (std::size_t e = first; e < first + dim * n; ++e) {
+      const std::size_t row = group_start + k.outlier_slots[e];
+      if (row < a || row >= b) continue;
+      const float correction = load_scalar(k.spec.param, k.outlier_corrections, e);
+      const float* q = task.queries + (e - first) / n;
+      for (std::size_t h = 0; h < task.group; ++h) scores[h][row - tile] += q[h * dim] * correction;
+    }
+  }
+
+  /// Dense-and-sparse values: acc += w * e at each outlier of packed per-token row p.
+  static void add_value_outliers(const DecodeTask& task, std::size_t p, const float* weights,
+                                 std::size_t stride) noexcept {
+    const StreamView& v = task.values;
+    const std::size_t n = v.spec.outliers, dim = v.head_dim, first = v.param_index(p) * n;
+    for (std::size_t e = first; e < first + groups_per_row(v.spec, dim) * n; ++e) {
+      const std::size_t c = (e - first) / n * v.spec.group + v.outlier_slots[e];
+      const float correction = load_scalar(v.spec.param, v.outlier_corrections, e);
+      for (std::size_t h = 0; h < task.group; ++h) task.acc[h * dim + c] += weights[h * stride] * correction;
     }
   }
 
@@ -154,6 +192,7 @@ struct VectorKernel {
     float scores[max_group][max_tile];
     alignas(64) float row[max_head_dim];
     const bool packed_values = v.quantized && v.spec.axis == Axis::per_token && v.spec.group % width == 0;
+    const bool integer = task.tier == Tier::integer && !has_outliers(k) && !has_outliers(v);
     for (std::size_t a = task.begin; a < task.end;) {
       const std::size_t b = tile_end(k, a, task.end), n = b - a;
       // Keys block by block (a tile holds whole key blocks when keys are quantized per channel).
@@ -162,10 +201,11 @@ struct VectorKernel {
         if (k.quantized && k.spec.axis == Axis::per_channel && s0 >= k.first_quantized && s0 < k.end_quantized)
           s1 = std::min(b, k.first_quantized + ((s0 - k.first_quantized) / k.spec.group + 1) * k.spec.group);
         if (quantized_key_block(k, s0, s1)) {
-          if (task.tier == Tier::integer && task.rope == nullptr)
+          if (integer && task.rope == nullptr)
             detail::integer_key_scores(task, s0, s1, a, scores);
           else
             key_block_scores(task, s0, s1, a, scores);
+          if (has_outliers(k) && task.rope == nullptr) add_key_outliers(task, s0, s1, a, scores);
         } else {
           for (std::size_t p = s0; p < s1; ++p) {
             k.read_row(p, row);
@@ -179,12 +219,13 @@ struct VectorKernel {
         cap_scores(scores[h], n, task.softcap);
         softmax_update(scores[h], n, task.max[h], task.sum[h], task.acc + h * dim, dim);
       }
-      const auto [qa, qb] = task.tier == Tier::integer ? quantized_value_rows(v, a, b) : std::pair{a, a};
+      const auto [qa, qb] = integer ? quantized_value_rows(v, a, b) : std::pair{a, a};
       if (qa < qb) detail::integer_values(task, a, qa, qb, scores);
       for (std::size_t p = a; p < b; ++p) {
         if (p >= qa && p < qb) continue;
         if (packed_values && p >= v.first_quantized && p < v.end_quantized) {
           add_packed_value_row(task, p, &scores[0][p - a], max_tile);
+          if (has_outliers(v)) add_value_outliers(task, p, &scores[0][p - a], max_tile);
           continue;
         }
         v.read_row(p, row);

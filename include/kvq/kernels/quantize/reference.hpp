@@ -10,12 +10,21 @@
 // with inv = 1 / scale in float (0 when scale is 0 or subnormal, so a constant group decodes to its value
 // rounded to the parameter type, never NaN), P() rounding to the parameter type, and rne
 // rounding half to even.
+//
+// Dense-and-sparse (spec.outliers = n > 0): n values of each group are left out of min and max
+// (asymmetric: n times, the group's current minimum or maximum, whichever leaves the smaller
+// range, the maximum on a tie; symmetric: n times the largest magnitude, the later on a tie).
+// Every value is coded as above (an outlier clamps to an end code), and each outlier stores its
+// slot (the row within a per-channel group, the channel within a per-token group) and the
+// correction e = P(x - x^), so it decodes to x^ + e. A group's n entries are in slot order.
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <tuple>
+#include <utility>
 
 #include "kvq/pack/bitpack.hpp"
 #include "kvq/quant/spec.hpp"
@@ -72,18 +81,83 @@ inline void store_params(const QuantizerSpec& spec, void* scales, void* zeros, s
   if (spec.mode == Mode::asymmetric) store_scalar(spec.param, zeros, i, p.zero);
 }
 
+/// A quantizer's outlier entries (spec.outliers per parameter group, in the order of the groups'
+/// parameters): slots and corrections (parameter type). Null when the spec keeps none.
+struct Outliers {
+  std::uint16_t* slots = nullptr;
+  void* corrections = nullptr;
+};
+struct ConstOutliers {
+  const std::uint16_t* slots = nullptr;
+  const void* corrections = nullptr;
+};
+
+/// The slots of the group's outliers, ascending, at `slots` (spec.outliers of them), for the
+/// group's values x[i * stride], i < n; returns the range of the other values. Values order by
+/// (value, slot), so ties resolve the same way on every path.
+inline std::pair<float, float> pick_outliers(const QuantizerSpec& spec, const float* x, std::size_t n,
+                                             std::size_t stride, std::uint16_t* slots) noexcept {
+  bool out[max_group_tokens];
+  std::fill_n(out, n, false);
+  auto below = [&](std::size_t i, std::size_t j) {  // x[i] before x[j]
+    const float a = x[i * stride] + 0.0f, b = x[j * stride] + 0.0f;
+    return a < b || (a == b && i < j);
+  };
+  std::size_t lo = 0, lo2 = 0, hi = 0, hi2 = 0;
+  // The two lowest and two highest values left (n - k >= 2 of them, as outliers < n).
+  auto scan = [&] {
+    std::size_t seen = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (out[i]) continue;
+      if (seen++ == 0) {
+        lo = hi = i;
+        lo2 = hi2 = n;
+        continue;
+      }
+      if (below(i, lo))
+        lo2 = lo, lo = i;
+      else if (lo2 == n || below(i, lo2))
+        lo2 = i;
+      if (below(hi, i))
+        hi2 = hi, hi = i;
+      else if (hi2 == n || below(hi2, i))
+        hi2 = i;
+    }
+  };
+  for (std::size_t k = 0; k < spec.outliers; ++k) {
+    scan();
+    const float min = x[lo * stride] + 0.0f, max = x[hi * stride] + 0.0f;
+    const bool take_max = spec.mode == Mode::asymmetric
+                              ? max - (x[lo2 * stride] + 0.0f) >= (x[hi2 * stride] + 0.0f) - min
+                              : std::fabs(max) >= std::fabs(min);
+    const std::size_t slot = take_max ? hi : lo;
+    out[slot] = true;
+    slots[k] = std::uint16_t(slot);
+  }
+  std::sort(slots, slots + spec.outliers);
+  scan();
+  return {x[lo * stride] + 0.0f, x[hi * stride] + 0.0f};
+}
+
 /// One token x (dim) per token: groups_per_row(spec, dim) parameter pairs at scales/zeros,
-/// packed codes (packed_bytes(dim, bits)) at out.
+/// packed codes (packed_bytes(dim, bits)) at out, and spec.outliers entries per group.
 inline void quantize_row_per_token(const QuantizerSpec& spec, const float* x, std::size_t dim, void* scales,
-                                   void* zeros, std::uint8_t* out) noexcept {
+                                   void* zeros, std::uint8_t* out, Outliers outliers = {}) noexcept {
   std::uint8_t codes[max_head_dim];
   for (std::size_t g = 0, begin = 0; begin < dim; ++g, begin += spec.group) {
     const std::size_t end = std::min(dim, begin + spec.group);
-    const auto [lo, hi] = std::minmax_element(x + begin, x + end);
-    const GroupParams p = make_params(spec, *lo, *hi);
+    std::uint16_t* slots = outliers.slots + g * spec.outliers;
+    const auto [lo, hi] = spec.outliers > 0
+                              ? pick_outliers(spec, x + begin, end - begin, 1, slots)
+                              : std::pair{*std::min_element(x + begin, x + end), *std::max_element(x + begin, x + end)};
+    const GroupParams p = make_params(spec, lo, hi);
     store_params(spec, scales, zeros, g, p);
     const float inv = inverse(p.scale);
     for (std::size_t c = begin; c < end; ++c) codes[c] = encode(spec, p, inv, x[c]);
+    for (std::size_t k = 0; k < spec.outliers; ++k) {
+      const std::size_t c = begin + slots[k];
+      store_scalar(spec.param, outliers.corrections, g * spec.outliers + k, x[c] - decode(p, codes[c]));
+    }
   }
   pack_codes(codes, dim, spec.bits, out);
 }
@@ -92,14 +166,18 @@ inline void quantize_row_per_token(const QuantizerSpec& spec, const float* x, st
 /// one packed row of codes per token at out + r * row_bytes.
 inline void quantize_block_per_channel(const QuantizerSpec& spec, const float* x, std::size_t rows, std::size_t dim,
                                        std::size_t stride, void* scales, void* zeros, std::uint8_t* out,
-                                       std::size_t row_bytes) noexcept {
+                                       std::size_t row_bytes, Outliers outliers = {}) noexcept {
   GroupParams params[max_head_dim];
   float inv[max_head_dim];
   for (std::size_t c = 0; c < dim; ++c) {
     float lo = x[c], hi = x[c];
-    for (std::size_t r = 1; r < rows; ++r) {
-      lo = std::min(lo, x[r * stride + c]);
-      hi = std::max(hi, x[r * stride + c]);
+    if (spec.outliers > 0) {
+      std::tie(lo, hi) = pick_outliers(spec, x + c, rows, stride, outliers.slots + c * spec.outliers);
+    } else {
+      for (std::size_t r = 1; r < rows; ++r) {
+        lo = std::min(lo, x[r * stride + c]);
+        hi = std::max(hi, x[r * stride + c]);
+      }
     }
     params[c] = make_params(spec, lo, hi);
     store_params(spec, scales, zeros, c, params[c]);
@@ -110,22 +188,35 @@ inline void quantize_block_per_channel(const QuantizerSpec& spec, const float* x
     for (std::size_t c = 0; c < dim; ++c) codes[c] = encode(spec, params[c], inv[c], x[r * stride + c]);
     pack_codes(codes, dim, spec.bits, out + r * row_bytes);
   }
+  for (std::size_t e = 0; e < dim * spec.outliers; ++e) {
+    const std::size_t c = e / spec.outliers;
+    const float value = x[outliers.slots[e] * stride + c];
+    store_scalar(spec.param, outliers.corrections, e,
+                 value - decode(params[c], encode(spec, params[c], inv[c], value)));
+  }
 }
 
 /// Inverse of quantize_row_per_token: out (dim).
 inline void dequantize_row_per_token(const QuantizerSpec& spec, const std::uint8_t* packed, std::size_t dim,
-                                     const void* scales, const void* zeros, float* out) noexcept {
+                                     const void* scales, const void* zeros, float* out,
+                                     ConstOutliers outliers = {}) noexcept {
   std::uint8_t codes[max_head_dim];
   unpack_codes(packed, dim, spec.bits, codes);
   for (std::size_t c = 0; c < dim; ++c) out[c] = decode(load_params(spec, scales, zeros, c / spec.group), codes[c]);
+  for (std::size_t e = 0; e < groups_per_row(spec, dim) * spec.outliers; ++e)
+    out[e / spec.outliers * spec.group + outliers.slots[e]] += load_scalar(spec.param, outliers.corrections, e);
 }
 
-/// One token row of a per-channel block: out (dim), with the block's dim parameter pairs.
+/// Row `row` of a per-channel block: out (dim), with the block's dim parameter pairs (and
+/// dim * spec.outliers outlier entries).
 inline void dequantize_row_per_channel(const QuantizerSpec& spec, const std::uint8_t* packed, std::size_t dim,
-                                       const void* scales, const void* zeros, float* out) noexcept {
+                                       const void* scales, const void* zeros, float* out, std::size_t row = 0,
+                                       ConstOutliers outliers = {}) noexcept {
   std::uint8_t codes[max_head_dim];
   unpack_codes(packed, dim, spec.bits, codes);
   for (std::size_t c = 0; c < dim; ++c) out[c] = decode(load_params(spec, scales, zeros, c), codes[c]);
+  for (std::size_t e = 0; e < dim * spec.outliers; ++e)
+    if (outliers.slots[e] == row) out[e / spec.outliers] += load_scalar(spec.param, outliers.corrections, e);
 }
 
 }  // namespace kvq::inline v0::kernels::reference
