@@ -69,8 +69,10 @@ struct StreamView {
     const std::size_t param_bytes = size_of(spec.param);
     const std::uint8_t* s = scales + p * param_bytes;
     const std::uint8_t* z = zeros == nullptr ? nullptr : zeros + p * param_bytes;
-    const kernels::reference::ConstOutliers o{outlier_slots + p * spec.outliers,
-                                              outlier_corrections + p * spec.outliers * param_bytes};
+    const kernels::reference::ConstOutliers o =
+        spec.outliers == 0 ? kernels::reference::ConstOutliers{}
+                           : kernels::reference::ConstOutliers{outlier_slots + p * spec.outliers,
+                                                               outlier_corrections + p * spec.outliers * param_bytes};
     if (spec.axis == Axis::per_channel)
       kernels::reference::dequantize_row_per_channel(spec, code_row(position), head_dim, s, z, out,
                                                      (position - first_quantized) % spec.group, o);

@@ -12,8 +12,8 @@
 // rounding half to even.
 //
 // Dense-and-sparse (spec.outliers = n > 0): n values of each group are left out of min and max
-// (asymmetric: n times, the group's current minimum or maximum, whichever leaves the smaller
-// range, the maximum on a tie; symmetric: n times the largest magnitude, the later on a tie).
+// (n times: asymmetric, the group's current minimum or maximum, whichever leaves the smaller
+// range; symmetric, the one of larger magnitude; the maximum on a tie).
 // Every value is coded as above (an outlier clamps to an end code), and each outlier stores its
 // slot (the row within a per-channel group, the channel within a per-token group) and the
 // correction e = P(x - x^), so it decodes to x^ + e. A group's n entries are in slot order.
@@ -146,7 +146,7 @@ inline void quantize_row_per_token(const QuantizerSpec& spec, const float* x, st
   std::uint8_t codes[max_head_dim];
   for (std::size_t g = 0, begin = 0; begin < dim; ++g, begin += spec.group) {
     const std::size_t end = std::min(dim, begin + spec.group);
-    std::uint16_t* slots = outliers.slots + g * spec.outliers;
+    std::uint16_t* slots = spec.outliers == 0 ? nullptr : outliers.slots + g * spec.outliers;
     const auto [lo, hi] = spec.outliers > 0
                               ? pick_outliers(spec, x + begin, end - begin, 1, slots)
                               : std::pair{*std::min_element(x + begin, x + end), *std::max_element(x + begin, x + end)};
