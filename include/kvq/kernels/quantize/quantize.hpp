@@ -12,13 +12,20 @@
 
 namespace kvq::inline v0::kernels {
 
+// Each entry point that takes outlier entries (spec.outliers > 0, which only the reference path
+// writes) has a twin without them: the signature the fast paths share.
+
 inline void quantize_row_per_token(const QuantizerSpec& spec, const float* x, std::size_t dim, void* scales,
-                                   void* zeros, std::uint8_t* out, reference::Outliers outliers = {}) noexcept {
+                                   void* zeros, std::uint8_t* out, reference::Outliers outliers) noexcept {
 #if defined(KVQ_HAVE_X86_KERNELS)
   if (isa::detected() == isa::Level::avx512 && avx512::supports(spec))
     return avx512::quantize_row_per_token(spec, x, dim, scales, zeros, out);
 #endif
   reference::quantize_row_per_token(spec, x, dim, scales, zeros, out, outliers);
+}
+inline void quantize_row_per_token(const QuantizerSpec& spec, const float* x, std::size_t dim, void* scales,
+                                   void* zeros, std::uint8_t* out) noexcept {
+  kernels::quantize_row_per_token(spec, x, dim, scales, zeros, out, reference::Outliers{});
 }
 
 /// Several rows per token at once (e.g. every KV head), each stored as `in` (f32, f16, bf16):
@@ -50,12 +57,17 @@ inline void quantize_rows_per_token(const QuantizerSpec& spec, Scalar in, const 
 
 inline void quantize_block_per_channel(const QuantizerSpec& spec, const float* x, std::size_t rows, std::size_t dim,
                                        std::size_t stride, void* scales, void* zeros, std::uint8_t* out,
-                                       std::size_t row_bytes, reference::Outliers outliers = {}) noexcept {
+                                       std::size_t row_bytes, reference::Outliers outliers) noexcept {
 #if defined(KVQ_HAVE_X86_KERNELS)
   if (isa::detected() == isa::Level::avx512 && avx512::supports(spec))
     return avx512::quantize_block_per_channel(spec, x, rows, dim, stride, scales, zeros, out, row_bytes);
 #endif
   reference::quantize_block_per_channel(spec, x, rows, dim, stride, scales, zeros, out, row_bytes, outliers);
+}
+inline void quantize_block_per_channel(const QuantizerSpec& spec, const float* x, std::size_t rows, std::size_t dim,
+                                       std::size_t stride, void* scales, void* zeros, std::uint8_t* out,
+                                       std::size_t row_bytes) noexcept {
+  kernels::quantize_block_per_channel(spec, x, rows, dim, stride, scales, zeros, out, row_bytes, reference::Outliers{});
 }
 
 /// A block of rows stored as `in` (f32, f16, bf16), row r at x + r * x_stride bytes (the cache's
