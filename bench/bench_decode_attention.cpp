@@ -179,8 +179,8 @@ int main(int argc, char** argv) {
               ->Unit(benchmark::kMillisecond)
               ->UseRealTime();
       }
-  // The AVX2 kernel and the vector kernel on AVX2 and AVX-512 ops (exact tier: its integer tier
-  // is the scalar definition) on the baseline and the 2-bit-value caches, 32K, one thread.
+  // The AVX2 kernel and the vector kernel on AVX2 and AVX-512 ops, both tiers, on the baseline and
+  // the 2-bit-value caches, 32K, one thread.
   for (const std::string kernel : {"avx2", "vector-avx2", "vector-avx512"}) {
     const auto& table = kvq::kernels::attention::registry();
     if (std::none_of(table.begin(), table.end(), [&](const auto& e) { return e.name == kernel && e.available(); }))
@@ -190,7 +190,7 @@ int main(int argc, char** argv) {
       const bool unquantized = name == "fp16";
       if (!unquantized && !name.starts_with("K4V2") && !name.starts_with("K2V2")) continue;
       for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
-        if ((unquantized || kernel != "avx2") && tier == kvq::Tier::integer) continue;
+        if (unquantized && tier == kvq::Tier::integer) continue;
         benchmark::RegisterBenchmark(("decode_" + kernel + "/")
                                          .append(name)
                                          .append("/")

@@ -9,12 +9,15 @@
 // Keys: a packed per-channel block folds its scales into the query (post-RoPE) or is dequantized
 // row by row and rotated (pre-RoPE); other rows are read through StreamView::read_row. Each row
 // is dotted with every query head of the GQA group. Values packed per token add
-// (p * scale) * code + p * zero per group; other rows are read whole. The integer tier's
-// quantized blocks use task.hpp's definitions as they stand. Dense-and-sparse outliers add their
+// (p * scale) * code + p * zero per group; other rows are read whole. The integer tier computes
+// task.hpp's definitions: its sums of integer products are integers below 2^24 here, which fp32
+// vector FMAs add exactly (on scalar ops, the reference, task.hpp's loops run as written).
+// Dense-and-sparse outliers add their
 // corrections: q . e to a key's score (post-RoPE), e to a dequantized key row before rotation
 // (pre-RoPE), p * e to a value channel; caches with them run the exact tier for both tiers.
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -42,7 +45,8 @@ namespace kvq::inline v0::kernels::attention {
 template <class Ops>
 struct VectorKernel {
   static constexpr std::size_t width = Ops::width;
-  static constexpr std::size_t heads_per_pass = 8;  // folded queries on the stack: 8 x max_head_dim
+  static constexpr std::size_t heads_per_pass = 8;     // folded queries on the stack: 8 x max_head_dim
+  static constexpr std::size_t max_value_groups = 64;  // per-token value groups per row, integer tier
 
   /// Shapes the kernel takes: head_dim a multiple of the vector width.
   static bool accepts(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable*) noexcept {
@@ -90,6 +94,17 @@ struct VectorKernel {
     }
   }
 
+  /// The scales and zero points of the packed per-channel key block holding row a: (head_dim) each.
+  static void load_key_params(const StreamView& k, std::size_t a, float* scale, float* zero) noexcept {
+    const std::size_t pi = k.param_index(a), psize = size_of(k.spec.param);
+    for (std::size_t c = 0; c < k.head_dim; ++c) {
+      const auto gp =
+          reference::load_params(k.spec, k.scales + pi * psize, k.zeros == nullptr ? nullptr : k.zeros + pi * psize, c);
+      scale[c] = gp.scale;
+      zero[c] = gp.zero;
+    }
+  }
+
   /// Exact scores of the packed per-channel key block [a, b) of the tile starting at `tile`: the
   /// block's scales fold into the query (score = q.zero + (q * scale).code), or, pre-RoPE, its
   /// rows are dequantized (zero + scale * code) and rotated. Query heads go in passes of
@@ -97,14 +112,9 @@ struct VectorKernel {
   static void key_block_scores(const DecodeTask& task, std::size_t a, std::size_t b, std::size_t tile,
                                float (*scores)[max_tile]) noexcept {
     const StreamView& k = task.keys;
-    const std::size_t dim = k.head_dim, pi = k.param_index(a), psize = size_of(k.spec.param);
+    const std::size_t dim = k.head_dim, pi = k.param_index(a);
     alignas(64) float scale[max_head_dim], zero[max_head_dim], row[max_head_dim];
-    for (std::size_t c = 0; c < dim; ++c) {
-      const auto gp =
-          reference::load_params(k.spec, k.scales + pi * psize, k.zeros == nullptr ? nullptr : k.zeros + pi * psize, c);
-      scale[c] = gp.scale;
-      zero[c] = gp.zero;
-    }
+    load_key_params(k, a, scale, zero);
     if (task.rope != nullptr) {
       const std::size_t n = k.spec.outliers, group_start = a - (a - k.first_quantized) % k.spec.group;
       for (std::size_t p = a; p < b; ++p) {
@@ -131,6 +141,120 @@ struct VectorKernel {
       for (std::size_t p = a; p < b; ++p) {
         codes_of(k, p, row);
         for (std::size_t h = 0; h < heads; ++h) scores[h0 + h][p - tile] = bias[h] + dot(folded[h], row, dim);
+      }
+    }
+  }
+
+  /// Whether n products of integers up to `a` and `b` sum exactly in fp32 (below 2^24), whatever
+  /// their order: then a vector dot product of integer-valued floats is the integer dot product.
+  static constexpr bool sums_exactly(std::size_t n, std::size_t a, std::size_t b) noexcept {
+    return n * a * b < (std::size_t{1} << 24);
+  }
+
+  /// The integer tier's key scores of the packed per-channel key block [a, b) (post-RoPE):
+  /// detail::integer_key_scores, with each row's int8 x code sum taken as a vector dot product.
+  static void integer_key_block_scores(const DecodeTask& task, std::size_t a, std::size_t b, std::size_t tile,
+                                       float (*scores)[max_tile]) noexcept {
+    const StreamView& k = task.keys;
+    const std::size_t dim = k.head_dim;
+    if (Ops::width == 1 || !sums_exactly(dim, 127, (std::size_t{1} << k.spec.bits) - 1))
+      return detail::integer_key_scores(task, a, b, tile, scores);
+    alignas(64) float scale[max_head_dim], zero[max_head_dim], row[max_head_dim];
+    load_key_params(k, a, scale, zero);
+    const float mid = reference::mid_code(k.spec);
+    alignas(64) float qi[heads_per_pass][max_head_dim];
+    float bias[heads_per_pass], alpha[heads_per_pass], qsum[heads_per_pass];
+    for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
+      const std::size_t heads = std::min(heads_per_pass, task.group - h0);
+      for (std::size_t h = 0; h < heads; ++h) {
+        const float* q = task.queries + (h0 + h) * dim;
+        float amax = 0.0f;
+        bias[h] = 0.0f;
+        for (std::size_t c = 0; c < dim; ++c) {
+          amax = std::max(amax, std::fabs(q[c] * scale[c]));
+          bias[h] += q[c] * (zero[c] + mid * scale[c]);
+        }
+        const float inv = inverse_step(127.0f, amax);
+        alpha[h] = amax / 127.0f;
+        std::int32_t sum = 0;
+        for (std::size_t c = 0; c < dim; ++c) {
+          const auto code = std::int8_t(std::nearbyint(q[c] * scale[c] * inv));
+          qi[h][c] = float(code);
+          sum += code;
+        }
+        qsum[h] = float(sum);
+      }
+      for (std::size_t p = a; p < b; ++p) {
+        codes_of(k, p, row);
+        for (std::size_t h = 0; h < heads; ++h)
+          scores[h0 + h][p - tile] = bias[h] + alpha[h] * (dot(qi[h], row, dim) - mid * qsum[h]);
+      }
+    }
+  }
+
+  /// The integer tier's value accumulation of packed per-token rows [a, b) with weights (exp'd
+  /// scores): detail::integer_values, each row's codes unpacked once for every head and its
+  /// integer weight x code sums taken in vectors.
+  static void integer_value_rows(const DecodeTask& task, std::size_t tile_begin, std::size_t a, std::size_t b,
+                                 float (*weights)[max_tile]) noexcept {
+    const StreamView& v = task.values;
+    const std::size_t dim = v.head_dim, group = v.spec.group, groups = groups_per_row(v.spec, dim);
+    const std::size_t psize = size_of(v.spec.param), top = (std::size_t{1} << v.spec.bits) - 1;
+    const float levels = weight_levels(v.spec.bits);
+    if (Ops::width == 1 || group % width != 0 || groups > max_value_groups ||
+        !sums_exactly(b - a, std::size_t(levels), top))
+      return detail::integer_values(task, tile_begin, a, b, weights);
+    const float mid = reference::mid_code(v.spec);
+    // The weights' step as detail::integer_values takes it (codes of up to 7 bits: the largest
+    // weight times the largest scale of the rows, both shared by the heads).
+    float smax = 0.0f;
+    for (std::size_t p = a; p < b; ++p)
+      for (std::size_t g = 0; g < groups; ++g) smax = std::max(smax, detail::param(v, v.scales, v.param_index(p) + g));
+    alignas(64) float dots[heads_per_pass][max_head_dim], codes[max_head_dim];
+    float inv[heads_per_pass], beta[heads_per_pass], wsum[heads_per_pass][max_value_groups],
+        zsum[heads_per_pass][max_value_groups];
+    for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
+      const std::size_t heads = std::min(heads_per_pass, task.group - h0);
+      for (std::size_t h = 0; h < heads; ++h) {
+        const float* w = weights[h0 + h] - tile_begin;
+        float wmax = 0.0f;
+        if (v.spec.bits <= 7) {
+          float pmax = 0.0f;
+          for (std::size_t p = a; p < b; ++p) pmax = std::max(pmax, w[p]);
+          wmax = pmax * smax;
+        } else {
+          for (std::size_t p = a; p < b; ++p)
+            for (std::size_t g = 0; g < groups; ++g)
+              wmax = std::max(wmax, w[p] * detail::param(v, v.scales, v.param_index(p) + g));
+        }
+        inv[h] = inverse_step(levels, wmax);
+        beta[h] = wmax / levels;
+        std::fill(dots[h], dots[h] + dim, 0.0f);
+        std::fill(wsum[h], wsum[h] + groups, 0.0f);
+        std::fill(zsum[h], zsum[h] + groups, 0.0f);
+      }
+      for (std::size_t p = a; p < b; ++p) {
+        codes_of(v, p, codes);
+        const std::size_t pi = v.param_index(p);
+        for (std::size_t g = 0; g < groups; ++g) {
+          const auto gp = reference::load_params(v.spec, v.scales + pi * psize,
+                                                 v.zeros == nullptr ? nullptr : v.zeros + pi * psize, g);
+          const float centre = gp.zero + mid * gp.scale;
+          for (std::size_t h = 0; h < heads; ++h) {
+            const float w = weights[h0 + h][p - tile_begin];
+            const float wq = float(std::int32_t(std::nearbyint(w * gp.scale * inv[h])));
+            const typename Ops::Vec wv = Ops::set1(wq);
+            for (std::size_t c = g * group; c < std::min(dim, (g + 1) * group); c += width)
+              Ops::store(dots[h] + c, Ops::fma(wv, Ops::load(codes + c), Ops::load(dots[h] + c)));
+            wsum[h][g] += wq;
+            zsum[h][g] += w * centre;
+          }
+        }
+      }
+      for (std::size_t h = 0; h < heads; ++h) {
+        float* acc = task.acc + (h0 + h) * dim;
+        for (std::size_t c = 0; c < dim; ++c)
+          acc[c] += beta[h] * (dots[h][c] - mid * wsum[h][c / group]) + zsum[h][c / group];
       }
     }
   }
@@ -202,7 +326,7 @@ struct VectorKernel {
           s1 = std::min(b, k.first_quantized + ((s0 - k.first_quantized) / k.spec.group + 1) * k.spec.group);
         if (quantized_key_block(k, s0, s1)) {
           if (integer && task.rope == nullptr)
-            detail::integer_key_scores(task, s0, s1, a, scores);
+            integer_key_block_scores(task, s0, s1, a, scores);
           else
             key_block_scores(task, s0, s1, a, scores);
           if (has_outliers(k) && task.rope == nullptr) add_key_outliers(task, s0, s1, a, scores);
@@ -220,7 +344,7 @@ struct VectorKernel {
         softmax_update(scores[h], n, task.max[h], task.sum[h], task.acc + h * dim, dim);
       }
       const auto [qa, qb] = integer ? quantized_value_rows(v, a, b) : std::pair{a, a};
-      if (qa < qb) detail::integer_values(task, a, qa, qb, scores);
+      if (qa < qb) integer_value_rows(task, a, qa, qb, scores);
       for (std::size_t p = a; p < b; ++p) {
         if (p >= qa && p < qb) continue;
         if (packed_values && p >= v.first_quantized && p < v.end_quantized) {
