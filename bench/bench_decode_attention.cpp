@@ -204,15 +204,22 @@ int main(int argc, char** argv) {
       }
     }
   }
-  // Dense-and-sparse outliers (one per key group of 32 and per value group), on the kernel chosen
-  // for them (the vector kernel: the hand-tuned ones refuse them), 32K, one thread.
-  const Named sparse[] = {{"K4V2o1-post", "k4c32o1-v2t32o1-r128-s0-post"}, {"K4V2o1-pre", "k4c32o1-v2t32o1-r128-s0"}};
-  for (const Named& c : sparse)
+  // 32K, one thread, the kernel chosen automatically:
+  // - dense-and-sparse outliers (one per key group of 32 and per value group): the vector kernel,
+  //   as the hand-tuned ones refuse them;
+  // - rotated caches (a Hadamard transform of the query and of the output per step), beside the
+  //   same caches unrotated: plain K4V2 and llama.cpp's layout, keys and values per token.
+  const Named other_forms[] = {{"outliers/K4V2o1-post", "k4c32o1-v2t32o1-r128-s0-post"},
+                               {"outliers/K4V2o1-pre", "k4c32o1-v2t32o1-r128-s0"},
+                               {"rotated/K4V2-post", "k4c32-v2t32-r128-s0-post"},
+                               {"rotated/K4V2-post-hk-hv", "k4c32-v2t32-r128-s0-post-hk-hv"},
+                               {"rotated/K4V4tok-post", "k4t32-v4t32-r128-s0-post"},
+                               {"rotated/K4V4tok-post-hk-hv", "k4t32-v4t32-r128-s0-post-hk-hv"}};
+  for (const Named& c : other_forms)
     for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer})
       benchmark::RegisterBenchmark(
-          ("decode_outliers/" + std::string(c.name) + "/" + kvq::to_string(tier) + "/32768/threads:1").c_str(),
-          decode_step, std::string(c.config), tier, std::size_t(32768), std::size_t(1), std::string(), true,
-          std::size_t(0))
+          ("decode_" + std::string(c.name) + "/" + kvq::to_string(tier) + "/32768/threads:1").c_str(), decode_step,
+          std::string(c.config), tier, std::size_t(32768), std::size_t(1), std::string(), true, std::size_t(0))
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
   // The integer tier without its outlier scan (DecodeOptions::guard_outliers), 32K, one thread:

@@ -76,10 +76,13 @@ usage: kvq-eval [options]
                        (affine, NormalFloat, Lloyd-Max, Hadamard; no model needed)
   --help               this text
 
-Configuration strings: k<bits><c|t><group>[o<n>][s][.bf16|.f32]-v...-r<window>-s<sinks>[-post][-f32]
+Configuration strings: k<bits><c|t><group>[o<n>][s][.bf16|.f32]-v...-r<window>-s<sinks>[-post][-hk|-hsk]
+                      [-hv|-hsv][-f32]
   c = per channel (one scale per channel per run of <group> tokens), t = per token,
   o<n> = keep the n values of each group farthest out exact (dense-and-sparse outliers),
-  s = symmetric, k16/v16 = unquantized, -post = the cache receives post-RoPE keys.
+  s = symmetric, k16/v16 = unquantized, -post = the cache receives post-RoPE keys,
+  -hk/-hv = store keys/values rotated by a Hadamard transform per head (-hsk/-hsv: with random
+  signs; a key rotation needs -post).
 
 Engine formats, simulated (each stored key and value quantized and dequantized as the engine
 stores it; attention reads them in fp32; bits/value counts the format's scales):
@@ -379,6 +382,20 @@ inline int run_synthetic(std::ostream& out) {
       << ranking([](const Row& a, const Row& b) { return a.coqa > b.coqa; })
       << "\nThe first measures one attention layer on made-up tensors, the second a whole model answering\n"
          "questions; only the first is measured here.\n";
+  // The rotation llama.cpp applies to every quantized cache, on kvq's axes (post-RoPE keys, as a
+  // key rotation needs them): attention output error without it, with values rotated, with both.
+  out << fmt::format("\nHadamard rotation of each head (post-RoPE keys)   output error: {:>8} {:>8} {:>8}\n", "plain",
+                     "-hv", "-hk-hv");
+  for (const char* c :
+       {"k2t32-v2t32-r0-s0-post", "k4t128-v4t128-r0-s0-post", "k2c32-v2t32-r0-s0-post", "k4c32-v2t32-r0-s0-post"}) {
+    CacheConfig config = parse_cache_config(c);
+    const double plain = synthetic_errors(spec, config).output_error;
+    config.value_rotation = Rotation::hadamard;
+    const double values = synthetic_errors(spec, config).output_error;
+    config.key_rotation = Rotation::hadamard;
+    out << fmt::format("  {:<61} {:>8.4f} {:>8.4f} {:>8.4f}\n", c, plain, values,
+                       synthetic_errors(spec, config).output_error);
+  }
   return 0;
 }
 

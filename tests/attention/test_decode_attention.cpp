@@ -110,7 +110,10 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
         "k2c32-v8t32-r16-s0-post", "k8c32-v2t32-r16-s1-post", "k4c64-v2t32-r16-s1-post", "k4c16-v4t32-r16-s0-post",
         // dense-and-sparse outliers: keys before and after RoPE, values per token and per channel
         "k3c32o1-v2t32o1-r40-s1", "k4c32o2-v4t32o1-r16-s0-post", "k2c32o1-v2t32o2s-r8-s2-post",
-        "k3c16o1-v3c32o1-r16-s1"}) {
+        "k3c16o1-v3c32o1-r16-s1",
+        // rotations: keys and values per token (llama.cpp's layout), per-channel keys with random
+        // signs, rotated values beside pre-RoPE keys
+        "k4t32-v2t32-r16-s1-post-hk-hv", "k4c32-v2t32-r16-s0-post-hsk-hsv", "k4c32-v2t32-r40-s1-hv"}) {
     for (const auto& [kv, group] : {std::pair<std::size_t, std::size_t>{2, 1}, {1, 4}, {2, 8}}) {
       for (const std::size_t dim : {64, 128}) {
         check_case({config, kv, group, dim, 301, 300}, seed++);
@@ -122,7 +125,8 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
 
 TEST(DecodeAttention, HalfSplitRopeShortContextsAndOddDims) {
   unsigned seed = 100;
-  for (const char* config : {"k4c32-v2t32-r16-s1", "k8c32-v4t32-r16-s2", "k2c32-v2t32-r16-s0-post"}) {
+  for (const char* config :
+       {"k4c32-v2t32-r16-s1", "k8c32-v4t32-r16-s2", "k2c32-v2t32-r16-s0-post", "k4t16-v4t16-r16-s0-post-hk-hsv"}) {
     check_case({config, 2, 4, 128, 200, 199, kvq::RopeStyle::half_split}, seed++);
     check_case({config, 2, 4, 64, 3, 0}, seed++);      // one token, maybe a sink
     check_case({config, 2, 4, 128, 17, 16}, seed++);   // nothing quantized yet

@@ -173,6 +173,8 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
         if (pre) cache.rope().rotate_query(x, r.first_position + t);
         for (std::size_t c = 0; c < dim; ++c) x[c] *= scale;
       }
+    if (const auto rotation = cache.rotation(Tensor::keys))  // q.k = Hq.Hk
+      rotation->forward(std::span(own_queries.data() + p.query_offset, cache.shape().kv_heads * p.rows * dim));
   }
 
   // Work items: (request, KV head, batch) x (prefix chunks + the exact tail).
@@ -211,16 +213,19 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
     thread_local std::vector<float> keys, values;  // this task's thread: no allocation once warm
     keys.resize((R + tail) * dim);
     values.resize((R + tail) * dim);
+    const auto key_rotation = cache.rotation(Tensor::keys), value_rotation = cache.rotation(Tensor::values);
     for (std::size_t j = 0; j < R + tail; ++j) {
       const std::size_t position = j < R ? p.ragged + j : p.prefix + (j - R);
       float* k = keys.data() + j * dim;
       float* v = values.data() + j * dim;
-      if (fresh && j >= R) {
+      if (fresh && j >= R) {  // rotated as the cache will store them
         std::copy_n(r.new_keys.data() + ((j - R) * kv_heads + it.kvh) * dim, dim, k);
         std::copy_n(r.new_values.data() + ((j - R) * kv_heads + it.kvh) * dim, dim, v);
+        if (key_rotation) key_rotation->forward(std::span(k, dim));
+        if (value_rotation) value_rotation->forward(std::span(v, dim));
       } else {
-        cache.read_row(Tensor::keys, r.layer, it.kvh, position, k);
-        cache.read_row(Tensor::values, r.layer, it.kvh, position, v);
+        cache.read_stored_row(Tensor::keys, r.layer, it.kvh, position, k);
+        cache.read_stored_row(Tensor::values, r.layer, it.kvh, position, v);
       }
       if (pre) cache.rope().rotate_unscaled(k, position);  // kernels' convention: queries carry the scaling
     }
@@ -271,6 +276,7 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
         detail::merge_parts(parts + k, parts + max_group + k, parts + 2 * max_group + k * dim, p.chunks + 1, stride,
                             dim, r.out.data() + (t * p.heads + kvh * p.group + g) * dim);
       }
+    if (const auto rotation = r.cache->rotation(Tensor::values)) rotation->inverse(r.out);  // sum p Hv = H sum p v
   }
 }
 

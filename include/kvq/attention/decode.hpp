@@ -183,6 +183,7 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
     if (pre) cache.rope().rotate_query(x, position);  // kernels rotate keys without the factor
     for (std::size_t c = 0; c < dim; ++c) x[c] *= scale;
   }
+  if (const auto r = cache.rotation(Tensor::keys)) r->forward(ws.queries);  // q.k = Hq.Hk
 
   const detail::ChunkGrid grid{cache.config().sinks, plan.chunk};
   auto task_at = [&](std::size_t i) {
@@ -204,6 +205,7 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
       detail::merge_parts(parts + g, parts + plan.group + g, parts + 2 * plan.group + g * dim, plan.chunks, stride, dim,
                           out.data() + (kvh * plan.group + g) * dim);
   }
+  if (const auto r = cache.rotation(Tensor::values)) r->inverse(out);  // sum p Hv = H sum p v
 }
 
 /// The kernel decode_attention runs on the packed rows of this cache, by name: its registry

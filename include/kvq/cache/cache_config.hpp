@@ -4,8 +4,11 @@
 // "k4c32-v2t32-r128-s1" (see parse_cache_config).
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kvq/core/half.hpp"
@@ -19,6 +22,19 @@ enum class KeyRope : unsigned char {
   pre,   // the cache stores pre-RoPE keys and rotates them after dequantization (KVQuant)
   post,  // the engine rotates first; the cache stores and returns rotated keys unchanged
 };
+
+/// An orthogonal rotation of each head vector before it is stored (transform/hadamard.hpp): it
+/// spreads a channel's outliers over the head, so per-token groups see narrower ranges.
+/// Attention rotates the query instead of the keys (q.k = Hq.Hk) and rotates the output back
+/// (sum p Hv = H sum p v), so no kernel changes; read_row returns rows rotated back.
+enum class Rotation : unsigned char {
+  none,
+  hadamard,         // the normalized Walsh-Hadamard transform H (block-diagonal when head_dim is no power of two)
+  signed_hadamard,  // H D with fixed random signs D (rotation_sign_seed), as TurboQuant and QuaRot draw them
+};
+
+/// The seed of Rotation::signed_hadamard's signs: part of the format, the same for every cache.
+inline constexpr std::uint64_t rotation_sign_seed = 0x6b76712d68616461ull;
 
 struct CacheConfig {
   QuantizerSpec key{4, 32, Axis::per_channel, Mode::asymmetric, Scalar::f16};
@@ -34,6 +50,8 @@ struct CacheConfig {
   // a per-token tensor) per layer, KV head and tensor, made as rows are packed; 0 turns it off
   // (truncate then re-opens only rows still in the ring).
   std::size_t rollback_depth = 16;
+  Rotation key_rotation = Rotation::none;  // post-RoPE keys only: pre-RoPE keys are dequantized before RoPE
+  Rotation value_rotation = Rotation::none;
 
   /// Deepest rollback a cache keeps copies for; bounds that memory (validate refuses more).
   static constexpr std::size_t max_rollback_depth = 4096;
@@ -50,14 +68,23 @@ inline CacheConfig full_precision_config() {
   return c;
 }
 
-/// "k4c32-v2t32-r128-s1" plus "-post" for post-RoPE keys, "-f32"/"-bf16" for the residual
-/// type and "-d<D>" for a rollback depth other than 16; "k16"/"v16" keep that tensor unquantized.
+/// "hk"/"hv" for a Hadamard rotation of keys/values, "hsk"/"hsv" with random signs; "" for none.
+inline std::string rotation_part(Rotation r, char tensor) {
+  if (r == Rotation::none) return {};
+  return std::string(r == Rotation::hadamard ? "h" : "hs") + tensor;
+}
+
+/// "k4c32-v2t32-r128-s1" plus "-post" for post-RoPE keys, "-hk"/"-hsk" and "-hv"/"-hsv" for
+/// rotated keys and values, "-f32"/"-bf16" for the residual type and "-d<D>" for a rollback depth
+/// other than 16; "k16"/"v16" keep that tensor unquantized.
 inline std::string to_string(const CacheConfig& c) {
   std::string s = c.quantize_keys ? to_string(c.key, 'k') : std::string("k16");
   s += '-';
   s += c.quantize_values ? to_string(c.value, 'v') : std::string("v16");
   s += "-r" + std::to_string(c.window) + "-s" + std::to_string(c.sinks);
   if (c.key_rope == KeyRope::post) s += "-post";
+  if (c.key_rotation != Rotation::none) s += "-" + rotation_part(c.key_rotation, 'k');
+  if (c.value_rotation != Rotation::none) s += "-" + rotation_part(c.value_rotation, 'v');
   if (c.residual != Scalar::f16) s += std::string("-") + to_string(c.residual);
   if (c.rollback_depth != CacheConfig{}.rollback_depth) s += "-d" + std::to_string(c.rollback_depth);
   return s;
@@ -78,6 +105,20 @@ inline void validate(const CacheConfig& c) {
   if (!is_valid(c.residual))
     throw Error(ErrorCode::invalid_argument,
                 "cache configuration: residual type " + std::to_string(int(c.residual)) + " is not a Scalar");
+  for (const auto& [r, quantized, what] :
+       {std::tuple{c.key_rotation, c.quantize_keys, "key"}, std::tuple{c.value_rotation, c.quantize_values, "value"}}) {
+    if (r != Rotation::none && r != Rotation::hadamard && r != Rotation::signed_hadamard)
+      throw Error(ErrorCode::invalid_argument, std::string("cache configuration: ") + what + " rotation " +
+                                                   std::to_string(int(r)) + " is not a Rotation");
+    if (r != Rotation::none && !quantized)
+      throw Error(ErrorCode::invalid_argument, std::string("cache configuration: a ") + what +
+                                                   " rotation needs quantized " + what +
+                                                   "s (it changes nothing for rows stored whole)");
+  }
+  if (c.key_rotation != Rotation::none && c.key_rope != KeyRope::post)
+    throw Error(ErrorCode::invalid_argument,
+                "cache configuration: a key rotation needs post-RoPE keys ('-post'): pre-RoPE keys are rotated by "
+                "RoPE after dequantization, which a rotation of the stored keys would precede");
 }
 
 /// Parses exactly the form to_string writes: key, value, window and sinks in that order, then
@@ -86,8 +127,9 @@ inline void validate(const CacheConfig& c) {
 inline CacheConfig parse_cache_config(std::string_view text) {
   const std::string original(text);
   auto fail = [&](const std::string& why) -> CacheConfig {
-    throw Error(ErrorCode::invalid_argument, "cache configuration '" + original + "': " + why +
-                                                 " (expected e.g. k4c32-v2t32-r128-s1[-post][-f32|-bf16][-d8])");
+    throw Error(ErrorCode::invalid_argument,
+                "cache configuration '" + original + "': " + why +
+                    " (expected e.g. k4c32-v2t32-r128-s1[-post][-hk|-hsk][-hv|-hsv][-f32|-bf16][-d8])");
   };
   std::vector<std::string_view> parts;
   if (!text.empty() && text.back() == '-') return fail("trailing '-'");
@@ -133,6 +175,13 @@ inline CacheConfig parse_cache_config(std::string_view text) {
   number(3, 's', c.sinks);
   std::size_t i = 4;
   if (i < parts.size() && parts[i] == "post") c.key_rope = KeyRope::post, ++i;
+  for (const auto& [target, tensor] : {std::pair{&c.key_rotation, 'k'}, std::pair{&c.value_rotation, 'v'}})
+    for (const Rotation r : {Rotation::hadamard, Rotation::signed_hadamard})
+      if (i < parts.size() && parts[i] == rotation_part(r, tensor)) {
+        *target = r;
+        ++i;
+        break;
+      }
   if (i < parts.size() && parts[i] == "f32")
     c.residual = Scalar::f32, ++i;
   else if (i < parts.size() && parts[i] == "bf16")
@@ -144,8 +193,10 @@ inline CacheConfig parse_cache_config(std::string_view text) {
     ++i;
   }
   if (i < parts.size())
-    return fail("unexpected part '" + std::string(parts[i]) +
-                "' (after the sinks come only 'post', then 'f32' or 'bf16', then 'd<depth>', each at most once)");
+    return fail(
+        "unexpected part '" + std::string(parts[i]) +
+        "' (after the sinks come only 'post', then 'hk' or 'hsk', then 'hv' or 'hsv', then 'f32' or 'bf16', then "
+        "'d<depth>', each at most once)");
   try {
     validate(c);
   } catch (const Error& e) {

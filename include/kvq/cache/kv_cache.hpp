@@ -32,6 +32,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <span>
 #include <string>
 #include <utility>
@@ -52,6 +53,7 @@
 #include "kvq/kernels/quantize/quantize.hpp"
 #include "kvq/quant/kv_policy.hpp"
 #include "kvq/rope/rope.hpp"
+#include "kvq/transform/hadamard.hpp"
 
 namespace kvq::inline v0 {
 
@@ -270,27 +272,29 @@ class BasicKVCache {
   /// config().key_rope is pre and already rotated when it is post; `position` must equal
   /// length(layer). Throws kvq::Error and leaves the cache unchanged on any bad input, and when
   /// the blocks it needs cannot be had (capacity_exceeded from a shared store, out_of_memory).
+  /// With a rotation (CacheConfig::key_rotation, value_rotation) the rows are rotated first and
+  /// the checks below see the rotated rows, but a NaN or Inf is reported where the input has it.
   void append(std::size_t layer, std::size_t position, std::span<const float> keys, std::span<const float> values) {
-    const std::size_t tokens = check_append(layer, position, keys, values);
-    const std::size_t end = position + tokens;
-    prepare_blocks(layer,
-                   first_block_row(position, quantized_end(Tensor::keys, layer), quantized_end(Tensor::values, layer)),
-                   blocks_for(end, std::max(quantized_end(Tensor::keys, layer), layouts_[0].quantized_end(end)),
-                              std::max(quantized_end(Tensor::values, layer), layouts_[1].quantized_end(end))));
-    key_peaks_[layer] = std::max(key_peaks_[layer], largest_magnitude(keys.data(), keys.size()));
-    for (std::size_t t = 0; t < tokens; ++t) {
-      const std::size_t p = position + t;
-      for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
-        const std::size_t offset = (t * shape_.kv_heads + h) * shape_.head_dim;
-        write_row(Tensor::keys, layer, h, p, keys.data() + offset);
-        write_row(Tensor::values, layer, h, p, values.data() + offset);
-      }
-      quantize_due(Tensor::keys, layer, p + 1);
-      quantize_due(Tensor::values, layer, p + 1);
-      raise_floor(Tensor::keys, layer, p + 1);
-      raise_floor(Tensor::values, layer, p + 1);
-      lengths_[layer] = p + 1;
-    }
+    const auto key_rotation = rotation(Tensor::keys), value_rotation = rotation(Tensor::values);
+    if (!key_rotation && !value_rotation) return append_stored(layer, position, keys, values);
+    const float inf = std::numeric_limits<float>::infinity();
+    if (keys.size() % (shape_.kv_heads * shape_.head_dim) != 0 || keys.size() != values.size() ||
+        !all_below(keys.data(), keys.size(), inf) || !all_below(values.data(), values.size(), inf))
+      (void)check_append(layer, position, keys, values);  // throws, naming the input's shape or channel
+    thread_local std::vector<float> k, v;  // this thread's: appends to different layers may run concurrently
+    k.assign(keys.begin(), keys.end());
+    v.assign(values.begin(), values.end());
+    if (key_rotation) key_rotation->forward(k);
+    if (value_rotation) value_rotation->forward(v);
+    append_stored(layer, position, k, v);
+  }
+
+  /// The rotation config() applies to tensor t's head vectors before they are stored, or none.
+  std::optional<HadamardTransform> rotation(Tensor t) const {
+    const Rotation r = t == Tensor::keys ? config_.key_rotation : config_.value_rotation;
+    if (r == Rotation::none) return std::nullopt;
+    return HadamardTransform(shape_.head_dim,
+                             r == Rotation::signed_hadamard ? std::optional(rotation_sign_seed) : std::nullopt);
   }
 
   /// append for keys and values in the engine's own layout and type (f16/bf16 activations with
@@ -482,9 +486,14 @@ class BasicKVCache {
   StreamView values(std::size_t layer, std::size_t head, std::size_t segment) const {
     return view(Tensor::values, layer, head, segment);
   }
-  /// The stored row at `position` as floats (dequantized when packed): out (head_dim). The slow,
-  /// plain way for oracles and checks.
+  /// The row at `position` as floats (dequantized when packed, rotated back when the config
+  /// rotates): out (head_dim). The slow, plain way for oracles and checks.
   void read_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position, float* out) const {
+    read_stored_row(t, layer, head, position, out);
+    if (const auto r = rotation(t)) r->inverse(std::span(out, shape_.head_dim));
+  }
+  /// The row at `position` as stored (dequantized, still rotated): what the kernels read.
+  void read_stored_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position, float* out) const {
     if (layer < shape_.layers && position >= lengths_[layer])
       throw Error(ErrorCode::invalid_argument, "layer " + std::to_string(layer) + " holds " +
                                                    std::to_string(lengths_[layer]) + " tokens, not position " +
@@ -538,6 +547,31 @@ class BasicKVCache {
   std::size_t own_bytes() const noexcept { return own_.size() + history_.size() + scratch_.size() * sizeof(float); }
 
  private:
+  /// append() of rows as they are stored (rotated when the config rotates).
+  void append_stored(std::size_t layer, std::size_t position, std::span<const float> keys,
+                     std::span<const float> values) {
+    const std::size_t tokens = check_append(layer, position, keys, values);
+    const std::size_t end = position + tokens;
+    prepare_blocks(layer,
+                   first_block_row(position, quantized_end(Tensor::keys, layer), quantized_end(Tensor::values, layer)),
+                   blocks_for(end, std::max(quantized_end(Tensor::keys, layer), layouts_[0].quantized_end(end)),
+                              std::max(quantized_end(Tensor::values, layer), layouts_[1].quantized_end(end))));
+    key_peaks_[layer] = std::max(key_peaks_[layer], largest_magnitude(keys.data(), keys.size()));
+    for (std::size_t t = 0; t < tokens; ++t) {
+      const std::size_t p = position + t;
+      for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
+        const std::size_t offset = (t * shape_.kv_heads + h) * shape_.head_dim;
+        write_row(Tensor::keys, layer, h, p, keys.data() + offset);
+        write_row(Tensor::values, layer, h, p, values.data() + offset);
+      }
+      quantize_due(Tensor::keys, layer, p + 1);
+      quantize_due(Tensor::values, layer, p + 1);
+      raise_floor(Tensor::keys, layer, p + 1);
+      raise_floor(Tensor::values, layer, p + 1);
+      lengths_[layer] = p + 1;
+    }
+  }
+
   friend struct detail::CacheAccess;
 
   static constexpr std::size_t index(Tensor t) noexcept { return t == Tensor::keys ? 0 : 1; }
@@ -760,12 +794,13 @@ class BasicKVCache {
           const float x = data[i];
           if (std::fabs(x) < limit) continue;
           const std::size_t token = i / row, head = i % row / shape_.head_dim, channel = i % shape_.head_dim;
-          throw Error(std::isfinite(x) ? ErrorCode::unrepresentable : ErrorCode::non_finite_input,
-                      where(t, layer, head, position + token) + ", channel " + std::to_string(channel) + ": value " +
-                          std::to_string(x) +
-                          (std::isfinite(x)
-                               ? std::string(" exceeds the range of the residual type ") + to_string(config_.residual)
-                               : std::string(" is not finite")));
+          throw Error(
+              std::isfinite(x) ? ErrorCode::unrepresentable : ErrorCode::non_finite_input,
+              where(t, layer, head, position + token) + ", channel " + std::to_string(channel) + ": value " +
+                  std::to_string(x) +
+                  (std::isfinite(x) ? std::string(rotation(t) ? " (rotated)" : "") +
+                                          " exceeds the range of the residual type " + to_string(config_.residual)
+                                    : std::string(" is not finite")));
         }
       }
       check_groups(t, layer, position, tokens, data);
@@ -794,7 +829,7 @@ class BasicKVCache {
     float row[max_head_dim], scratch[max_head_dim];
     for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
       auto load = [&](std::size_t p) {  // the row as it will sit in the ring
-        if (p < position) return read_row(t, layer, h, p, row);
+        if (p < position) return read_stored_row(t, layer, h, p, row);
         store_row(lay.residual, input.data() + ((p - position) * shape_.kv_heads + h) * dim, dim, scratch);
         load_row(lay.residual, scratch, dim, row);
       };

@@ -11,15 +11,20 @@
 namespace kvq::inline v0 {
 
 template <Quantizer KeyQ, Quantizer ValueQ, std::size_t Window = 128, std::size_t Sinks = 0,
-          KeyRope Rope = KeyRope::pre, class Residual = fp16>
+          KeyRope Rope = KeyRope::pre, class Residual = fp16, Rotation KeyRotation = Rotation::none,
+          Rotation ValueRotation = Rotation::none>
 struct KVPolicy {
   static_assert(std::same_as<Residual, fp16> || std::same_as<Residual, bf16> || std::same_as<Residual, float>,
                 "window and sink tokens are stored as fp16, bf16 or float");
+  static_assert(KeyRotation == Rotation::none || Rope == KeyRope::post,
+                "a key rotation needs post-RoPE keys (pre-RoPE keys are rotated by RoPE after dequantization)");
   using key_quantizer = KeyQ;
   using value_quantizer = ValueQ;
   static constexpr std::size_t window = Window;
   static constexpr std::size_t sinks = Sinks;
   static constexpr KeyRope key_rope = Rope;
+  static constexpr Rotation key_rotation = KeyRotation;
+  static constexpr Rotation value_rotation = ValueRotation;
 
   static CacheConfig config() {
     CacheConfig c;
@@ -29,6 +34,8 @@ struct KVPolicy {
     c.sinks = Sinks;
     c.key_rope = Rope;
     c.residual = scalar_of<Residual>;
+    c.key_rotation = KeyRotation;
+    c.value_rotation = ValueRotation;
     return c;
   }
 };
@@ -51,5 +58,9 @@ using K2V2KeysPerToken = KVPolicy<PerToken<2, 32>, PerToken<2, 32>>;
 using K2V2ValuesPerChannel = KVPolicy<PerChannel<2, 32>, PerChannel<2, 32>>;
 using K2V2WrongAxes = KVPolicy<PerToken<2, 32>, PerChannel<2, 32>>;
 using K4V4KeysPostRope = KVPolicy<PerChannel<4, 32>, PerToken<4, 32>, 128, 0, KeyRope::post>;
+
+// llama.cpp's layout since its rotated caches: keys and values per token, both rotated by H.
+using K4V4RotatedPerToken =
+    KVPolicy<PerToken<4, 32>, PerToken<4, 32>, 128, 0, KeyRope::post, fp16, Rotation::hadamard, Rotation::hadamard>;
 
 }  // namespace kvq::inline v0
