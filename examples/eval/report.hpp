@@ -127,7 +127,7 @@ inline std::string svg_chart(const std::vector<ConfigResult>& results, const std
       continue;
     }
     if (!c.quantize_keys || !c.quantize_values || c.window != 0 || c.sinks != 0 || c.key_rope != KeyRope::pre ||
-        c.key.bits != c.value.bits)
+        c.key.bits != c.value.bits || c.value_rotation != Rotation::none)
       continue;
     series[axes_label(c)].push_back({r.bits_per_value, std::max(r.mean_kl, 1e-6), std::max(r.all.output_error, 1e-6),
                                      r.generation ? r.generation->mean_identical : 0.0});

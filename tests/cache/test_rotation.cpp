@@ -120,7 +120,8 @@ TEST(Rotation, CutsTheErrorOfPerTokenGroupsWithAnOutlierChannel) {
   }
 }
 
-// Bad input is reported where the caller put it, and changes nothing.
+// Bad input is reported where the caller put it, and changes nothing; can_append answers what
+// append would do with the rows as they will be stored.
 TEST(Rotation, BadRowsAreRefusedWhereTheInputHasThemAndChangeNothing) {
   const CacheShape shape{1, 2, 64, 64};
   BasicKVCache cache(shape, kvq::parse_cache_config("k4t32-v2t32-r8-s0-post-hk-hsv"));
@@ -129,6 +130,9 @@ TEST(Rotation, BadRowsAreRefusedWhereTheInputHasThemAndChangeNothing) {
   const std::vector<std::uint8_t> before = cache.stored_bytes();
   auto refused = [&](const std::vector<float>& keys, const std::vector<float>& values, kvq::ErrorCode code,
                      const std::string& words) {
+    std::string why;
+    EXPECT_FALSE(cache.can_append(0, 1, keys, values, &why));
+    EXPECT_NE(why.find(words), std::string::npos) << why;
     try {
       cache.append(0, 1, keys, values);
       ADD_FAILURE() << "the append was taken";
@@ -145,8 +149,14 @@ TEST(Rotation, BadRowsAreRefusedWhereTheInputHasThemAndChangeNothing) {
   // A constant key row within f16's range rotates (H, no signs) into one channel of 8 x the value: beyond it.
   std::vector<float> large = k;
   std::fill(large.begin() + 64, large.begin() + 128, 30000.0f);
-  refused(large, v, kvq::ErrorCode::unrepresentable, "(rotated) exceeds the range");
+  refused(large, v, kvq::ErrorCode::unrepresentable, "channel 0 (rotated): value 240000");
   refused(std::vector<float>(k.begin(), k.end() - 1), v, kvq::ErrorCode::shape_mismatch, "kv heads");
+  // And the other way: a spike beyond f16 in one channel spreads to 1/8 of it over the head.
+  std::vector<float> spike = k;
+  spike[64 + 9] = 70000.0f;
+  EXPECT_TRUE(cache.can_append(0, 1, spike, v));
+  EXPECT_NO_THROW(cache.append(0, 1, spike, v));
+  EXPECT_EQ(cache.length(0), 4u);
 }
 
 // A file keeps the rotation in its configuration text; the loaded cache attends identically.

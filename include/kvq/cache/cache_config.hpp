@@ -122,7 +122,8 @@ inline void validate(const CacheConfig& c) {
 }
 
 /// Parses exactly the form to_string writes: key, value, window and sinks in that order, then
-/// "-post" and a residual type other than f16 when they apply. Each part appears once and none
+/// "-post", the rotations, a residual type other than f16 and a rollback depth other than 16 when
+/// they apply. Each part appears once and none
 /// is implied, so a string names one configuration and reads back as itself.
 inline CacheConfig parse_cache_config(std::string_view text) {
   const std::string original(text);

@@ -275,17 +275,7 @@ class BasicKVCache {
   /// With a rotation (CacheConfig::key_rotation, value_rotation) the rows are rotated first and
   /// the checks below see the rotated rows, but a NaN or Inf is reported where the input has it.
   void append(std::size_t layer, std::size_t position, std::span<const float> keys, std::span<const float> values) {
-    const auto key_rotation = rotation(Tensor::keys), value_rotation = rotation(Tensor::values);
-    if (!key_rotation && !value_rotation) return append_stored(layer, position, keys, values);
-    const float inf = std::numeric_limits<float>::infinity();
-    if (keys.size() % (shape_.kv_heads * shape_.head_dim) != 0 || keys.size() != values.size() ||
-        !all_below(keys.data(), keys.size(), inf) || !all_below(values.data(), values.size(), inf))
-      (void)check_append(layer, position, keys, values);  // throws, naming the input's shape or channel
-    thread_local std::vector<float> k, v;  // this thread's: appends to different layers may run concurrently
-    k.assign(keys.begin(), keys.end());
-    v.assign(values.begin(), values.end());
-    if (key_rotation) key_rotation->forward(k);
-    if (value_rotation) value_rotation->forward(v);
+    const auto [k, v] = stored_form(layer, position, keys, values);
     append_stored(layer, position, k, v);
   }
 
@@ -315,7 +305,8 @@ class BasicKVCache {
   bool can_append(std::size_t layer, std::size_t position, std::span<const float> keys, std::span<const float> values,
                   std::string* why = nullptr) const {
     try {
-      (void)check_append(layer, position, keys, values);
+      const auto [k, v] = stored_form(layer, position, keys, values);
+      (void)check_append(layer, position, k, v);
       return true;
     } catch (const Error& e) {
       if (why != nullptr) *why = e.what();
@@ -414,8 +405,9 @@ class BasicKVCache {
     std::fill(key_peaks_.begin(), key_peaks_.end(), 0.0f);
   }
 
-  /// The largest |key| appended to `layer` since the cache was built or cleared (an upper bound
-  /// after truncate and erase). Attention uses it to refuse queries whose scores could overflow.
+  /// The largest |key| (as stored: rotated with -hk) appended to `layer` since the cache was built
+  /// or cleared (an upper bound after truncate and erase). Attention uses it to refuse queries
+  /// whose scores could overflow.
   float key_peak(std::size_t layer) const { return key_peaks_.at(layer); }
 
   /// First position of `layer` that `t` holds unquantized (= sinks while nothing is quantized).
@@ -547,6 +539,49 @@ class BasicKVCache {
   std::size_t own_bytes() const noexcept { return own_.size() + history_.size() + scratch_.size() * sizeof(float); }
 
  private:
+  /// The rows as append() stores them: the input, or rotated copies in this thread's scratch
+  /// (valid until its next call here). What a rotation would blur is reported first, where the
+  /// input has it: a bad layer or size (check_append, before it reads a value), a NaN or Inf.
+  std::pair<std::span<const float>, std::span<const float>> stored_form(std::size_t layer, std::size_t position,
+                                                                        std::span<const float> keys,
+                                                                        std::span<const float> values) const {
+    const auto key_rotation = rotation(Tensor::keys), value_rotation = rotation(Tensor::values);
+    if (!key_rotation && !value_rotation) return {keys, values};
+    if (layer >= shape_.layers || keys.size() % (shape_.kv_heads * shape_.head_dim) != 0 ||
+        keys.size() != values.size())
+      (void)check_append(layer, position, keys, values);  // throws
+    for (const Tensor t : {Tensor::keys, Tensor::values}) {
+      const std::span<const float> data = t == Tensor::keys ? keys : values;
+      if (all_below(data.data(), data.size(), std::numeric_limits<float>::infinity())) continue;
+      const auto at = std::find_if(data.begin(), data.end(), [](float x) { return !std::isfinite(x); });
+      throw value_error(t, layer, position, std::size_t(at - data.begin()), *at, false);
+    }
+    thread_local std::vector<float> k, v;  // this thread's: appends to different layers may run concurrently
+    k.assign(keys.begin(), keys.end());
+    v.assign(values.begin(), values.end());
+    if (key_rotation) key_rotation->forward(k);
+    if (value_rotation) value_rotation->forward(v);
+    return {k, v};
+  }
+
+  /// ", channel c", marked when the tensor is stored rotated (the channel is the rotated row's).
+  std::string channel_text(Tensor t, std::size_t channel) const {
+    return ", channel " + std::to_string(channel) + (rotation(t) ? " (rotated)" : "");
+  }
+
+  /// The error for value x at index i of an append's rows from `position` (rotated: as stored).
+  Error value_error(Tensor t, std::size_t layer, std::size_t position, std::size_t i, float x, bool rotated) const {
+    const std::size_t row = shape_.kv_heads * shape_.head_dim;
+    const std::string place =
+        where(t, layer, i % row / shape_.head_dim, position + i / row) +
+        (rotated ? channel_text(t, i % shape_.head_dim) : ", channel " + std::to_string(i % shape_.head_dim)) +
+        ": value " + std::to_string(x);
+    if (!rotated && !std::isfinite(x)) return Error(ErrorCode::non_finite_input, place + " is not finite");
+    // A finite input rotated beyond float (f32 residual) is as unrepresentable as one beyond f16.
+    return Error(ErrorCode::unrepresentable,
+                 place + " exceeds the range of the residual type " + to_string(config_.residual));
+  }
+
   /// append() of rows as they are stored (rotated when the config rotates).
   void append_stored(std::size_t layer, std::size_t position, std::span<const float> keys,
                      std::span<const float> values) {
@@ -793,14 +828,7 @@ class BasicKVCache {
         for (std::size_t i = 0; i < data.size(); ++i) {
           const float x = data[i];
           if (std::fabs(x) < limit) continue;
-          const std::size_t token = i / row, head = i % row / shape_.head_dim, channel = i % shape_.head_dim;
-          throw Error(
-              std::isfinite(x) ? ErrorCode::unrepresentable : ErrorCode::non_finite_input,
-              where(t, layer, head, position + token) + ", channel " + std::to_string(channel) + ": value " +
-                  std::to_string(x) +
-                  (std::isfinite(x) ? std::string(rotation(t) ? " (rotated)" : "") +
-                                          " exceeds the range of the residual type " + to_string(config_.residual)
-                                    : std::string(" is not finite")));
+          throw value_error(t, layer, position, i, x, rotation(t).has_value());
         }
       }
       check_groups(t, layer, position, tokens, data);
@@ -836,14 +864,14 @@ class BasicKVCache {
       auto check = [&](float lo, float hi, std::size_t p, std::size_t channel) {
         if (!corrections_fit(lo, hi))
           throw Error(ErrorCode::unrepresentable,
-                      where(t, layer, h, p) + ", channel " + std::to_string(channel) + ": the group spanning [" +
-                          std::to_string(lo) + ", " + std::to_string(hi) + "] may need an outlier correction beyond " +
+                      where(t, layer, h, p) + channel_text(t, channel) + ": the group spanning [" + std::to_string(lo) +
+                          ", " + std::to_string(hi) + "] may need an outlier correction beyond " +
                           to_string(spec.param) + "'s range of " + std::to_string(max_finite(spec.param)));
         if (kernels::reference::representable(kernels::reference::make_params(spec, lo, hi))) return;
         throw Error(ErrorCode::unrepresentable,
-                    where(t, layer, h, p) + ", channel " + std::to_string(channel) + ": the group spanning [" +
-                        std::to_string(lo) + ", " + std::to_string(hi) + "] needs a scale or zero point beyond " +
-                        to_string(spec.param) + "'s range of " + std::to_string(max_finite(spec.param)));
+                    where(t, layer, h, p) + channel_text(t, channel) + ": the group spanning [" + std::to_string(lo) +
+                        ", " + std::to_string(hi) + "] needs a scale or zero point beyond " + to_string(spec.param) +
+                        "'s range of " + std::to_string(max_finite(spec.param)));
       };
       if (spec.axis == Axis::per_token) {
         for (std::size_t p = begin; p < end; ++p) {
