@@ -27,6 +27,7 @@
 // erase, clear, load) needs the caller's synchronization.
 
 #include <algorithm>
+#include <array>
 #include <concepts>
 #include <cmath>
 #include <cstddef>
@@ -184,6 +185,12 @@ class BasicKVCache {
                                                  " positions, fewer than the capacity of " +
                                                  std::to_string(shape.capacity));
     rope_ = std::move(rope);
+    for (const Tensor t : {Tensor::keys, Tensor::values}) {
+      const Rotation r = t == Tensor::keys ? config.key_rotation : config.value_rotation;
+      if (r != Rotation::none)
+        rotations_[index(t)] = std::make_shared<const HadamardTransform>(
+            shape.head_dim, r == Rotation::signed_hadamard ? std::optional(rotation_sign_seed) : std::nullopt);
+    }
     tables_.resize(shape.layers);
     lengths_.assign(shape.layers, 0);
     key_peaks_.assign(shape.layers, 0.0f);
@@ -240,6 +247,7 @@ class BasicKVCache {
   void swap(BasicKVCache& other) noexcept {
     std::swap(shape_, other.shape_);
     std::swap(config_, other.config_);
+    std::swap(rotations_, other.rotations_);
     std::swap(layouts_, other.layouts_);
     std::swap(rope_, other.rope_);
     std::swap(store_, other.store_);
@@ -279,13 +287,9 @@ class BasicKVCache {
     append_stored(layer, position, k, v);
   }
 
-  /// The rotation config() applies to tensor t's head vectors before they are stored, or none.
-  std::optional<HadamardTransform> rotation(Tensor t) const {
-    const Rotation r = t == Tensor::keys ? config_.key_rotation : config_.value_rotation;
-    if (r == Rotation::none) return std::nullopt;
-    return HadamardTransform(shape_.head_dim,
-                             r == Rotation::signed_hadamard ? std::optional(rotation_sign_seed) : std::nullopt);
-  }
+  /// The rotation config() applies to tensor t's head vectors before they are stored, or null.
+  /// Built once with the cache (shared by its copies), so attention reads it without allocating.
+  const HadamardTransform* rotation(Tensor t) const noexcept { return rotations_[index(t)].get(); }
 
   /// append for keys and values in the engine's own layout and type (f16/bf16 activations with
   /// strides): converted to float rows, then appended with every rule and check of the float
@@ -636,6 +640,7 @@ class BasicKVCache {
   BasicKVCache(const BasicKVCache& other, std::shared_ptr<BlockStore> store)
       : shape_(other.shape_),
         config_(other.config_),
+        rotations_(other.rotations_),
         rope_(other.rope_),
         store_(std::move(store)),
         block_rows_(other.block_rows_),
@@ -828,7 +833,7 @@ class BasicKVCache {
         for (std::size_t i = 0; i < data.size(); ++i) {
           const float x = data[i];
           if (std::fabs(x) < limit) continue;
-          throw value_error(t, layer, position, i, x, rotation(t).has_value());
+          throw value_error(t, layer, position, i, x, rotation(t) != nullptr);
         }
       }
       check_groups(t, layer, position, tokens, data);
@@ -1134,6 +1139,7 @@ class BasicKVCache {
 
   CacheShape shape_;
   CacheConfig config_;
+  std::array<std::shared_ptr<const HadamardTransform>, 2> rotations_;  // keys, values; null: not rotated
   StreamLayout layouts_[2];
   std::shared_ptr<const RopeTable> rope_;
   std::shared_ptr<BlockStore> store_;
