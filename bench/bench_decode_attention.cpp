@@ -8,7 +8,8 @@
 // decode_blocks/.../block:<B> reads the cache in blocks of B positions (CacheShape::block_tokens;
 // 32768 is one block for the whole context) where the other rows use the default; verify/.../T:<T>
 // checks T stored positions in one kvq::attend call (speculative verification: one pass over the
-// cache for all T x 4 query rows of a KV head), against T decode steps.
+// cache for all T x 4 query rows of a KV head), against T decode steps; decode_token_keys/<layout>/
+// <kernel>/... reads llama.cpp's q8_0 and q4_0 layouts (keys and values per token) on each kernel.
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
@@ -222,6 +223,25 @@ int main(int argc, char** argv) {
           std::string(c.config), tier, std::size_t(32768), std::size_t(1), std::string(), true, std::size_t(0))
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
+  // Keys and values per token in groups of 32 with fp16 scales, no window: the layouts of
+  // llama.cpp's cache types q8_0 (8-bit, symmetric, 8.5 bits per value) and q4_0 (4-bit, 4.5 bits),
+  // 32K, one thread, exact tier, on the kernel chosen automatically and on each that takes them.
+  const Named token_layouts[] = {{"q8_0-layout", "k8t32s-v8t32s-r0-s0-post"},
+                                 {"q4_0-layout", "k4t32s-v4t32s-r0-s0-post"}};
+  for (const Named& c : token_layouts)
+    for (const std::string kernel : {"", "avx512-generic", "avx2", "vector-avx512", "vector-avx2"}) {
+      const auto& table = kvq::kernels::attention::registry();
+      if (!kernel.empty() &&
+          std::none_of(table.begin(), table.end(), [&](const auto& e) { return e.name == kernel && e.available(); }))
+        continue;
+      benchmark::RegisterBenchmark(("decode_token_keys/" + std::string(c.name) + "/" +
+                                    (kernel.empty() ? std::string("auto") : kernel) + "/exact/32768/threads:1")
+                                       .c_str(),
+                                   decode_step, std::string(c.config), kvq::Tier::exact, std::size_t(32768),
+                                   std::size_t(1), kernel, true, std::size_t(0))
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
   // The integer tier without its outlier scan (DecodeOptions::guard_outliers), 32K, one thread:
   // what the scan costs, beside the default rows above.
   for (const Named& c : caches) {

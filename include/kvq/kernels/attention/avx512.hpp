@@ -9,8 +9,9 @@
 //   avx512_rope.hpp   the key scores of both when keys are stored pre-RoPE.
 // The generic kernel below (Kernels<NV>) handles everything else (other widths and axes) and the
 // sinks and full-precision window around the packed span. In it, packed codes of 2, 4 and 8 bits
-// unpack to bytes in channel order with vpermb + vpmultishiftqb; other widths and axes read rows
-// through StreamView::read_row (still no dequantized copy: one row on the stack).
+// unpack to bytes in channel order with vpermb + vpmultishiftqb, and rows packed per token
+// (values, and keys in llama.cpp's layout) are dequantized in registers; other widths and axes
+// read rows through StreamView::read_row (one row on the stack).
 //
 // Keys, per 16-token sub-tile: each row is produced once in registers and dotted with every
 // query head of the GQA group; the 16 partial vectors per head are reduced together (a
@@ -70,7 +71,7 @@ struct Kernels {
   const DecodeTask& task;
   const StreamView &k, &v;
   Unpacker ku, vu;
-  bool key_fast, value_fast;
+  bool key_fast, key_token_fast, value_fast;
 
   alignas(64) float scores[max_group][max_tile];
   alignas(64) float part[max_group][16][16];
@@ -81,8 +82,9 @@ struct Kernels {
 
   KVQ_TARGET_AVX512_ATTENTION explicit Kernels(const DecodeTask& t) noexcept : task(t), k(t.keys), v(t.values) {
     key_fast = detail::fast_codes(k) && k.spec.axis == Axis::per_channel;
+    key_token_fast = detail::fast_codes(k) && k.spec.axis == Axis::per_token;
     value_fast = detail::fast_codes(v) && v.spec.axis == Axis::per_token && 16 % groups_per_row(v.spec, dim) == 0;
-    if (key_fast) ku.init(k.spec.bits, k.row_bytes);
+    if (key_fast || key_token_fast) ku.init(k.spec.bits, k.row_bytes);
     if (value_fast) vu.init(v.spec.bits, v.row_bytes);
   }
 
@@ -109,11 +111,14 @@ struct Kernels {
     }
   }
 
-  /// A full-precision or generically stored key row in registers (rotated when pre-RoPE).
+  /// A full-precision or generically stored key row in registers (rotated when pre-RoPE); rows
+  /// packed per token (groups of a multiple of 16 channels) are dequantized in registers.
   KVQ_TARGET_AVX512_ATTENTION void load_key_row(std::size_t p, __m512* x) const noexcept {
     if (p < k.first_quantized || p >= k.end_quantized) {
       const std::uint8_t* row = p < k.first_quantized ? k.sink_row(p) : k.pending_row(p);
       for (int i = 0; i < NV; ++i) x[i] = load16(k.residual, row, 16 * std::size_t(i));
+    } else if (key_token_fast) {
+      for (unsigned u = 0; u < NU; ++u) token_quarter(k, ku, p, u, x + 4 * u);
     } else {
       alignas(64) float buf[dim];
       k.read_row(p, buf);
@@ -285,15 +290,23 @@ struct Kernels {
       for (unsigned i = 0; i < 4; ++i) x[i] = load16(v.residual, row, 64 * u + 16 * i);
       return;
     }
-    const std::uint8_t* row = v.code_row(p);
-    code_floats(vu.codes(row, vu.load(row), u), x);
-    const std::size_t pi = v.param_index(p);
-    const float mid = reference::mid_code(v.spec);
+    token_quarter(v, vu, p, u, x);
+  }
+
+  /// Channels [64u, 64u + 64) of row p of a stream packed per token in groups of a multiple of 16
+  /// channels (fast codes, unpacked by `un`), dequantized: 4 vectors.
+  KVQ_TARGET_AVX512_ATTENTION static void token_quarter(const StreamView& s, const Unpacker& un, std::size_t p,
+                                                        unsigned u, __m512* x) noexcept {
+    const std::uint8_t* row = s.code_row(p);
+    code_floats(un.codes(row, un.load(row), u), x);
+    const std::size_t pi = s.param_index(p);
+    const float mid = reference::mid_code(s.spec);
     for (unsigned i = 0; i < 4; ++i) {
-      const std::size_t g = (64 * u + 16 * i) / v.spec.group;
-      const float s = kvq::detail::load_scalar_f16c(v.spec.param, v.scales, pi + g);
-      const float z = v.zeros != nullptr ? kvq::detail::load_scalar_f16c(v.spec.param, v.zeros, pi + g) : -mid * s;
-      x[i] = _mm512_fmadd_ps(x[i], _mm512_set1_ps(s), _mm512_set1_ps(z));
+      const std::size_t g = (64 * u + 16 * i) / s.spec.group;
+      const float scale = kvq::detail::load_scalar_f16c(s.spec.param, s.scales, pi + g);
+      const float zero =
+          s.zeros != nullptr ? kvq::detail::load_scalar_f16c(s.spec.param, s.zeros, pi + g) : -mid * scale;
+      x[i] = _mm512_fmadd_ps(x[i], _mm512_set1_ps(scale), _mm512_set1_ps(zero));
     }
   }
 

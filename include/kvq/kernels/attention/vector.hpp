@@ -7,7 +7,8 @@
 // against. A new instruction set is one ops file and one registry entry.
 //
 // Keys: a packed per-channel block folds its scales into the query (post-RoPE) or is dequantized
-// row by row and rotated (pre-RoPE); other rows are read through StreamView::read_row. Each row
+// row by row and rotated (pre-RoPE); rows packed per token are dequantized in vectors (and
+// rotated when pre-RoPE); other rows are read through StreamView::read_row. Each row
 // is dotted with every query head of the GQA group. Values packed per token add
 // (p * scale) * code + p * zero per group; other rows are read whole. The integer tier computes
 // task.hpp's definitions: its sums of integer products are integers below 2^24 here, which fp32
@@ -259,6 +260,30 @@ struct VectorKernel {
     }
   }
 
+  /// Whether row p of `s` is packed per token in groups the vectors cover whole (on scalar ops,
+  /// the reference, rows are read as StreamView::read_row defines them).
+  static bool vector_token_row(const StreamView& s, std::size_t p) noexcept {
+    return width > 1 && s.quantized && s.spec.axis == Axis::per_token && s.spec.group % width == 0 &&
+           p >= s.first_quantized && p < s.end_quantized;
+  }
+
+  /// Row p of a stream packed per token (vector_token_row): zero + scale * code per group in
+  /// vectors, plus its outliers' corrections; StreamView::read_row up to fused rounding.
+  static void dequantize_token_row(const StreamView& s, std::size_t p, float* out) noexcept {
+    const std::size_t dim = s.head_dim, group = s.spec.group, pi = s.param_index(p), psize = size_of(s.spec.param);
+    codes_of(s, p, out);
+    for (std::size_t g = 0; g * group < dim; ++g) {
+      const auto gp =
+          reference::load_params(s.spec, s.scales + pi * psize, s.zeros == nullptr ? nullptr : s.zeros + pi * psize, g);
+      const typename Ops::Vec scale = Ops::set1(gp.scale), zero = Ops::set1(gp.zero);
+      for (std::size_t c = g * group; c < std::min(dim, (g + 1) * group); c += width)
+        Ops::store(out + c, Ops::fma(scale, Ops::load(out + c), zero));
+    }
+    const std::size_t n = s.spec.outliers;
+    for (std::size_t e = pi * n; e < (pi + groups_per_row(s.spec, dim)) * n; ++e)
+      out[(e - pi * n) / n * group + s.outlier_slots[e]] += load_scalar(s.spec.param, s.outlier_corrections, e);
+  }
+
   /// Dense-and-sparse keys: the scores of rows [a, b) of a packed per-channel block (post-RoPE)
   /// gain q . e for each outlier's correction e.
   static void add_key_outliers(const DecodeTask& task, std::size_t a, std::size_t b, std::size_t tile,
@@ -332,7 +357,10 @@ struct VectorKernel {
           if (has_outliers(k) && task.rope == nullptr) add_key_outliers(task, s0, s1, a, scores);
         } else {
           for (std::size_t p = s0; p < s1; ++p) {
-            k.read_row(p, row);
+            if (vector_token_row(k, p))
+              dequantize_token_row(k, p, row);
+            else
+              k.read_row(p, row);
             if (task.rope != nullptr) task.rope->rotate_unscaled(row, p);
             for (std::size_t h = 0; h < task.group; ++h) scores[h][p - a] = dot(task.queries + h * dim, row, dim);
           }
