@@ -120,6 +120,36 @@ TEST(Rotation, CutsTheErrorOfPerTokenGroupsWithAnOutlierChannel) {
   }
 }
 
+// A query whose rotation would overflow float is refused before any output is written, even
+// when the keys (all zero) bound no score; the same query is taken where keys are not rotated.
+TEST(Rotation, QueriesBeyondFloatOnceRotatedAreRefused) {
+  const CacheShape shape{1, 1, 64, 40};
+  const std::vector<float> zeros(8 * 64, 0.0f), q(2 * 64, 1e37f);
+  for (const char* text : {"k4t32-v4t32-r0-s0-post-hk", "k16-v16-r0-s0-post"}) {
+    SCOPED_TRACE(text);
+    BasicKVCache cache(shape, kvq::parse_cache_config(text));
+    cache.append(0, 0, zeros, zeros);
+    std::vector<float> out(q.size(), 7.0f);
+    if (cache.config().key_rotation == Rotation::none) {
+      kvq::decode_attention(cache, 0, 7, q, out);
+      for (const float x : out) EXPECT_EQ(x, 0.0f);  // zero keys, zero values: a finite answer
+      continue;
+    }
+    try {
+      kvq::decode_attention(cache, 0, 7, q, out);
+      ADD_FAILURE() << "taken";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::unrepresentable);
+      EXPECT_NE(std::string(e.what()).find("query head 0 at position 7: |q|_1 = "), std::string::npos) << e.what();
+    }
+    for (const float x : out) EXPECT_EQ(x, 7.0f);
+    std::vector<float> tokens(2 * 64, 7.0f);
+    EXPECT_THROW(
+        kvq::attend({.cache = &cache, .layer = 0, .first_position = 7, .tokens = 1, .queries = q, .out = tokens}),
+        kvq::Error);
+  }
+}
+
 // Bad input is reported where the caller put it, and changes nothing; can_append answers what
 // append would do with the rows as they will be stored.
 TEST(Rotation, BadRowsAreRefusedWhereTheInputHasThemAndChangeNothing) {
