@@ -225,7 +225,7 @@ int main(int argc, char** argv) {
           ->UseRealTime();
   // Keys and values per token in groups of 32 with fp16 scales, no window: the layouts of
   // llama.cpp's cache types q8_0 (8-bit, symmetric, 8.5 bits per value) and q4_0 (4-bit, 4.5 bits),
-  // 32K, one thread, exact tier, on the kernel chosen automatically and on each that takes them.
+  // 32K, one thread, both tiers, on the kernel chosen automatically and on each that takes them.
   const Named token_layouts[] = {{"q8_0-layout", "k8t32s-v8t32s-r0-s0-post"},
                                  {"q4_0-layout", "k4t32s-v4t32s-r0-s0-post"}};
   for (const Named& c : token_layouts)
@@ -234,13 +234,14 @@ int main(int argc, char** argv) {
       if (!kernel.empty() &&
           std::none_of(table.begin(), table.end(), [&](const auto& e) { return e.name == kernel && e.available(); }))
         continue;
-      benchmark::RegisterBenchmark(("decode_token_keys/" + std::string(c.name) + "/" +
-                                    (kernel.empty() ? std::string("auto") : kernel) + "/exact/32768/threads:1")
-                                       .c_str(),
-                                   decode_step, std::string(c.config), kvq::Tier::exact, std::size_t(32768),
-                                   std::size_t(1), kernel, true, std::size_t(0))
-          ->Unit(benchmark::kMillisecond)
-          ->UseRealTime();
+      for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer})
+        benchmark::RegisterBenchmark(
+            ("decode_token_keys/" + std::string(c.name) + "/" + (kernel.empty() ? std::string("auto") : kernel) + "/" +
+             kvq::to_string(tier) + "/32768/threads:1")
+                .c_str(),
+            decode_step, std::string(c.config), tier, std::size_t(32768), std::size_t(1), kernel, true, std::size_t(0))
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
     }
   // The integer tier without its outlier scan (DecodeOptions::guard_outliers), 32K, one thread:
   // what the scan costs, beside the default rows above.

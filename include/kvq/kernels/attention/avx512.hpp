@@ -79,6 +79,10 @@ struct Kernels {
   alignas(64) float qt[max_group][dim];  // folded queries of the current key block
   alignas(64) std::int8_t qi[max_group][dim];
   float bias[max_group], alpha[max_group];
+  // Rows packed per token: parameter groups per row, and the group of each 16-channel vector
+  // (no division per row).
+  std::size_t key_groups = 0, value_groups = 0;
+  std::uint8_t key_group_of[NV] = {}, value_group_of[NV] = {};
 
   KVQ_TARGET_AVX512_ATTENTION explicit Kernels(const DecodeTask& t) noexcept : task(t), k(t.keys), v(t.values) {
     key_fast = detail::fast_codes(k) && k.spec.axis == Axis::per_channel;
@@ -86,6 +90,13 @@ struct Kernels {
     value_fast = detail::fast_codes(v) && v.spec.axis == Axis::per_token && 16 % groups_per_row(v.spec, dim) == 0;
     if (key_fast || key_token_fast) ku.init(k.spec.bits, k.row_bytes);
     if (value_fast) vu.init(v.spec.bits, v.row_bytes);
+    if (key_token_fast) token_groups(k, key_groups, key_group_of);
+    if (value_fast) token_groups(v, value_groups, value_group_of);
+  }
+
+  static void token_groups(const StreamView& s, std::size_t& groups, std::uint8_t* group_of) noexcept {
+    groups = groups_per_row(s.spec, dim);
+    for (int i = 0; i < NV; ++i) group_of[i] = std::uint8_t(16 * std::size_t(i) / s.spec.group);
   }
 
   // ---- keys ---------------------------------------------------------------------------------
@@ -118,7 +129,7 @@ struct Kernels {
       const std::uint8_t* row = p < k.first_quantized ? k.sink_row(p) : k.pending_row(p);
       for (int i = 0; i < NV; ++i) x[i] = load16(k.residual, row, 16 * std::size_t(i));
     } else if (key_token_fast) {
-      for (unsigned u = 0; u < NU; ++u) token_quarter(k, ku, p, u, x + 4 * u);
+      for (unsigned u = 0; u < NU; ++u) token_quarter(k, ku, key_groups, key_group_of, p, u, x + 4 * u);
     } else {
       alignas(64) float buf[dim];
       k.read_row(p, buf);
@@ -127,12 +138,16 @@ struct Kernels {
     if (task.rope != nullptr) rotate(x, p);
   }
 
+  /// Each head's products with row x, in two chains of FMAs (one would wait on its latency).
   KVQ_TARGET_AVX512_ATTENTION void dot_heads(const __m512* x, const float* queries, std::size_t t) noexcept {
     for (std::size_t h = 0; h < task.group; ++h) {
       const float* q = queries + h * dim;
-      __m512 acc = _mm512_mul_ps(x[0], _mm512_loadu_ps(q));
-      for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(x[i], _mm512_loadu_ps(q + 16 * i), acc);
-      _mm512_store_ps(part[h][t], acc);
+      __m512 even = _mm512_mul_ps(x[0], _mm512_loadu_ps(q)), odd = _mm512_mul_ps(x[1], _mm512_loadu_ps(q + 16));
+      for (int i = 2; i < NV; i += 2) {
+        even = _mm512_fmadd_ps(x[i], _mm512_loadu_ps(q + 16 * i), even);
+        odd = _mm512_fmadd_ps(x[i + 1], _mm512_loadu_ps(q + 16 * i + 16), odd);
+      }
+      _mm512_store_ps(part[h][t], _mm512_add_ps(even, odd));
     }
   }
 
@@ -290,23 +305,26 @@ struct Kernels {
       for (unsigned i = 0; i < 4; ++i) x[i] = load16(v.residual, row, 64 * u + 16 * i);
       return;
     }
-    token_quarter(v, vu, p, u, x);
+    token_quarter(v, vu, value_groups, value_group_of, p, u, x);
   }
 
   /// Channels [64u, 64u + 64) of row p of a stream packed per token in groups of a multiple of 16
-  /// channels (fast codes, unpacked by `un`), dequantized: 4 vectors.
-  KVQ_TARGET_AVX512_ATTENTION static void token_quarter(const StreamView& s, const Unpacker& un, std::size_t p,
-                                                        unsigned u, __m512* x) noexcept {
+  /// channels (fast codes, unpacked by `un`; token_groups), dequantized: 4 vectors.
+  KVQ_TARGET_AVX512_ATTENTION static void token_quarter(const StreamView& s, const Unpacker& un, std::size_t groups,
+                                                        const std::uint8_t* group_of, std::size_t p, unsigned u,
+                                                        __m512* x) noexcept {
     const std::uint8_t* row = s.code_row(p);
     code_floats(un.codes(row, un.load(row), u), x);
-    const std::size_t pi = s.param_index(p);
-    const float mid = reference::mid_code(s.spec);
+    // The row's parameters (at most 8 groups: 16 channels or more each) converted at once.
+    const std::size_t pi = (p - s.first_quantized) * groups;  // StreamView::param_index, per token
+    alignas(64) float scale[16], zero[16];
+    const __m512 sv = load_n(s.spec.param, s.scales, pi, groups);
+    _mm512_store_ps(scale, sv);
+    _mm512_store_ps(zero, s.zeros != nullptr ? load_n(s.spec.param, s.zeros, pi, groups)
+                                             : _mm512_mul_ps(sv, _mm512_set1_ps(-reference::mid_code(s.spec))));
     for (unsigned i = 0; i < 4; ++i) {
-      const std::size_t g = (64 * u + 16 * i) / s.spec.group;
-      const float scale = kvq::detail::load_scalar_f16c(s.spec.param, s.scales, pi + g);
-      const float zero =
-          s.zeros != nullptr ? kvq::detail::load_scalar_f16c(s.spec.param, s.zeros, pi + g) : -mid * scale;
-      x[i] = _mm512_fmadd_ps(x[i], _mm512_set1_ps(scale), _mm512_set1_ps(zero));
+      const std::size_t g = group_of[4 * u + i];
+      x[i] = _mm512_fmadd_ps(x[i], _mm512_set1_ps(scale[g]), _mm512_set1_ps(zero[g]));
     }
   }
 
