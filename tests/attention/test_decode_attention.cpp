@@ -115,9 +115,11 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
         // signs, rotated values beside pre-RoPE keys
         "k4t32-v2t32-r16-s1-post-hk-hv", "k4c32-v2t32-r16-s0-post-hsk-hsv", "k4c32-v2t32-r40-s1-hv",
         // keys per token, dequantized in vectors: llama.cpp's q8_0 and q4_0 layouts, pre-RoPE keys,
-        // groups of 64, of 8 (narrower than an AVX-512 vector) and 3-bit codes with outliers
-        "k8t32s-v8t32s-r16-s1-post", "k4t32s-v4t32s-r0-s0-post", "k4t64-v2t32-r16-s1", "k2t8-v4t32-r8-s0-post",
-        "k3t32o1-v2t32-r16-s1-post", "k4t16o1-v4t32-r8-s2"}) {
+        // groups of 64, of 48 (a short last group), of 8 (narrower than an AVX-512 vector), bf16
+        // and f32 parameters, and 3-bit codes with outliers
+        "k8t32s-v8t32s-r16-s1-post", "k4t32s-v4t32s-r0-s0-post", "k4t64-v2t32-r16-s1", "k2t48-v2t32-r8-s0-post",
+        "k2t8-v4t32-r8-s0-post", "k4t48.bf16-v4t32-r16-s1-post", "k8t32s.f32-v4t32-r16-s1", "k3t32o1-v2t32-r16-s1-post",
+        "k4t16o1-v4t32-r8-s2"}) {
     for (const auto& [kv, group] : {std::pair<std::size_t, std::size_t>{2, 1}, {1, 4}, {2, 8}}) {
       for (const std::size_t dim : {64, 128}) {
         check_case({config, kv, group, dim, 301, 300}, seed++);

@@ -120,33 +120,40 @@ TEST(Rotation, CutsTheErrorOfPerTokenGroupsWithAnOutlierChannel) {
   }
 }
 
-// A query whose rotation would overflow float is refused before any output is written, even
-// when the keys (all zero) bound no score; the same query is taken where keys are not rotated.
-TEST(Rotation, QueriesBeyondFloatOnceRotatedAreRefused) {
+// A query that would overflow float once scaled (and rotated) is refused before any output is
+// written, even when the keys (all zero) bound no score; a smaller one is taken, and the same
+// one is refused under a larger softmax scale.
+TEST(Rotation, QueriesBeyondFloatOnceScaledOrRotatedAreRefused) {
   const CacheShape shape{1, 1, 64, 40};
-  const std::vector<float> zeros(8 * 64, 0.0f), q(2 * 64, 1e37f);
-  for (const char* text : {"k4t32-v4t32-r0-s0-post-hk", "k16-v16-r0-s0-post"}) {
+  const std::vector<float> zeros(8 * 64, 0.0f), huge(2 * 64, 1e37f), large(2 * 64, 1e33f);
+  for (const char* text : {"k4t32-v4t32-r0-s0-post-hk", "k16-v16-r0-s0-post", "k4c32-v2t32-r0-s0"}) {
     SCOPED_TRACE(text);
     BasicKVCache cache(shape, kvq::parse_cache_config(text));
     cache.append(0, 0, zeros, zeros);
-    std::vector<float> out(q.size(), 7.0f);
-    if (cache.config().key_rotation == Rotation::none) {
-      kvq::decode_attention(cache, 0, 7, q, out);
-      for (const float x : out) EXPECT_EQ(x, 0.0f);  // zero keys, zero values: a finite answer
-      continue;
-    }
-    try {
-      kvq::decode_attention(cache, 0, 7, q, out);
-      ADD_FAILURE() << "taken";
-    } catch (const kvq::Error& e) {
-      EXPECT_EQ(e.code(), kvq::ErrorCode::unrepresentable);
-      EXPECT_NE(std::string(e.what()).find("query head 0 at position 7: |q|_1 = "), std::string::npos) << e.what();
-    }
-    for (const float x : out) EXPECT_EQ(x, 7.0f);
-    std::vector<float> tokens(2 * 64, 7.0f);
-    EXPECT_THROW(
-        kvq::attend({.cache = &cache, .layer = 0, .first_position = 7, .tokens = 1, .queries = q, .out = tokens}),
-        kvq::Error);
+    const std::string rotated = cache.config().key_rotation == Rotation::none ? "" : " and rotated";
+    auto refused = [&](const std::vector<float>& q, const kvq::ScoreOptions& scores) {
+      std::vector<float> out(q.size(), 7.0f);
+      try {
+        kvq::decode_attention(cache, 0, 7, q, out, {.scores = scores});
+        ADD_FAILURE() << "taken";
+      } catch (const kvq::Error& e) {
+        EXPECT_EQ(e.code(), kvq::ErrorCode::unrepresentable);
+        EXPECT_NE(std::string(e.what()).find("query head 0 at position 7: |q|_1 = "), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("once scaled" + rotated), std::string::npos) << e.what();
+      }
+      for (const float x : out) EXPECT_EQ(x, 7.0f);
+      EXPECT_THROW(
+          kvq::attend({.cache = &cache, .layer = 0, .first_position = 7, .tokens = 1, .queries = q, .out = out},
+                      {.scores = scores}),
+          kvq::Error);
+    };
+    refused(huge, {});
+    kvq::ScoreOptions wide;
+    wide.scale = 1e3f;
+    refused(large, wide);
+    std::vector<float> out(large.size(), 7.0f);
+    kvq::decode_attention(cache, 0, 7, large, out);
+    for (const float x : out) EXPECT_EQ(x, 0.0f);  // zero keys, zero values: a finite answer
   }
 }
 

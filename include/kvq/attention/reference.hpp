@@ -118,9 +118,10 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
   // channel) must stay finite in float with room for the kernels' sums and the dequantized keys'
   // rounding; past that an fp32 kernel would produce inf - inf = NaN where the oracle is finite.
   // Rotated keys meet the rotated query Hq, whose |Hq|_1 is at most sqrt(d) |q|_2 (and keys of
-  // either space have |k|_2 <= sqrt(d) x their peak): that bound stands in for |q|_1 there. The
-  // rotation's butterflies sum up to |q|_1 before they normalise, so that must stay finite too,
-  // whatever the keys (all-zero keys give no bound).
+  // either space have |k|_2 <= sqrt(d) x their peak): that bound stands in for |q|_1 there.
+  // Whatever the keys (all-zero keys bound nothing), attention scales the query by the score
+  // scale, RoPE grows a channel by up to sqrt(2) and a key rotation's butterflies sum up to the
+  // whole |q|_1 before they normalise: sqrt(2) x scale x |q|_1 must stay finite too.
   const double key_peak = std::max(cache.key_peak(layer), new_keys_peak);
   const double limit = double(std::numeric_limits<float>::max()) / 64;
   const bool rotated = cache.config().key_rotation != Rotation::none;
@@ -131,11 +132,11 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
       l1 += std::fabs(x);
       squares += x * x;
     }
-    if (rotated && l1 > limit)
+    if (l1 * std::sqrt(2.0) * double(score_scale(rule, s.head_dim)) > limit)
       throw Error(ErrorCode::unrepresentable,
                   "attention: layer " + std::to_string(layer) + ", query head " + std::to_string(row % heads) +
-                      " at position " + std::to_string(first_position + row / heads) +
-                      ": |q|_1 = " + std::to_string(l1) + " is beyond float's range once rotated");
+                      " at position " + std::to_string(first_position + row / heads) + ": |q|_1 = " +
+                      std::to_string(l1) + " is beyond float's range once scaled" + (rotated ? " and rotated" : ""));
     if (rotated) l1 = std::sqrt(squares * double(s.head_dim));
     if (l1 * key_peak * 2 * std::sqrt(2.0) * double(score_scale(rule, s.head_dim)) > limit)
       throw Error(ErrorCode::unrepresentable,

@@ -123,7 +123,8 @@ struct Kernels {
   }
 
   /// A full-precision or generically stored key row in registers (rotated when pre-RoPE); rows
-  /// packed per token (groups of a multiple of 16 channels) are dequantized in registers.
+  /// packed per token (2, 4 or 8 bits, groups of a multiple of 16 channels) are dequantized in
+  /// registers.
   KVQ_TARGET_AVX512_ATTENTION void load_key_row(std::size_t p, __m512* x) const noexcept {
     if (p < k.first_quantized || p >= k.end_quantized) {
       const std::uint8_t* row = p < k.first_quantized ? k.sink_row(p) : k.pending_row(p);

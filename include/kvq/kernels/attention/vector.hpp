@@ -7,8 +7,9 @@
 // against. A new instruction set is one ops file and one registry entry.
 //
 // Keys: a packed per-channel block folds its scales into the query (post-RoPE) or is dequantized
-// row by row and rotated (pre-RoPE); rows packed per token are dequantized in vectors (and
-// rotated when pre-RoPE); other rows are read through StreamView::read_row. Each row
+// row by row and rotated (pre-RoPE); rows packed per token in groups of whole vectors are
+// dequantized in vectors (and rotated when pre-RoPE); other rows are read through
+// StreamView::read_row. Each row
 // is dotted with every query head of the GQA group. Values packed per token add
 // (p * scale) * code + p * zero per group; other rows are read whole. The integer tier computes
 // task.hpp's definitions: its sums of integer products are integers below 2^24 here, which fp32
