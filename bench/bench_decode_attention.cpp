@@ -209,13 +209,19 @@ int main(int argc, char** argv) {
   // - dense-and-sparse outliers (one per key group of 32 and per value group): the vector kernel,
   //   as the hand-tuned ones refuse them;
   // - rotated caches (a Hadamard transform of the query and of the output per step), beside the
-  //   same caches unrotated: plain K4V2 and llama.cpp's layout, keys and values per token.
+  //   same caches unrotated: plain K4V2 and llama.cpp's layout, keys and values per token;
+  // - pre-RoPE keys rotated (each key row rotated back before RoPE, on the vector kernel), beside
+  //   the same caches unrotated (on the hand-tuned kernels; on the vector kernel below).
   const Named other_forms[] = {{"outliers/K4V2o1-post", "k4c32o1-v2t32o1-r128-s0-post"},
                                {"outliers/K4V2o1-pre", "k4c32o1-v2t32o1-r128-s0"},
                                {"rotated/K4V2-post", "k4c32-v2t32-r128-s0-post"},
                                {"rotated/K4V2-post-hk-hv", "k4c32-v2t32-r128-s0-post-hk-hv"},
                                {"rotated/K4V4tok-post", "k4t32-v4t32-r128-s0-post"},
-                               {"rotated/K4V4tok-post-hk-hv", "k4t32-v4t32-r128-s0-post-hk-hv"}};
+                               {"rotated/K4V4tok-post-hk-hv", "k4t32-v4t32-r128-s0-post-hk-hv"},
+                               {"rotated/K4V2-pre", "k4c32-v2t32-r128-s0"},
+                               {"rotated/K4V2-pre-hk", "k4c32-v2t32-r128-s0-hk"},
+                               {"rotated/K4V4tok-pre", "k4t32-v4t32-r128-s0"},
+                               {"rotated/K4V4tok-pre-hk-hv", "k4t32-v4t32-r128-s0-hk-hv"}};
   for (const Named& c : other_forms)
     for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer})
       benchmark::RegisterBenchmark(
@@ -223,6 +229,21 @@ int main(int argc, char** argv) {
           std::string(c.config), tier, std::size_t(32768), std::size_t(1), std::string(), true, std::size_t(0))
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
+  // The unrotated pre-RoPE caches above on the kernels that run their rotated forms (the generic
+  // AVX-512 kernel, the vector kernels on AVX-512 and AVX2 ops): what rotating each key row back
+  // costs there.
+  for (const std::string kernel : {"avx512-generic", "vector-avx512", "vector-avx2"}) {
+    const auto& table = kvq::kernels::attention::registry();
+    if (std::none_of(table.begin(), table.end(), [&](const auto& e) { return e.name == kernel && e.available(); }))
+      continue;
+    for (const Named& c : other_forms)
+      if (std::string_view(c.name).starts_with("rotated/") && std::string_view(c.name).ends_with("-pre"))
+        benchmark::RegisterBenchmark(
+            ("decode_" + std::string(c.name) + "/" + kernel + "/exact/32768/threads:1").c_str(), decode_step,
+            std::string(c.config), kvq::Tier::exact, std::size_t(32768), std::size_t(1), kernel, true, std::size_t(0))
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+  }
   // Keys and values per token in groups of 32 with fp16 scales, no window: the layouts of
   // llama.cpp's cache types q8_0 (8-bit, symmetric, 8.5 bits per value) and q4_0 (4-bit, 4.5 bits),
   // 32K, one thread, both tiers, on the kernel chosen automatically and on each that takes them.

@@ -82,7 +82,7 @@ Configuration strings: k<bits><c|t><group>[o<n>][s][.bf16|.f32]-v...-r<window>-s
   o<n> = keep the n values of each group farthest out exact (dense-and-sparse outliers),
   s = symmetric, k16/v16 = unquantized, -post = the cache receives post-RoPE keys,
   -hk/-hv = store keys/values rotated by a Hadamard transform per head (-hsk/-hsv: with random
-  signs; a key rotation needs -post).
+  signs; pre-RoPE keys are rotated back before RoPE when attention reads them).
 
 Engine formats, simulated (each stored key and value quantized and dequantized as the engine
 stores it; attention reads them in fp32; bits/value counts the format's scales):
@@ -382,8 +382,8 @@ inline int run_synthetic(std::ostream& out) {
       << ranking([](const Row& a, const Row& b) { return a.coqa > b.coqa; })
       << "\nThe first measures one attention layer on made-up tensors, the second a whole model answering\n"
          "questions; only the first is measured here.\n";
-  // The rotation llama.cpp applies to every quantized cache, on kvq's axes (post-RoPE keys, as a
-  // key rotation needs them): attention output error without it, with values rotated, with both.
+  // The rotation llama.cpp applies to every quantized cache, on kvq's axes (post-RoPE keys, as
+  // llama.cpp stores them): attention output error without it, with values rotated, with both.
   out << fmt::format("\nHadamard rotation of each head (post-RoPE keys)   output error: {:>8} {:>8} {:>8}\n", "plain",
                      "-hv", "-hk-hv");
   for (const char* c :

@@ -43,9 +43,9 @@ std::vector<float> oracle_with_new(const BasicKVCache& cache, std::size_t layer,
 }
 
 const char* const kConfigs[] = {
-    "k4c32-v2t32-r20-s3",   "k4c32-v2t32-r16-s0-post", "k8c32-v8t32-r8-s1-f32",  "k2c16-v4t32-r0-s2",
-    "k16-v16-r0-s0-post",   "k3c8-v5t16-r5-s0",        "k3c32o1-v2t16o1-r20-s3", "k4t32-v2t32-r16-s1-post-hk-hsv",
-    "k4c32-v2t32-r20-s3-hv"};
+    "k4c32-v2t32-r20-s3",    "k4c32-v2t32-r16-s0-post", "k8c32-v8t32-r8-s1-f32",  "k2c16-v4t32-r0-s2",
+    "k16-v16-r0-s0-post",    "k3c8-v5t16-r5-s0",        "k3c32o1-v2t16o1-r20-s3", "k4t32-v2t32-r16-s1-post-hk-hsv",
+    "k4c32-v2t32-r20-s3-hv", "k4t32-v2t32-r16-s1-hsk"};
 
 // Speculative verification: T stored positions, every query seeing the prefix and the drafts
 // before it; groups of up to 64 rows per KV head, and more (T x GQA = 5 x 16 = 80 rows).
@@ -235,8 +235,8 @@ TEST(Attend, ScaleWindowAndSoftcapMatchTheOracle) {
   rules[4].softcap = 2.0f;
   rules[5] = {.scale = 0.2f, .window = 100, .softcap = 3.0f};
   const std::size_t kv_heads = 2, dim = 64, group = 3, heads = kv_heads * group;
-  for (const char* text :
-       {"k4c32-v2t32-r20-s3", "k4c32-v2t32-r16-s0-post", "k16-v16-r0-s0-post", "k8c32-v8t32-r8-s1-f32"}) {
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k4c32-v2t32-r16-s0-post", "k16-v16-r0-s0-post",
+                           "k8c32-v8t32-r8-s1-f32", "k4t32-v2t32-r16-s1-hk"}) {
     const BasicKVCache cache = filled(text, kv_heads, dim, 533, 31, 64);
     const BasicKVCache prefix = filled(text, kv_heads, dim, 200, 31, 64);
     const auto q1 = kvq::test::normal_vector(heads * dim, 32, 0.4f);

@@ -80,11 +80,15 @@ void check_case(const Case& c, unsigned seed) {
   for (const std::string& kernel : kernels()) {
     SCOPED_TRACE("kernel '" + kernel + "'");
     DecodeOptions o = options_for(kernel);
-    const bool accepted = kernel.empty() || kvq::kernels::attention::kernel_takes(*entry(kernel), cache.keys(0, 0, 0),
-                                                                                  cache.values(0, 0, 0), c.group, rope);
+    const bool unrotate = kvq::detail::key_unrotation(cache) != nullptr;
+    const bool accepted =
+        kernel.empty() || kvq::kernels::attention::kernel_takes(*entry(kernel), cache.keys(0, 0, 0),
+                                                                cache.values(0, 0, 0), c.group, rope, unrotate);
     if (kernel == "avx2" || kernel == "vector-avx2") {
-      // They take every head_dim that is a multiple of 8, and only those; the AVX2 kernel no outliers.
-      EXPECT_EQ(accepted, c.dim % 8 == 0 && (kernel == "vector-avx2" || cache.config().key.outliers == 0));
+      // They take every head_dim that is a multiple of 8, and only those; the AVX2 kernel neither
+      // outliers nor pre-RoPE keys stored rotated.
+      EXPECT_EQ(accepted,
+                c.dim % 8 == 0 && (kernel == "vector-avx2" || (cache.config().key.outliers == 0 && !unrotate)));
     }
     if (!accepted) {
       EXPECT_THROW(run(cache, c, q, o), kvq::Error);  // named, but not for this shape
@@ -112,8 +116,11 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
         "k3c32o1-v2t32o1-r40-s1", "k4c32o2-v4t32o1-r16-s0-post", "k2c32o1-v2t32o2s-r8-s2-post",
         "k3c16o1-v3c32o1-r16-s1",
         // rotations: keys and values per token (llama.cpp's layout), per-channel keys with random
-        // signs, rotated values beside pre-RoPE keys
+        // signs, rotated values beside pre-RoPE keys; pre-RoPE keys rotated, per token and per
+        // channel (rotated back before RoPE), with outliers
         "k4t32-v2t32-r16-s1-post-hk-hv", "k4c32-v2t32-r16-s0-post-hsk-hsv", "k4c32-v2t32-r40-s1-hv",
+        "k4t32-v2t32-r16-s1-hk", "k4c32-v2t32-r40-s1-hsk-hv", "k3t32o1-v2t32-r8-s0-hsk", "k3t32-v2t32-r8-s0-hk",
+        "k8c16-v4t32-r16-s1-hk-f32",
         // keys per token, dequantized in vectors: llama.cpp's q8_0 and q4_0 layouts, pre-RoPE keys,
         // groups of 64, of 48 (a short last group), of 8 (narrower than an AVX-512 vector), bf16
         // and f32 parameters, and 3-bit codes with outliers
@@ -131,8 +138,8 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
 
 TEST(DecodeAttention, HalfSplitRopeShortContextsAndOddDims) {
   unsigned seed = 100;
-  for (const char* config :
-       {"k4c32-v2t32-r16-s1", "k8c32-v4t32-r16-s2", "k2c32-v2t32-r16-s0-post", "k4t16-v4t16-r16-s0-post-hk-hsv"}) {
+  for (const char* config : {"k4c32-v2t32-r16-s1", "k8c32-v4t32-r16-s2", "k2c32-v2t32-r16-s0-post",
+                             "k4t16-v4t16-r16-s0-post-hk-hsv", "k4t16-v4t16-r16-s1-hsk"}) {
     check_case({config, 2, 4, 128, 200, 199, kvq::RopeStyle::half_split}, seed++);
     check_case({config, 2, 4, 64, 3, 0}, seed++);      // one token, maybe a sink
     check_case({config, 2, 4, 128, 17, 16}, seed++);   // nothing quantized yet
@@ -145,7 +152,8 @@ TEST(DecodeAttention, PreRopeKeysAtLongPositions) {
   // still agree with the reference's rotation by the table row of each position.
   unsigned seed = 300;
   for (const auto style : {kvq::RopeStyle::adjacent_pairs, kvq::RopeStyle::half_split})
-    for (const char* config : {"k4c32-v2t32-r128-s1", "k2c64-v4t32-r32-s0", "k8c16-v8t32-r16-s4"})
+    for (const char* config :
+         {"k4c32-v2t32-r128-s1", "k2c64-v4t32-r32-s0", "k8c16-v8t32-r16-s4", "k4c32-v2t32-r64-s1-hsk"})
       check_case({config, 1, 4, 128, 6000, 5999, style}, seed++);
 }
 
@@ -390,7 +398,10 @@ TEST(DecodeAttention, KernelSelection) {
                             {"k2c64-v8t32-r16-s0", Tier::integer, "avx512-integer"},
                             {"k8c32-v4t32-r16-s0", Tier::exact, "avx512-exact"},
                             {"k3c8-v5t16-r5-s0", Tier::exact, "avx512-generic"},
-                            {"k4t32-v2t32-r16-s1-post", Tier::integer, "avx512-generic"}};
+                            {"k4t32-v2t32-r16-s1-post", Tier::integer, "avx512-generic"},
+                            // pre-RoPE keys stored rotated: the generic kernel rotates them back
+                            {"k4t32-v2t32-r16-s1-hk", Tier::exact, "avx512-generic"},
+                            {"k4c32-v2t32-r16-s1-hsk-hv", Tier::integer, "avx512-generic"}};
   for (const Expected& e : cases) {
     const BasicKVCache cache = make_cache({e.config, 2, 4, 128, 100, 99}, 5);
     EXPECT_STREQ(kvq::decode_kernel(cache, 8, {.tier = e.tier, .kernel = "reference"}), "reference");

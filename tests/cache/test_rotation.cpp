@@ -35,8 +35,9 @@ std::string error_of(const std::string& text) {
 }
 
 TEST(Rotation, ConfigStringsRoundTripAndBadOnesAreRefused) {
-  for (const char* text : {"k4t32-v2t32-r16-s0-post-hk-hv", "k4c32-v2t32-r16-s0-post-hsk", "k4c32-v2t32-r128-s1-hsv",
-                           "k2t16-v4t16-r0-s0-post-hk-hsv-f32-d4"}) {
+  for (const char* text :
+       {"k4t32-v2t32-r16-s0-post-hk-hv", "k4c32-v2t32-r16-s0-post-hsk", "k4c32-v2t32-r128-s1-hsv",
+        "k2t16-v4t16-r0-s0-post-hk-hsv-f32-d4", "k4t32-v2t32-r16-s0-hk", "k4c32-v2t32-r0-s1-hsk-hv"}) {
     const kvq::CacheConfig c = kvq::parse_cache_config(text);
     EXPECT_EQ(kvq::to_string(c), text);
   }
@@ -45,7 +46,6 @@ TEST(Rotation, ConfigStringsRoundTripAndBadOnesAreRefused) {
   EXPECT_EQ(c.value_rotation, Rotation::signed_hadamard);
   EXPECT_EQ(kvq::parse_cache_config("k4c32-v2t32-r16-s0").key_rotation, Rotation::none);
 
-  EXPECT_NE(error_of("k4c32-v2t32-r16-s0-hk").find("post-RoPE"), std::string::npos);  // pre-RoPE keys
   EXPECT_NE(error_of("k16-v2t32-r16-s0-post-hk").find("quantized keys"), std::string::npos);
   EXPECT_NE(error_of("k4c32-v16-r16-s0-hv").find("quantized values"), std::string::npos);
   for (const char* text : {"k4c32-v2t32-r16-s0-post-hv-hk", "k4c32-v2t32-r16-s0-post-hk-hsk",
@@ -62,7 +62,8 @@ TEST(Rotation, ConfigStringsRoundTripAndBadOnesAreRefused) {
 // Rows are stored rotated: the window's f32 rows are exactly H x (up to rounding), read_row
 // returns x, and packed rows come back within their quantization error.
 TEST(Rotation, RowsAreStoredRotatedAndReadBackInTheModelSpace) {
-  for (const char* text : {"k4t32-v4t32-r16-s1-post-hk-hsv-f32", "k8c16-v8t16-r16-s1-post-hsk-hv-f32"}) {
+  for (const char* text :
+       {"k4t32-v4t32-r16-s1-post-hk-hsv-f32", "k8c16-v8t16-r16-s1-post-hsk-hv-f32", "k4t32-v4t32-r16-s1-hsk-f32"}) {
     SCOPED_TRACE(text);
     const std::size_t dim = 96, kv_heads = 2, n = 100;  // 96: three blocks of 32
     BasicKVCache cache(CacheShape{1, kv_heads, dim, 128}, kvq::parse_cache_config(text));
@@ -72,6 +73,7 @@ TEST(Rotation, RowsAreStoredRotatedAndReadBackInTheModelSpace) {
     for (const Tensor t : {Tensor::keys, Tensor::values}) {
       const std::vector<float>& input = t == Tensor::keys ? k : v;
       const auto rotation = cache.rotation(t);
+      if (t == Tensor::values && cache.config().value_rotation == Rotation::none) continue;
       ASSERT_NE(rotation, nullptr);
       for (std::size_t p : {std::size_t(0), std::size_t(40), n - 1}) {  // a sink, a packed row, a window row
         for (std::size_t h = 0; h < kv_heads; ++h) {
@@ -94,14 +96,15 @@ TEST(Rotation, RowsAreStoredRotatedAndReadBackInTheModelSpace) {
 // Per-token keys and values with an outlier channel (12 x the others' spread, as real keys
 // have), one group per head vector: its range follows the outlier, so the other channels get
 // few levels. The rotation spreads it over the head, and the attention output is closer to the
-// exact one. (With groups of 32 only the outlier's group suffers: 0.69x there.)
+// exact one. (With groups of 32 only the outlier's group suffers: 0.69x there.) Pre-RoPE keys,
+// rotated back before RoPE in the kernels, gain as much as post-RoPE keys, whose query rotates.
 TEST(Rotation, CutsTheErrorOfPerTokenGroupsWithAnOutlierChannel) {
   const CacheShape shape{1, 2, 128, 600};
   const std::size_t n = 512, dim = 128;
   auto k = kvq::test::outlier_keys(n, 2, dim, 7, 0.0f, 21), v = kvq::test::normal_vector(n * 2 * dim, 22);
   for (std::size_t i = 7; i < k.size(); i += dim) k[i] *= 12.0f, v[i] *= 12.0f;
   const auto q = kvq::test::normal_vector(8 * dim, 23, 0.3f);
-  auto output = [&](const char* text, kvq::Tier tier) {
+  auto output = [&](const std::string& text, kvq::Tier tier) {
     BasicKVCache cache(shape, kvq::parse_cache_config(text));
     cache.append(0, 0, k, v);
     std::vector<float> out(q.size());
@@ -110,13 +113,17 @@ TEST(Rotation, CutsTheErrorOfPerTokenGroupsWithAnOutlierChannel) {
     kvq::decode_attention(cache, 0, n - 1, q, out, o);
     return out;
   };
-  const std::vector<float> exact = output("k16-v16-r0-s0-post-f32", kvq::Tier::exact);
-  for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
-    const double plain = kvq::test::relative_error(output("k4t128-v2t128-r0-s0-post", tier), exact);
-    const double rotated = kvq::test::relative_error(output("k4t128-v2t128-r0-s0-post-hk-hv", tier), exact);
-    const double signed_rotated = kvq::test::relative_error(output("k4t128-v2t128-r0-s0-post-hsk-hsv", tier), exact);
-    EXPECT_LT(rotated, 0.6 * plain) << rotated << " vs " << plain;                // measured 0.41x (0.91 -> 0.37)
-    EXPECT_LT(signed_rotated, 0.6 * plain) << signed_rotated << " vs " << plain;  // 0.40x
+  for (const std::string rope : {"-post", ""}) {
+    SCOPED_TRACE(rope.empty() ? "pre-RoPE keys" : "post-RoPE keys");
+    const std::vector<float> exact = output("k16-v16-r0-s0" + rope + "-f32", kvq::Tier::exact);
+    for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
+      const double plain = kvq::test::relative_error(output("k4t128-v2t128-r0-s0" + rope, tier), exact);
+      const double rotated = kvq::test::relative_error(output("k4t128-v2t128-r0-s0" + rope + "-hk-hv", tier), exact);
+      const double signed_rotated =
+          kvq::test::relative_error(output("k4t128-v2t128-r0-s0" + rope + "-hsk-hsv", tier), exact);
+      EXPECT_LT(rotated, 0.6 * plain) << rotated << " vs " << plain;                // measured 0.41x (0.91 -> 0.37)
+      EXPECT_LT(signed_rotated, 0.6 * plain) << signed_rotated << " vs " << plain;  // 0.40x
+    }
   }
 }
 
@@ -126,11 +133,15 @@ TEST(Rotation, CutsTheErrorOfPerTokenGroupsWithAnOutlierChannel) {
 TEST(Rotation, QueriesBeyondFloatOnceScaledOrRotatedAreRefused) {
   const CacheShape shape{1, 1, 64, 40};
   const std::vector<float> zeros(8 * 64, 0.0f), huge(2 * 64, 1e37f), large(2 * 64, 1e33f);
-  for (const char* text : {"k4t32-v4t32-r0-s0-post-hk", "k16-v16-r0-s0-post", "k4c32-v2t32-r0-s0"}) {
+  for (const char* text :
+       {"k4t32-v4t32-r0-s0-post-hk", "k16-v16-r0-s0-post", "k4c32-v2t32-r0-s0", "k4t32-v4t32-r0-s0-hk"}) {
     SCOPED_TRACE(text);
     BasicKVCache cache(shape, kvq::parse_cache_config(text));
     cache.append(0, 0, zeros, zeros);
-    const std::string rotated = cache.config().key_rotation == Rotation::none ? "" : " and rotated";
+    // Only a post-RoPE rotation rotates the query (a pre-RoPE one rotates keys back).
+    const bool query_rotated =
+        cache.config().key_rotation != Rotation::none && cache.config().key_rope == kvq::KeyRope::post;
+    const std::string rotated = query_rotated ? " and rotated" : "";
     auto refused = [&](const std::vector<float>& q, const kvq::ScoreOptions& scores) {
       std::vector<float> out(q.size(), 7.0f);
       try {
@@ -155,6 +166,26 @@ TEST(Rotation, QueriesBeyondFloatOnceScaledOrRotatedAreRefused) {
     kvq::decode_attention(cache, 0, 7, large, out);
     for (const float x : out) EXPECT_EQ(x, 0.0f);  // zero keys, zero values: a finite answer
   }
+}
+
+// Pre-RoPE keys stored rotated are rotated back in the kernels: keys whose butterflies could sum
+// beyond float (f32 window rows of 1e36, rotated into one channel of 8e36) are refused at
+// attention, before any output is written, whatever the query.
+TEST(Rotation, PreRopeKeysThatWouldOverflowOnceRotatedBackAreRefused) {
+  const CacheShape shape{1, 1, 64, 40};
+  BasicKVCache cache(shape, kvq::parse_cache_config("k4t32-v4t32-r16-s0-hk-f32"));
+  cache.append(0, 0, std::vector<float>(4 * 64, 1e36f), std::vector<float>(4 * 64, 1.0f));
+  const std::vector<float> q(2 * 64, 0.0f);
+  std::vector<float> out(q.size(), 7.0f);
+  try {
+    kvq::decode_attention(cache, 0, 3, q, out);
+    ADD_FAILURE() << "taken";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::unrepresentable);
+    EXPECT_NE(std::string(e.what()).find("beyond float's range once rotated back over 64 channels"), std::string::npos)
+        << e.what();
+  }
+  for (const float x : out) EXPECT_EQ(x, 7.0f);
 }
 
 // Bad input is reported where the caller put it, and changes nothing; can_append answers what

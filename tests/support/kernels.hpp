@@ -14,7 +14,8 @@ inline std::vector<std::string> kernels_for(const BasicKVCache& cache, std::size
   const RopeTable* rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
   std::vector<std::string> names;
   for (const auto& e : kernels::attention::registry())
-    if (e.available() && kernels::attention::kernel_takes(e, cache.keys(0, 0, 0), cache.values(0, 0, 0), group, rope))
+    if (e.available() && kernels::attention::kernel_takes(e, cache.keys(0, 0, 0), cache.values(0, 0, 0), group, rope,
+                                                          detail::key_unrotation(cache) != nullptr))
       names.emplace_back(e.name);
   return names;
 }

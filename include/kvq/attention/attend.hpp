@@ -134,7 +134,8 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
     }
     const RopeTable* rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
     p.kernel = &kernels::attention::select_kernel(cache.keys(r.layer, 0, 0), cache.values(r.layer, 0, 0),
-                                                  std::min(p.rows, max_group), rope, options.kernel);
+                                                  std::min(p.rows, max_group), rope,
+                                                  detail::key_unrotation(cache) != nullptr, options.kernel);
     p.query_offset = query_floats;
     query_floats += kv_heads * p.rows * dim;
     p.partial_offset = partial_floats;
@@ -173,7 +174,7 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
         if (pre) cache.rope().rotate_query(x, r.first_position + t);
         for (std::size_t c = 0; c < dim; ++c) x[c] *= scale;
       }
-    if (const auto rotation = cache.rotation(Tensor::keys))  // q.k = Hq.Hk
+    if (const auto rotation = detail::query_rotation(cache))  // q.k = Hq.Hk
       rotation->forward(std::span(own_queries.data() + p.query_offset, cache.shape().kv_heads * p.rows * dim));
   }
 
@@ -202,7 +203,8 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
       const auto [begin, end] =
           detail::ChunkGrid{cache.config().sinks, p.chunk}.range(p.first_chunk + it.part, p.shared, p.prefix);
       const RopeTable* rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
-      detail::run_range(cache, r.layer, it.kvh, begin, end, {q, rows, rope}, *p.kernel, options, state);
+      detail::run_range(cache, r.layer, it.kvh, begin, end, {q, rows, rope, detail::key_unrotation(cache)}, *p.kernel,
+                        options, state);
       return;
     }
     // The exact part: rows j < R are the ragged stored positions p.ragged + j, then the tail
@@ -213,12 +215,15 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
     thread_local std::vector<float> keys, values;  // this task's thread: no allocation once warm
     keys.resize((R + tail) * dim);
     values.resize((R + tail) * dim);
-    const auto key_rotation = cache.rotation(Tensor::keys), value_rotation = cache.rotation(Tensor::values);
+    // Keys in the queries' space: rotated as the cache stores them when the queries are
+    // (post-RoPE), in the model's space when RoPE comes first (pre-RoPE).
+    const auto key_rotation = detail::query_rotation(cache), key_unrotation = detail::key_unrotation(cache);
+    const auto value_rotation = cache.rotation(Tensor::values);
     for (std::size_t j = 0; j < R + tail; ++j) {
       const std::size_t position = j < R ? p.ragged + j : p.prefix + (j - R);
       float* k = keys.data() + j * dim;
       float* v = values.data() + j * dim;
-      if (fresh && j >= R) {  // rotated as the cache will store them
+      if (fresh && j >= R) {
         std::copy_n(r.new_keys.data() + ((j - R) * kv_heads + it.kvh) * dim, dim, k);
         std::copy_n(r.new_values.data() + ((j - R) * kv_heads + it.kvh) * dim, dim, v);
         if (key_rotation) key_rotation->forward(std::span(k, dim));
@@ -226,6 +231,7 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
       } else {
         cache.read_stored_row(Tensor::keys, r.layer, it.kvh, position, k);
         cache.read_stored_row(Tensor::values, r.layer, it.kvh, position, v);
+        if (key_unrotation) key_unrotation->inverse_head(k);
       }
       if (pre) cache.rope().rotate_unscaled(k, position);  // kernels' convention: queries carry the scaling
     }

@@ -18,6 +18,12 @@
 // small per-step one for each key). Post-RoPE keys fold the per-channel scales into the query
 // instead (one scaled query per key block, q.zero as a per-block bias) and never dequantize,
 // which is why they are the faster layout for decoding.
+//
+// Rotated keys (CacheConfig::key_rotation): post-RoPE, attention rotates the query once
+// (q.k = Hq.Hk) and no kernel knows; pre-RoPE, RoPE stands between the rotation and the query,
+// so the kernel rotates each dequantized key row back before RoPE (DecodeTask::unrotate), once
+// for the whole GQA group. The generic AVX-512 kernel and the vector kernels do; the specialised
+// AVX-512 kernels and the AVX2 kernel do not, so these caches run on the former.
 
 #include <algorithm>
 #include <cmath>
@@ -42,6 +48,15 @@
 namespace kvq::inline v0 {
 
 namespace detail {
+
+/// The rotation attention applies to the queries: the key rotation of post-RoPE keys, or null.
+inline const HadamardTransform* query_rotation(const BasicKVCache& cache) noexcept {
+  return cache.config().key_rope == KeyRope::post ? cache.rotation(Tensor::keys) : nullptr;
+}
+/// The rotation kernels undo on each key row before RoPE: the key rotation of pre-RoPE keys, or null.
+inline const HadamardTransform* key_unrotation(const BasicKVCache& cache) noexcept {
+  return cache.config().key_rope == KeyRope::pre ? cache.rotation(Tensor::keys) : nullptr;
+}
 
 struct DecodePlan {
   std::size_t dim = 0, heads = 0, group = 0, kv_heads = 0, tokens = 0, chunk = 0;
@@ -90,7 +105,8 @@ inline DecodePlan plan_decode(const BasicKVCache& cache, std::size_t layer, std:
 struct QueryRows {
   const float* data = nullptr;  // (rows, head_dim)
   std::size_t rows = 0;
-  const RopeTable* rope = nullptr;  // non-null: keys are stored pre-RoPE
+  const RopeTable* rope = nullptr;              // non-null: keys are stored pre-RoPE
+  const HadamardTransform* unrotate = nullptr;  // non-null: pre-RoPE keys are stored rotated by it
 };
 /// Online-softmax state of query rows: max (rows), sum (rows), acc (rows, head_dim).
 struct PartialState {
@@ -108,6 +124,7 @@ inline void run_range(const BasicKVCache& cache, std::size_t layer, std::size_t 
   const std::size_t first = segment_of(begin), last = segment_of(end - 1);
   kernels::attention::DecodeTask t;
   t.rope = q.rope;
+  t.unrotate = q.unrotate;
   t.queries = q.data;
   t.group = q.rows;
   t.max = state.max;
@@ -168,8 +185,9 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
   const detail::DecodePlan plan = detail::plan_decode(cache, layer, position, q, out.size(), options);
   const bool pre = cache.config().key_rope == KeyRope::pre;
   const RopeTable* rope = pre ? &cache.rope() : nullptr;
+  const HadamardTransform* unrotate = detail::key_unrotation(cache);
   const kernels::attention::KernelEntry& kernel = kernels::attention::select_kernel(
-      cache.keys(layer, 0, 0), cache.values(layer, 0, 0), plan.group, rope, options.kernel);
+      cache.keys(layer, 0, 0), cache.values(layer, 0, 0), plan.group, rope, unrotate != nullptr, options.kernel);
   thread_local DecodeWorkspace own;
   DecodeWorkspace& ws = options.workspace != nullptr ? *options.workspace : own;
   const std::size_t dim = plan.dim, stride = plan.group * (dim + 2);
@@ -183,15 +201,16 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
     if (pre) cache.rope().rotate_query(x, position);  // kernels rotate keys without the factor
     for (std::size_t c = 0; c < dim; ++c) x[c] *= scale;
   }
-  if (const auto r = cache.rotation(Tensor::keys)) r->forward(ws.queries);  // q.k = Hq.Hk
+  if (const auto r = detail::query_rotation(cache)) r->forward(ws.queries);  // q.k = Hq.Hk
 
   const detail::ChunkGrid grid{cache.config().sinks, plan.chunk};
   auto task_at = [&](std::size_t i) {
     const std::size_t kvh = i / plan.chunks, j = plan.first_chunk + i % plan.chunks;
     const auto [begin, end] = grid.range(j, plan.first, plan.tokens);
     float* base = ws.partial.data() + i * stride;
-    detail::run_range(cache, layer, kvh, begin, end, {ws.queries.data() + kvh * plan.group * dim, plan.group, rope},
-                      kernel, options, {base, base + plan.group, base + 2 * plan.group});
+    detail::run_range(cache, layer, kvh, begin, end,
+                      {ws.queries.data() + kvh * plan.group * dim, plan.group, rope, unrotate}, kernel, options,
+                      {base, base + plan.group, base + 2 * plan.group});
   };
   const std::size_t n = plan.kv_heads * plan.chunks;
   if (options.executor != nullptr && n > 1)
@@ -220,8 +239,10 @@ inline const char* decode_kernel(const BasicKVCache& cache, std::size_t heads, c
   task.values = cache.values(0, 0, 0);
   task.group = heads / cache.shape().kv_heads;
   task.rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
+  task.unrotate = detail::key_unrotation(cache);
   task.tier = options.tier;
-  const auto& kernel = kernels::attention::select_kernel(task.keys, task.values, task.group, task.rope, options.kernel);
+  const auto& kernel = kernels::attention::select_kernel(task.keys, task.values, task.group, task.rope,
+                                                         task.unrotate != nullptr, options.kernel);
 #if defined(KVQ_HAVE_X86_KERNELS)
   if (std::string_view(kernel.name) == "avx512") return to_string(kernels::attention::avx512::kernel_for(task));
 #endif

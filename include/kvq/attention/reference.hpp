@@ -117,14 +117,20 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
   // Scores |q.k| x scale <= sum|q| x (largest |key|) x sqrt(2) (a RoPE pair rotates into one
   // channel) must stay finite in float with room for the kernels' sums and the dequantized keys'
   // rounding; past that an fp32 kernel would produce inf - inf = NaN where the oracle is finite.
-  // Rotated keys meet the rotated query Hq, whose |Hq|_1 is at most sqrt(d) |q|_2 (and keys of
-  // either space have |k|_2 <= sqrt(d) x their peak): that bound stands in for |q|_1 there.
-  // Whatever the keys (all-zero keys bound nothing), attention scales the query by the score
-  // scale, RoPE grows a channel by up to sqrt(2) and a key rotation's butterflies sum up to the
-  // whole |q|_1 before they normalise: sqrt(2) x scale x |q|_1 must stay finite too.
+  // Rotated keys meet the rotated query Hq (post-RoPE) or are rotated back (pre-RoPE); either
+  // way |q.k| <= |q|_2 |k|_2 and keys of either space have |k|_2 <= sqrt(d) x their peak, so
+  // sqrt(d) |q|_2 stands in for |q|_1 there. Whatever the keys (all-zero keys bound nothing),
+  // attention scales the query by the score scale, RoPE grows a channel by up to sqrt(2) and a
+  // post-RoPE key rotation's butterflies sum up to the whole |q|_1 before they normalise:
+  // sqrt(2) x scale x |q|_1 must stay finite too. Pre-RoPE, the butterflies that rotate a key
+  // back sum up to d x its peak.
   const double key_peak = std::max(cache.key_peak(layer), new_keys_peak);
   const double limit = double(std::numeric_limits<float>::max()) / 64;
   const bool rotated = cache.config().key_rotation != Rotation::none;
+  if (rotated && cache.config().key_rope == KeyRope::pre && key_peak * double(s.head_dim) > limit)
+    throw Error(ErrorCode::unrepresentable,
+                "attention: layer " + std::to_string(layer) + " holds keys up to " + std::to_string(key_peak) +
+                    ", beyond float's range once rotated back over " + std::to_string(s.head_dim) + " channels");
   for (std::size_t row = 0; row < q_size / s.head_dim; ++row) {
     double l1 = 0, squares = 0;
     for (std::size_t c = 0; c < s.head_dim; ++c) {
@@ -135,8 +141,9 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
     if (l1 * std::sqrt(2.0) * double(score_scale(rule, s.head_dim)) > limit)
       throw Error(ErrorCode::unrepresentable,
                   "attention: layer " + std::to_string(layer) + ", query head " + std::to_string(row % heads) +
-                      " at position " + std::to_string(first_position + row / heads) + ": |q|_1 = " +
-                      std::to_string(l1) + " is beyond float's range once scaled" + (rotated ? " and rotated" : ""));
+                      " at position " + std::to_string(first_position + row / heads) +
+                      ": |q|_1 = " + std::to_string(l1) + " is beyond float's range once scaled" +
+                      (rotated && cache.config().key_rope == KeyRope::post ? " and rotated" : ""));
     if (rotated) l1 = std::sqrt(squares * double(s.head_dim));
     if (l1 * key_peak * 2 * std::sqrt(2.0) * double(score_scale(rule, s.head_dim)) > limit)
       throw Error(ErrorCode::unrepresentable,

@@ -25,8 +25,11 @@ enum class KeyRope : unsigned char {
 
 /// An orthogonal rotation of each head vector before it is stored (transform/hadamard.hpp): it
 /// spreads a channel's outliers over the head, so per-token groups see narrower ranges.
-/// Attention rotates the query instead of the keys (q.k = Hq.Hk) and rotates the output back
-/// (sum p Hv = H sum p v), so no kernel changes; read_row returns rows rotated back.
+/// Attention rotates the query instead of post-RoPE keys (q.k = Hq.Hk) and rotates the output
+/// back (sum p Hv = H sum p v), so no kernel changes; pre-RoPE keys, which RoPE must see in the
+/// model's space, are rotated back row by row after dequantization by the kernels that can (the
+/// generic AVX-512 kernel, the vector kernels), which then run these caches. read_row returns
+/// rows rotated back.
 enum class Rotation : unsigned char {
   none,
   hadamard,         // the normalized Walsh-Hadamard transform H (block-diagonal when head_dim is no power of two)
@@ -50,7 +53,7 @@ struct CacheConfig {
   // a per-token tensor) per layer, KV head and tensor, made as rows are packed; 0 turns it off
   // (truncate then re-opens only rows still in the ring).
   std::size_t rollback_depth = 16;
-  Rotation key_rotation = Rotation::none;  // post-RoPE keys only: pre-RoPE keys are dequantized before RoPE
+  Rotation key_rotation = Rotation::none;  // pre-RoPE keys are rotated back before RoPE, in the kernels
   Rotation value_rotation = Rotation::none;
 
   /// Deepest rollback a cache keeps copies for; bounds that memory (validate refuses more).
@@ -115,10 +118,6 @@ inline void validate(const CacheConfig& c) {
                                                    " rotation needs quantized " + what +
                                                    "s (it changes nothing for rows stored whole)");
   }
-  if (c.key_rotation != Rotation::none && c.key_rope != KeyRope::post)
-    throw Error(ErrorCode::invalid_argument,
-                "cache configuration: a key rotation needs post-RoPE keys ('-post'): pre-RoPE keys are rotated by "
-                "RoPE after dequantization, which a rotation of the stored keys would precede");
 }
 
 /// Parses exactly the form to_string writes: key, value, window and sinks in that order, then

@@ -16,8 +16,6 @@ template <Quantizer KeyQ, Quantizer ValueQ, std::size_t Window = 128, std::size_
 struct KVPolicy {
   static_assert(std::same_as<Residual, fp16> || std::same_as<Residual, bf16> || std::same_as<Residual, float>,
                 "window and sink tokens are stored as fp16, bf16 or float");
-  static_assert(KeyRotation == Rotation::none || Rope == KeyRope::post,
-                "a key rotation needs post-RoPE keys (pre-RoPE keys are rotated by RoPE after dequantization)");
   using key_quantizer = KeyQ;
   using value_quantizer = ValueQ;
   static constexpr std::size_t window = Window;

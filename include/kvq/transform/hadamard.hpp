@@ -43,6 +43,8 @@ class HadamardTransform {
   std::size_t dim() const noexcept { return dim_; }
   std::size_t block() const noexcept { return block_; }
   std::span<const float> signs() const noexcept { return signs_; }
+  /// 1/sqrt(block()): the factor after each block's butterflies.
+  float norm() const noexcept { return norm_; }
 
   /// x <- H D x for every head of a (heads * dim) span.
   void forward(std::span<float> x) const {
@@ -56,10 +58,13 @@ class HadamardTransform {
   /// y <- D H y, the inverse of forward.
   void inverse(std::span<float> y) const {
     check(y.size());
-    for (std::size_t h = 0; h < y.size(); h += dim_) {
-      transform_head(y.data() + h);
-      apply_signs(y.data() + h);
-    }
+    for (std::size_t h = 0; h < y.size(); h += dim_) inverse_head(y.data() + h);
+  }
+
+  /// inverse() of one head of dim() floats: what decode kernels call on a dequantized key row.
+  void inverse_head(float* y) const noexcept {
+    transform_head(y);
+    apply_signs(y);
   }
 
  private:

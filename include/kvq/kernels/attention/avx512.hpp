@@ -55,6 +55,7 @@ constexpr const char* to_string(Kernel k) noexcept {
 }
 
 inline Kernel kernel_for(const DecodeTask& task) noexcept {
+  if (task.unrotate != nullptr) return Kernel::generic;  // only it rotates pre-RoPE keys back
   if (detail::dense_supported(task)) return Kernel::dense;
   if (detail::int_supported(task)) return Kernel::integer;
   if (detail::exact_supported(task)) return Kernel::exact;
@@ -122,6 +123,32 @@ struct Kernels {
     }
   }
 
+  /// x <- x rotated back (DecodeTask::unrotate; HadamardTransform::inverse_head's sums and
+  /// differences): butterflies within each vector, between vectors (blocks are the whole head:
+  /// head_dim is 64 or 128), then the norm and the signs.
+  KVQ_TARGET_AVX512_ATTENTION void unrotate(__m512* x) const noexcept {
+    const HadamardTransform& t = *task.unrotate;
+    __m512 sign[4];
+    for (int s = 0; s < 4; ++s) sign[s] = _mm512_loadu_ps(butterfly_lane_signs[std::size_t(s)].data());
+    for (int i = 0; i < NV; ++i) {
+      x[i] = _mm512_fmadd_ps(x[i], sign[0], _mm512_permute_ps(x[i], 0xb1));
+      x[i] = _mm512_fmadd_ps(x[i], sign[1], _mm512_permute_ps(x[i], 0x4e));
+      x[i] = _mm512_fmadd_ps(x[i], sign[2], _mm512_shuffle_f32x4(x[i], x[i], 0xb1));
+      x[i] = _mm512_fmadd_ps(x[i], sign[3], _mm512_shuffle_f32x4(x[i], x[i], 0x4e));
+    }
+    for (int len = 1; len < NV; len *= 2)
+      for (int i = 0; i < NV; i += 2 * len)
+        for (int j = i; j < i + len; ++j) {
+          const __m512 a = x[j], c = x[j + len];
+          x[j] = _mm512_add_ps(a, c);
+          x[j + len] = _mm512_sub_ps(a, c);
+        }
+    const __m512 norm = _mm512_set1_ps(t.norm());
+    for (int i = 0; i < NV; ++i) x[i] = _mm512_mul_ps(x[i], norm);
+    if (!t.signs().empty())
+      for (int i = 0; i < NV; ++i) x[i] = _mm512_mul_ps(x[i], _mm512_loadu_ps(t.signs().data() + 16 * i));
+  }
+
   /// A full-precision or generically stored key row in registers (rotated when pre-RoPE); rows
   /// packed per token (2, 4 or 8 bits, groups of a multiple of 16 channels) are dequantized in
   /// registers.
@@ -136,6 +163,7 @@ struct Kernels {
       k.read_row(p, buf);
       for (int i = 0; i < NV; ++i) x[i] = _mm512_load_ps(buf + 16 * i);
     }
+    if (task.unrotate != nullptr) unrotate(x);
     if (task.rope != nullptr) rotate(x, p);
   }
 
@@ -249,6 +277,7 @@ struct Kernels {
         }
         for (int i = 0; i < NV; ++i)
           x[i] = _mm512_fmadd_ps(x[i], _mm512_load_ps(kscale + 16 * i), _mm512_load_ps(kzero + 16 * i));
+        if (task.unrotate != nullptr) unrotate(x);
         rotate(x, p);
         dot_heads(x, task.queries, t);
       }

@@ -22,16 +22,18 @@ namespace kvq::inline v0::kernels::attention {
 
 /// When a kernel runs without being named.
 enum class Choice : unsigned char {
-  automatic,     // whenever it takes the cache
-  by_name,       // only named (tests, benchmarks, bisecting)
-  for_outliers,  // named, or for caches with dense-and-sparse outliers, which the hand-tuned kernels refuse
+  automatic,  // whenever it takes the cache
+  by_name,    // only named (tests, benchmarks, bisecting)
+  fallback,   // named, or for caches a hand-tuned kernel refuses: dense-and-sparse outliers, or
+              // pre-RoPE keys stored rotated (AVX2; AVX-512 rotates them back)
 };
 
 struct KernelEntry {
   const char* name;
   const char* needs;  // the CPU features it is compiled for and checks at run time
   Choice choice;
-  bool outliers;  // reads dense-and-sparse outliers (QuantizerSpec::outliers)
+  bool outliers;   // reads dense-and-sparse outliers (QuantizerSpec::outliers)
+  bool unrotates;  // rotates pre-RoPE keys stored rotated back (DecodeTask::unrotate)
   bool (*available)() noexcept;
   bool (*accepts)(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope) noexcept;
   void (*run)(const DecodeTask& task) noexcept;
@@ -48,51 +50,55 @@ inline bool avx512_level() noexcept { return isa::detected() == isa::Level::avx5
 inline std::span<const KernelEntry> registry() noexcept {
   static constexpr KernelEntry table[] = {
 #if defined(KVQ_HAVE_X86_KERNELS)
-    {"avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", Choice::automatic, false,
+    {"avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", Choice::automatic, false, true,
      avx512::supported, avx512::supports, [](const DecodeTask& t) noexcept { avx512::decode_task(t); }},
     {"avx512-generic", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", Choice::by_name, false,
-     avx512::supported, avx512::supports, avx512::decode_task_generic},
-    {"avx2", "avx2 fma f16c", Choice::automatic, false, avx2::supported, avx2::supports, avx2::decode_task},
+     true, avx512::supported, avx512::supports, avx512::decode_task_generic},
+    {"avx2", "avx2 fma f16c", Choice::automatic, false, false, avx2::supported, avx2::supports, avx2::decode_task},
 #endif
 #if defined(KVQ_HAVE_X86_VECTOR_KERNELS)
-    {"vector-avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni bmi2 f16c fma", Choice::for_outliers, true,
+    {"vector-avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni bmi2 f16c fma", Choice::fallback, true, true,
      detail::avx512_level, VectorKernel<ops::Avx512>::accepts, vector_avx512_task},
-    {"vector-avx2", "avx2 fma f16c", Choice::for_outliers, true, avx2::supported, VectorKernel<ops::Avx2>::accepts,
+    {"vector-avx2", "avx2 fma f16c", Choice::fallback, true, true, avx2::supported, VectorKernel<ops::Avx2>::accepts,
      vector_avx2_task},
 #endif
 #if defined(__aarch64__)
-    {"vector-neon", "asimd", Choice::automatic, true, detail::always, VectorKernel<ops::Neon>::accepts,
+    {"vector-neon", "asimd", Choice::automatic, true, true, detail::always, VectorKernel<ops::Neon>::accepts,
      vector_neon_task},
 #endif
-    {"reference", "", Choice::automatic, true, detail::always, VectorKernel<ops::Scalar>::accepts, decode_task},
+    {"reference", "", Choice::automatic, true, true, detail::always, VectorKernel<ops::Scalar>::accepts, decode_task},
   };
   return table;
 }
 
-/// Whether kernel `e` takes these streams (shapes and codecs; not whether this CPU runs it).
+/// Whether kernel `e` takes these streams (shapes and codecs; not whether this CPU runs it);
+/// `unrotate`: pre-RoPE keys are stored rotated (DecodeTask::unrotate).
 inline bool kernel_takes(const KernelEntry& e, const StreamView& keys, const StreamView& values, std::size_t group,
-                         const RopeTable* rope) noexcept {
-  return e.accepts(keys, values, group, rope) && (e.outliers || (!has_outliers(keys) && !has_outliers(values)));
+                         const RopeTable* rope, bool unrotate = false) noexcept {
+  return e.accepts(keys, values, group, rope) && (e.outliers || (!has_outliers(keys) && !has_outliers(values))) &&
+         (e.unrotates || !unrotate);
 }
 
 /// The kernel for these streams: the first this CPU runs that takes them and is chosen without
 /// a name for them, or the one called `name`. Throws kvq::Error when `name` is unknown, or this
 /// CPU or these streams rule it out.
 inline const KernelEntry& select_kernel(const StreamView& keys, const StreamView& values, std::size_t group,
-                                        const RopeTable* rope, std::string_view name = {}) {
-  const bool outliers = has_outliers(keys) || has_outliers(values);
+                                        const RopeTable* rope, bool unrotate, std::string_view name = {}) {
+  const bool outliers = has_outliers(keys) || has_outliers(values), refused_by_hand_tuned = outliers || unrotate;
   for (const KernelEntry& e : registry()) {
-    if (name.empty() ? e.choice == Choice::by_name || (e.choice == Choice::for_outliers && !outliers) : name != e.name)
+    if (name.empty() ? e.choice == Choice::by_name || (e.choice == Choice::fallback && !refused_by_hand_tuned)
+                     : name != e.name)
       continue;
     if (!name.empty() && !e.available())
       throw Error(ErrorCode::unsupported,
                   "attention kernel '" + std::string(name) + "' needs " + e.needs + ", which this CPU lacks");
-    if (e.available() && kernel_takes(e, keys, values, group, rope)) return e;
+    if (e.available() && kernel_takes(e, keys, values, group, rope, unrotate)) return e;
     if (!name.empty())
       throw Error(ErrorCode::unsupported, "attention kernel '" + std::string(name) + "' does not take head_dim " +
                                               std::to_string(keys.head_dim) + " with " + std::to_string(group) +
                                               " query heads per KV head" +
-                                              (outliers ? " and dense-and-sparse outliers" : ""));
+                                              (outliers ? " and dense-and-sparse outliers" : "") +
+                                              (unrotate ? " and pre-RoPE keys stored rotated" : ""));
   }
   if (name.empty()) return registry().back();  // not reached: the reference kernel takes every shape
   std::string known;

@@ -9,7 +9,8 @@
 // block folds its own scales and zero points into the query.
 // Two tiers, both defined here for every configuration:
 //   exact:   fp32/fp64 arithmetic on the dequantized values zero + scale * code (pre-RoPE keys
-//            rotated after dequantization; post-RoPE key scales may fold into the query).
+//            rotated back when stored rotated, then RoPE-rotated, after dequantization;
+//            post-RoPE key scales may fold into the query).
 //   integer: for a tile of per-channel quantized post-RoPE keys,
 //            score = q.(z + mid * scale) + a * sum(qi * (code - mid)), mid = (2^bits - 1) / 2,
 //            where q~ = q * scale (scale folded into the query, per key block), a = max|q~| / 127 and
@@ -25,6 +26,7 @@
 // no integer path reads the outliers' corrections.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -36,6 +38,7 @@
 #include "kvq/cache/stream_view.hpp"
 #include "kvq/pack/bitpack.hpp"
 #include "kvq/rope/rope.hpp"
+#include "kvq/transform/hadamard.hpp"
 
 namespace kvq::inline v0::kernels::attention {
 
@@ -44,6 +47,17 @@ inline constexpr std::size_t max_tile = max_tile_tokens;
 /// Most query heads per KV head (GQA ratio) the kernels accept.
 inline constexpr std::size_t max_group = 64;
 
+/// Lane j's sign in an in-vector butterfly stage of distance 2^k (k < 4), for rotating key rows
+/// back (DecodeTask::unrotate) in vectors of up to 16 lanes: + where bit k of j is clear. A lane
+/// computes x_j * sign + x_(j ^ 2^k): the sum (+) or the difference (-) of the pair, rounded as
+/// the scalar butterfly rounds it (x * -1 is exact).
+inline constexpr auto butterfly_lane_signs = [] {
+  std::array<std::array<float, 16>, 4> s{};
+  for (std::size_t k = 0; k < 4; ++k)
+    for (std::size_t j = 0; j < 16; ++j) s[k][j] = (j >> k & 1) != 0 ? -1.0f : 1.0f;
+  return s;
+}();
+
 /// Whether a stream keeps dense-and-sparse outliers (only the vector kernel reads them).
 inline bool has_outliers(const StreamView& s) noexcept { return s.quantized && s.spec.outliers > 0; }
 
@@ -51,8 +65,12 @@ inline bool has_outliers(const StreamView& s) noexcept { return s.quantized && s
 struct DecodeTask {
   StreamView keys, values;
   const RopeTable* rope = nullptr;  // non-null: keys are stored pre-RoPE and rotated to their position
-  const float* queries = nullptr;   // (group, head_dim): rotated to the query position, times 1/sqrt(head_dim)
-  std::size_t group = 1;            // query heads sharing the KV head
+  // Pre-RoPE keys stored rotated (CacheConfig::key_rotation): each key row is rotated back
+  // (inverse) after dequantization, before RoPE. Null otherwise; post-RoPE rotated keys meet a
+  // rotated query instead and need nothing here.
+  const HadamardTransform* unrotate = nullptr;
+  const float* queries = nullptr;  // (group, head_dim): rotated to the query position, times 1/sqrt(head_dim)
+  std::size_t group = 1;           // query heads sharing the KV head
   std::size_t begin = 0, end = 0;
   Tier tier = Tier::exact;
   float softcap = 0.0f;  // > 0: scores become softcap * tanh(score / softcap) before the softmax

@@ -9,7 +9,8 @@
 // Keys: a packed per-channel block folds its scales into the query (post-RoPE) or is dequantized
 // row by row and rotated (pre-RoPE); rows packed per token in groups of whole vectors are
 // dequantized in vectors (and rotated when pre-RoPE); other rows are read through
-// StreamView::read_row. Each row
+// StreamView::read_row. Pre-RoPE keys stored rotated (DecodeTask::unrotate) are rotated back
+// first, once per row for the whole GQA group. Each row
 // is dotted with every query head of the GQA group. Values packed per token add
 // (p * scale) * code + p * zero per group; other rows are read whole. The integer tier computes
 // task.hpp's definitions: its sums of integer products are integers below 2^24 here, which fp32
@@ -19,9 +20,11 @@
 // (pre-RoPE), p * e to a value channel; caches with them run the exact tier for both tiers.
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <utility>
 
 #include "kvq/attention/scores.hpp"
@@ -126,6 +129,7 @@ struct VectorKernel {
         for (std::size_t e = pi * n; e < (pi + dim) * n; ++e)
           if (group_start + k.outlier_slots[e] == p)
             row[(e - pi * n) / n] += load_scalar(k.spec.param, k.outlier_corrections, e);
+        if (task.unrotate != nullptr) unrotate_row(*task.unrotate, row);
         task.rope->rotate_unscaled(row, p);
         for (std::size_t h = 0; h < task.group; ++h) scores[h][p - tile] = dot(task.queries + h * dim, row, dim);
       }
@@ -261,6 +265,49 @@ struct VectorKernel {
     }
   }
 
+  static_assert(width <= 16, "butterfly_lane_signs covers vectors of up to 16 lanes");
+
+  /// y <- y rotated back (HadamardTransform::inverse_head's sums and differences, in vectors):
+  /// the butterflies within vectors, then between them, then the norm and the signs. A block is
+  /// never narrower than a vector: head_dim is a multiple of the width (accepts).
+  static void unrotate_row(const HadamardTransform& t, float* y) noexcept {
+    if constexpr (width == 1) {
+      t.inverse_head(y);
+    } else {
+      const std::size_t dim = t.dim(), block = t.block();
+      // Within each vector, distances 1, 2, 4, 8 below the width (butterfly_lane_signs). No Vec
+      // crosses a function boundary here: the ops' target attributes reach only the flattened
+      // entry points.
+      for (std::size_t c = 0; c < dim; c += width) {
+        typename Ops::Vec x = Ops::load(y + c);
+        auto stage = [&]<std::size_t len>() {
+          if constexpr (len < width)
+            x = Ops::fma(x, Ops::load(butterfly_lane_signs[std::countr_zero(len)].data()),
+                         Ops::template exchange<len>(x));
+        };
+        stage.template operator()<1>();
+        stage.template operator()<2>();
+        stage.template operator()<4>();
+        stage.template operator()<8>();
+        Ops::store(y + c, x);
+      }
+      for (std::size_t len = width; len < block; len *= 2)
+        for (std::size_t i = 0; i < dim; i += 2 * len)
+          for (std::size_t j = i; j < i + len; j += width) {
+            const typename Ops::Vec a = Ops::load(y + j), c = Ops::load(y + j + len);
+            Ops::store(y + j, Ops::add(a, c));
+            Ops::store(y + j + len, Ops::sub(a, c));
+          }
+      const typename Ops::Vec norm = Ops::set1(t.norm());
+      const std::span<const float> signs = t.signs();
+      for (std::size_t c = 0; c < dim; c += width) {
+        typename Ops::Vec x = Ops::mul(Ops::load(y + c), norm);
+        if (!signs.empty()) x = Ops::mul(x, Ops::load(signs.data() + c));
+        Ops::store(y + c, x);
+      }
+    }
+  }
+
   /// Whether row p of `s` is packed per token in groups the vectors cover whole (on scalar ops,
   /// the reference, rows are read as StreamView::read_row defines them).
   static bool vector_token_row(const StreamView& s, std::size_t p) noexcept {
@@ -362,6 +409,7 @@ struct VectorKernel {
               dequantize_token_row(k, p, row);
             else
               k.read_row(p, row);
+            if (task.unrotate != nullptr) unrotate_row(*task.unrotate, row);
             if (task.rope != nullptr) task.rope->rotate_unscaled(row, p);
             for (std::size_t h = 0; h < task.group; ++h) scores[h][p - a] = dot(task.queries + h * dim, row, dim);
           }

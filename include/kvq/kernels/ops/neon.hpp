@@ -16,7 +16,15 @@ struct Neon {
   static Vec load(const float* p) noexcept { return vld1q_f32(p); }
   static void store(float* p, Vec v) noexcept { vst1q_f32(p, v); }
   static Vec add(Vec a, Vec b) noexcept { return vaddq_f32(a, b); }
+  static Vec sub(Vec a, Vec b) noexcept { return vsubq_f32(a, b); }
+  static Vec mul(Vec a, Vec b) noexcept { return vmulq_f32(a, b); }
   static Vec fma(Vec a, Vec b, Vec c) noexcept { return vfmaq_f32(c, a, b); }
+  /// Lane j takes lane j ^ len (len a power of two below the width).
+  template <std::size_t len>
+  static Vec exchange(Vec x) noexcept {
+    if constexpr (len == 1) return vrev64q_f32(x);
+    if constexpr (len == 2) return vextq_f32(x, x, 2);
+  }
   static float sum(Vec v) noexcept { return vaddvq_f32(v); }
 };
 
