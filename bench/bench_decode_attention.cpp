@@ -210,8 +210,9 @@ int main(int argc, char** argv) {
   //   as the hand-tuned ones refuse them;
   // - rotated caches (a Hadamard transform of the query and of the output per step), beside the
   //   same caches unrotated: plain K4V2 and llama.cpp's layout, keys and values per token;
-  // - pre-RoPE keys rotated (each key row rotated back before RoPE, on the vector kernel), beside
-  //   the same caches unrotated (on the hand-tuned kernels; on the vector kernel below).
+  // - pre-RoPE keys rotated (each key row rotated back before RoPE, on the generic AVX-512 kernel
+  //   or the vector kernels), beside the same caches unrotated (on the specialised kernels, and
+  //   below on those that run the rotated forms).
   const Named other_forms[] = {{"outliers/K4V2o1-post", "k4c32o1-v2t32o1-r128-s0-post"},
                                {"outliers/K4V2o1-pre", "k4c32o1-v2t32o1-r128-s0"},
                                {"rotated/K4V2-post", "k4c32-v2t32-r128-s0-post"},

@@ -111,9 +111,10 @@ struct ChartPoint {
 };
 
 /// Two log-scale panels (model KL, attention-output error) against bits per value, one line per
-/// axis combination: configurations with no window, no sinks and pre-RoPE keys. Engine formats are
-/// labelled squares on the KL panel (their attention errors are not measured). With generation
-/// results a third, linear panel shows how many generated tokens stay the fp32 ones.
+/// axis combination: configurations with no window, no sinks, pre-RoPE keys and no rotation.
+/// Engine formats are labelled squares on the KL panel (their attention errors are not measured).
+/// With generation results a third, linear panel shows how many generated tokens stay the fp32
+/// ones.
 inline std::string svg_chart(const std::vector<ConfigResult>& results, const std::string& title) {
   std::map<std::string, std::vector<ChartPoint>> series;
   std::vector<std::pair<std::string, ChartPoint>> engines;
@@ -127,7 +128,7 @@ inline std::string svg_chart(const std::vector<ConfigResult>& results, const std
       continue;
     }
     if (!c.quantize_keys || !c.quantize_values || c.window != 0 || c.sinks != 0 || c.key_rope != KeyRope::pre ||
-        c.key.bits != c.value.bits || c.value_rotation != Rotation::none)
+        c.key.bits != c.value.bits || c.key_rotation != Rotation::none || c.value_rotation != Rotation::none)
       continue;
     series[axes_label(c)].push_back({r.bits_per_value, std::max(r.mean_kl, 1e-6), std::max(r.all.output_error, 1e-6),
                                      r.generation ? r.generation->mean_identical : 0.0});

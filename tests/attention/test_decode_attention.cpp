@@ -145,6 +145,10 @@ TEST(DecodeAttention, HalfSplitRopeShortContextsAndOddDims) {
     check_case({config, 2, 4, 128, 17, 16}, seed++);   // nothing quantized yet
     check_case({config, 1, 3, 48, 150, 149}, seed++);  // head_dim 48: no AVX-512 kernel, AVX2 takes it
   }
+  // A rotation of head_dim 96 has three blocks of 32: the vector kernels' butterflies between
+  // vectors stay inside each block (on AVX-512 ops, two vectors per block).
+  check_case({"k4t16-v4t16-r16-s1-hsk", 2, 2, 96, 150, 149}, seed++);
+  check_case({"k4c32-v2t32-r16-s1-hk", 2, 2, 96, 150, 149, kvq::RopeStyle::half_split}, seed++);
 }
 
 TEST(DecodeAttention, PreRopeKeysAtLongPositions) {

@@ -127,10 +127,12 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
   const double key_peak = std::max(cache.key_peak(layer), new_keys_peak);
   const double limit = double(std::numeric_limits<float>::max()) / 64;
   const bool rotated = cache.config().key_rotation != Rotation::none;
-  if (rotated && cache.config().key_rope == KeyRope::pre && key_peak * double(s.head_dim) > limit)
+  // (New keys of a prefill chunk are attended as given, in the model's space: only stored ones.)
+  if (rotated && cache.config().key_rope == KeyRope::pre && double(cache.key_peak(layer)) * double(s.head_dim) > limit)
     throw Error(ErrorCode::unrepresentable,
-                "attention: layer " + std::to_string(layer) + " holds keys up to " + std::to_string(key_peak) +
-                    ", beyond float's range once rotated back over " + std::to_string(s.head_dim) + " channels");
+                "attention: layer " + std::to_string(layer) + " holds stored (rotated) keys up to " +
+                    std::to_string(cache.key_peak(layer)) + ", beyond float's range once rotated back over " +
+                    std::to_string(s.head_dim) + " channels");
   for (std::size_t row = 0; row < q_size / s.head_dim; ++row) {
     double l1 = 0, squares = 0;
     for (std::size_t c = 0; c < s.head_dim; ++c) {

@@ -1,7 +1,8 @@
 #pragma once
 // Normalized Walsh-Hadamard transform of head vectors: an orthogonal rotation that spreads an
 // outlier channel over the whole block, so a quantizer sees near-Gaussian values. Because it is
-// orthogonal, q.k = (Hq).(Hk): keys rotated before quantization are read by rotating the query.
+// orthogonal, q.k = (Hq).(Hk): post-RoPE keys rotated before quantization are read by rotating the
+// query; pre-RoPE keys are rotated back (inverse) before RoPE, by the kernels.
 //
 // Blocks: a head of `dim` channels is split into blocks of the largest power of two dividing dim
 // (128 -> one block of 128, 96 -> three blocks of 32, 80 -> five of 16), each transformed on its

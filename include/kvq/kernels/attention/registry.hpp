@@ -74,7 +74,7 @@ inline std::span<const KernelEntry> registry() noexcept {
 /// Whether kernel `e` takes these streams (shapes and codecs; not whether this CPU runs it);
 /// `unrotate`: pre-RoPE keys are stored rotated (DecodeTask::unrotate).
 inline bool kernel_takes(const KernelEntry& e, const StreamView& keys, const StreamView& values, std::size_t group,
-                         const RopeTable* rope, bool unrotate = false) noexcept {
+                         const RopeTable* rope, bool unrotate) noexcept {
   return e.accepts(keys, values, group, rope) && (e.outliers || (!has_outliers(keys) && !has_outliers(values))) &&
          (e.unrotates || !unrotate);
 }
