@@ -245,10 +245,13 @@ int main(int argc, char** argv) {
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
   }
-  // Keys and values per token in groups of 32 with fp16 scales, no window: the layouts of
-  // llama.cpp's cache types q8_0 (8-bit, symmetric, 8.5 bits per value) and q4_0 (4-bit, 4.5 bits),
-  // 32K, one thread, both tiers, on the kernel chosen automatically and on each that takes them.
-  const Named token_layouts[] = {{"q8_0-layout", "k8t32s-v8t32s-r0-s0-post"},
+  // Keys and values per token in groups of 32 with fp16 scales, no window: llama.cpp's cache types
+  // q8_0 (8.5 bits per value) and q4_0 (4.5 bits) with ggml's levels, and the same layouts with
+  // kvq's symmetric levels; 32K, one thread, both tiers, on the kernel chosen automatically and on
+  // each that takes them.
+  const Named token_layouts[] = {{"q8_0", "k8t32g-v8t32g-r0-s0-post"},
+                                 {"q4_0", "k4t32g-v4t32g-r0-s0-post"},
+                                 {"q8_0-layout", "k8t32s-v8t32s-r0-s0-post"},
                                  {"q4_0-layout", "k4t32s-v4t32s-r0-s0-post"}};
   for (const Named& c : token_layouts)
     for (const std::string kernel : {"", "avx512-generic", "avx2", "vector-avx512", "vector-avx2"}) {

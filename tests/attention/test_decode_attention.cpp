@@ -126,7 +126,12 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
         // and f32 parameters, and 3-bit codes with outliers
         "k8t32s-v8t32s-r16-s1-post", "k4t32s-v4t32s-r0-s0-post", "k4t64-v2t32-r16-s1", "k2t48-v2t32-r8-s0-post",
         "k2t8-v4t32-r8-s0-post", "k4t48.bf16-v4t32-r16-s1-post", "k8t32s.f32-v4t32-r16-s1", "k3t32o1-v2t32-r16-s1-post",
-        "k4t16o1-v4t32-r8-s2"}) {
+        "k4t16o1-v4t32-r8-s2",
+        // ggml's levels (llama.cpp's q8_0, q4_0, q5_0; negative steps where a positive value leads
+        // a group): per token as llama.cpp stores them, with its rotation, before RoPE, and per
+        // channel on the packed-span kernels of both tiers
+        "k8t32g-v8t32g-r16-s1-post", "k4t32g-v4t32g-r0-s0-post", "k4t32g-v4t32g-r16-s1-post-hk-hv",
+        "k5t32g-v4t32g-r8-s0", "k4c32g-v2t32g-r16-s1", "k4c32g-v4t32g-r16-s0-post", "k2c32g-v8t32g-r16-s1-post"}) {
     for (const auto& [kv, group] : {std::pair<std::size_t, std::size_t>{2, 1}, {1, 4}, {2, 8}}) {
       for (const std::size_t dim : {64, 128}) {
         check_case({config, kv, group, dim, 301, 300}, seed++);
@@ -405,7 +410,9 @@ TEST(DecodeAttention, KernelSelection) {
                             {"k4t32-v2t32-r16-s1-post", Tier::integer, "avx512-generic"},
                             // pre-RoPE keys stored rotated: the generic kernel rotates them back
                             {"k4t32-v2t32-r16-s1-hk", Tier::exact, "avx512-generic"},
-                            {"k4c32-v2t32-r16-s1-hsk-hv", Tier::integer, "avx512-generic"}};
+                            {"k4c32-v2t32-r16-s1-hsk-hv", Tier::integer, "avx512-generic"},
+                            // ggml's levels run the exact tier for both
+                            {"k4c32g-v2t32g-r16-s1-post", Tier::integer, "avx512-exact"}};
   for (const Expected& e : cases) {
     const BasicKVCache cache = make_cache({e.config, 2, 4, 128, 100, 99}, 5);
     EXPECT_STREQ(kvq::decode_kernel(cache, 8, {.tier = e.tier, .kernel = "reference"}), "reference");

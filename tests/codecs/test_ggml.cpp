@@ -7,7 +7,9 @@
 #include <random>
 #include <vector>
 
+#include "kvq/cache/kv_cache.hpp"
 #include "kvq/codecs/ggml.hpp"
+#include "kvq/kernels/quantize/reference.hpp"
 
 namespace {
 
@@ -238,6 +240,64 @@ TEST(GgmlCodecs, NamesAndRefusals) {
   EXPECT_EQ(out, Bytes(18, 0xAA));
   std::vector<float> y(31);
   EXPECT_THROW(kvq::ggml::dequantize_row(BlockType::q8_0, q8, y), kvq::Error);
+}
+
+// The cache's ggml levels ("k4t32g" for q4_0, "k5t32g" for q5_0, "k8t32g" for q8_0) hold ggml's
+// blocks: the same fp16 step and codes as quantize_row for each 32 values of a head (ties of
+// magnitude, zero blocks and a tiny block included), and the cache reads back ggml's values bit
+// for bit.
+TEST(GgmlCodecs, CacheGgmlLevelsHoldGgmlBlocks) {
+  namespace ref = kvq::kernels::reference;
+  std::mt19937 rng(23);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const std::size_t dim = 96, heads = 2, tokens = 40;  // dim: three blocks per head
+  std::vector<float> keys(tokens * heads * dim), values(keys.size());
+  for (auto* tensor : {&keys, &values})
+    for (float& x : *tensor) x = normal(rng) * (rng() % 8 == 0 ? 30.0f : 1.0f);
+  std::fill_n(keys.begin() + 3 * heads * dim, 32, 0.0f);                // a zero block
+  keys[5 * heads * dim + 3] = 4.0f, keys[5 * heads * dim + 9] = -4.0f;  // a tie: the first leads
+  for (std::size_t c = 0; c < 32; ++c) values[7 * heads * dim + c] = 1e-6f * float(c % 5) - 2e-6f;
+  for (const auto& [t, bits] : {std::pair{BlockType::q8_0, 8}, {BlockType::q4_0, 4}, {BlockType::q5_0, 5}}) {
+    const std::string b = std::to_string(bits);
+    SCOPED_TRACE(std::string(kvq::ggml::name(t)));
+    const kvq::QuantizerSpec spec = kvq::parse_quantizer("k" + b + "t32g", 'k');
+    // One head row through the reference quantizer: ggml's step and codes.
+    for (std::size_t r = 0; r < tokens * heads; ++r) {
+      const float* x = keys.data() + r * dim;
+      std::vector<std::uint8_t> scales(3 * 2), codes(kvq::packed_bytes(dim, bits));
+      ref::quantize_row_per_token(spec, x, dim, scales.data(), nullptr, codes.data());
+      const Bytes blocks = quantize(t, std::vector<float>(x, x + dim));
+      std::uint8_t code[96];
+      kvq::unpack_codes(codes.data(), dim, bits, code);
+      for (std::size_t g = 0; g < 3; ++g) {
+        const std::uint8_t* block = blocks.data() + g * kvq::ggml::block_bytes(t);
+        ASSERT_EQ(scales[2 * g], block[0]) << "row " << r << " block " << g;
+        ASSERT_EQ(scales[2 * g + 1], block[1]) << "row " << r << " block " << g;
+        std::uint8_t q[32];
+        if (t == BlockType::q8_0)
+          for (std::size_t j = 0; j < 32; ++j) q[j] = std::uint8_t(block[2 + j] ^ 0x80);
+        else
+          kvq::ggml::detail::unpack_codes(block + (bits == 5 ? 6 : 2), bits == 5 ? block + 2 : nullptr, q);
+        for (std::size_t j = 0; j < 32; ++j)
+          ASSERT_EQ(code[32 * g + j], q[j]) << "row " << r << " value " << 32 * g + j;
+      }
+    }
+    // Whole tensors through the cache, read back as ggml decodes them.
+    kvq::BasicKVCache cache(kvq::CacheShape{1, heads, dim, 64},
+                            kvq::parse_cache_config("k" + b + "t32g-v" + b + "t32g-r0-s0-post-f32"));
+    cache.append(0, 0, keys, values);
+    for (const kvq::Tensor tensor : {kvq::Tensor::keys, kvq::Tensor::values}) {
+      const std::vector<float>& input = tensor == kvq::Tensor::keys ? keys : values;
+      for (std::size_t p = 0; p < tokens; ++p)
+        for (std::size_t h = 0; h < heads; ++h) {
+          const std::vector<float> x(input.begin() + std::ptrdiff_t((p * heads + h) * dim),
+                                     input.begin() + std::ptrdiff_t((p * heads + h + 1) * dim));
+          std::vector<float> row(dim);
+          cache.read_row(tensor, 0, h, p, row.data());
+          ASSERT_EQ(row, dequantize(t, quantize(t, x))) << "position " << p << " head " << h;
+        }
+    }
+  }
 }
 
 }  // namespace

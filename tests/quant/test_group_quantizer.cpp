@@ -256,6 +256,48 @@ TEST(GroupQuantizer, ConstantGroupReconstructsToTheStoredValue) {
   }
 }
 
+// ggml's levels at every width, both axes and parameter types: each value within one step of the
+// group (half a step at 8 bits, where q8_0 rounds) plus what rounding the step to the parameter
+// type moves the outer levels; the value of largest magnitude is the bottom level. A constant
+// group below 8 bits with f32 steps decodes to itself (the step is the value over a power of two).
+TEST(GroupQuantizer, GgmlLevelsRoundTripWithinAStep) {
+  std::mt19937 rng(9);
+  for (int bits = 1; bits <= 8; ++bits)
+    for (const Axis axis : {Axis::per_token, Axis::per_channel})
+      for (const Scalar param : {Scalar::f16, Scalar::bf16, Scalar::f32}) {
+        const QuantizerSpec spec{bits, 32, axis, Mode::ggml, param};
+        SCOPED_TRACE(describe(spec));
+        const float mid = ref::mid_code(spec);
+        const float rel = param == Scalar::f32 ? 0.0f : param == Scalar::bf16 ? 0x1p-8f : 0x1p-11f;
+        for (int variant = 0; variant < 3; ++variant) {
+          std::vector<float> x = normal_data(32, rng, variant == 1 ? 50.0f : 1.0f);
+          if (variant == 2) std::fill(x.begin(), x.end(), -3.25f);
+          Buffers b(1, axis == Axis::per_token ? kvq::packed_bytes(32, bits) : 32 * kvq::packed_bytes(1, bits));
+          std::vector<float> decoded(32);
+          if (axis == Axis::per_token) {
+            kvq::kernels::quantize_row_per_token(spec, x.data(), 32, b.scales.data(), b.zeros.data(), b.codes.data());
+            ref::dequantize_row_per_token(spec, b.codes.data(), 32, b.scales.data(), b.zeros.data(), decoded.data());
+          } else {  // one channel of 32 tokens
+            const std::size_t row_bytes = kvq::packed_bytes(1, bits);
+            kvq::kernels::quantize_block_per_channel(spec, x.data(), 32, 1, 1, b.scales.data(), b.zeros.data(),
+                                                     b.codes.data(), row_bytes);
+            for (std::size_t r = 0; r < 32; ++r)
+              ref::dequantize_row_per_channel(spec, b.codes.data() + r * row_bytes, 1, b.scales.data(), b.zeros.data(),
+                                              &decoded[r]);
+          }
+          expect_untouched(b.zeros, 0, "zeros");  // no zero point is stored
+          const float scale = ref::load_params(spec, b.scales.data(), nullptr, 0).scale;
+          const float lead = ref::leading_value(x.data(), 32, 1);
+          ASSERT_EQ(scale, kvq::round_to(param, ref::ggml_step(spec, lead)));
+          const float bound = std::fabs(scale) * ((bits == 8 ? 0.5f : 1.0f) + (mid + 1.0f) * rel + 1e-5f);
+          for (std::size_t i = 0; i < 32; ++i) ASSERT_LE(std::fabs(decoded[i] - x[i]), bound) << "value " << i;
+          if (bits < 8) EXPECT_NEAR(-mid * scale, lead, mid * std::fabs(scale) * rel);  // the bottom level
+          if (variant == 2 && bits < 8 && param == Scalar::f32)
+            for (const float d : decoded) ASSERT_EQ(d, -3.25f);
+        }
+      }
+}
+
 TEST(GroupQuantizer, ParametersBeyondTheParameterTypeAreUnrepresentable) {
   std::mt19937 rng(5);
   for (int bits = 1; bits <= 8; ++bits) {

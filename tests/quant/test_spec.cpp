@@ -85,7 +85,7 @@ std::vector<QuantizerSpec> spec_grid() {
   for (int bits = 1; bits <= 8; ++bits)
     for (const Axis axis : {Axis::per_channel, Axis::per_token})
       for (const std::size_t group : {1, 16, 32, 128, 1024, 4096})
-        for (const Mode mode : {Mode::asymmetric, Mode::symmetric})
+        for (const Mode mode : {Mode::asymmetric, Mode::symmetric, Mode::ggml})
           for (const Scalar param : {Scalar::f16, Scalar::bf16, Scalar::f32})
             grid.push_back(QuantizerSpec{bits, group, axis, mode, param});
   return grid;
@@ -106,6 +106,12 @@ TEST(Spec, QuantizerStringRoundTrip) {
   EXPECT_THROW((void)kvq::parse_quantizer("k4c32.f16", 'k'), kvq::Error);
   EXPECT_EQ(kvq::parse_quantizer("v3t8s.f32", 'v'),
             (QuantizerSpec{3, 8, Axis::per_token, Mode::symmetric, Scalar::f32}));
+  EXPECT_EQ(kvq::parse_quantizer("k4t32g", 'k'), kvq::GgmlQ4_0::spec);
+  EXPECT_EQ(kvq::to_string(kvq::GgmlQ8_0::spec, 'v'), "v8t32g");
+  EXPECT_THROW((void)kvq::parse_quantizer("k4t32sg", 'k'), kvq::Error);
+  // ggml levels keep no outliers: refused by the parser and by validate.
+  EXPECT_THROW((void)kvq::parse_quantizer("k4t32o1g", 'k'), kvq::Error);
+  EXPECT_THROW(kvq::validate(QuantizerSpec{4, 32, Axis::per_token, Mode::ggml, Scalar::f16, 1}, "keys"), kvq::Error);
 }
 
 TEST(Spec, CacheConfigStringRoundTrip) {

@@ -58,6 +58,15 @@ inline const HadamardTransform* key_unrotation(const BasicKVCache& cache) noexce
   return cache.config().key_rope == KeyRope::pre ? cache.rotation(Tensor::keys) : nullptr;
 }
 
+/// The tier the kernels run: caches with ggml's levels (Mode::ggml) run the exact tier for both,
+/// since the integer tier's definition (kernels/attention/task.hpp) centres codes at
+/// (2^b - 1) / 2 on non-negative steps.
+inline Tier kernel_tier(const BasicKVCache& cache, Tier requested) noexcept {
+  const CacheConfig& c = cache.config();
+  const bool ggml = (c.quantize_keys && c.key.mode == Mode::ggml) || (c.quantize_values && c.value.mode == Mode::ggml);
+  return ggml ? Tier::exact : requested;
+}
+
 struct DecodePlan {
   std::size_t dim = 0, heads = 0, group = 0, kv_heads = 0, tokens = 0, chunk = 0;
   std::size_t first = 0;                    // the first position the query sees (sliding window)
@@ -140,9 +149,9 @@ inline void run_range(const BasicKVCache& cache, std::size_t layer, std::size_t 
     t.end = std::min(end, sinks + (k + 1) * block);
     t.resume = k != first;
   };
-  t.tier = options.tier;
+  t.tier = kernel_tier(cache, options.tier);
   t.softcap = softcap_or_zero(options.scores);
-  if (options.tier == Tier::integer && options.guard_outliers) {
+  if (t.tier == Tier::integer && options.guard_outliers) {
     kernels::attention::ScaleSpread spread;
     for (std::size_t k = first; k <= last; ++k) at_segment(k), spread.add(t);
     if (!spread.integer_tier_carries()) t.tier = Tier::exact;
@@ -240,7 +249,7 @@ inline const char* decode_kernel(const BasicKVCache& cache, std::size_t heads, c
   task.group = heads / cache.shape().kv_heads;
   task.rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
   task.unrotate = detail::key_unrotation(cache);
-  task.tier = options.tier;
+  task.tier = detail::kernel_tier(cache, options.tier);
   const auto& kernel = kernels::attention::select_kernel(task.keys, task.values, task.group, task.rope,
                                                          task.unrotate != nullptr, options.kernel);
 #if defined(KVQ_HAVE_X86_KERNELS)

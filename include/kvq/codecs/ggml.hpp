@@ -36,6 +36,7 @@
 
 #include "kvq/core/half.hpp"
 #include "kvq/error.hpp"
+#include "kvq/kernels/quantize/reference.hpp"
 
 namespace kvq::inline v0::ggml {
 
@@ -113,17 +114,6 @@ inline void store_half(std::uint8_t* p, float value) noexcept {
   std::memcpy(p, &bits, 2);
 }
 
-/// Value of largest magnitude, with its sign (the first on a tie), and that magnitude.
-inline void signed_absmax(const float* x, float& amax, float& max) noexcept {
-  amax = 0.0f;
-  max = 0.0f;
-  for (std::size_t j = 0; j < block_values; ++j)
-    if (amax < std::fabs(x[j])) {
-      amax = std::fabs(x[j]);
-      max = x[j];
-    }
-}
-
 inline void min_max(const float* x, float& min, float& max) noexcept {
   min = x[0];
   max = x[0];
@@ -169,24 +159,20 @@ inline std::uint8_t nearest_iq4_nl(float v) noexcept {
 inline void quantize_block(BlockType t, const float* x, std::uint8_t* out) noexcept {
   std::uint8_t q[block_values] = {};
   switch (t) {
-    case BlockType::q8_0: {
-      float amax = 0.0f;
-      for (std::size_t j = 0; j < block_values; ++j) amax = std::max(amax, std::fabs(x[j]));
-      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-      store_half(out, d);
-      for (std::size_t j = 0; j < block_values; ++j) out[2 + j] = std::uint8_t(std::int8_t(std::round(x[j] * id)));
-      return;
-    }
+    case BlockType::q8_0:
     case BlockType::q4_0:
-    case BlockType::q5_0: {
-      const bool five = t == BlockType::q5_0;
-      float amax, max;
-      signed_absmax(x, amax, max);
-      const float d = max / (five ? -16.0f : -8.0f), id = d != 0.0f ? 1.0f / d : 0.0f;
-      store_half(out, d);
-      for (std::size_t j = 0; j < block_values; ++j)
-        q[j] = truncate_code(x[j] * id + (five ? 16.5f : 8.5f), five ? 31 : 15);
-      pack_codes(q, out + (five ? 6 : 2), five ? out + 2 : nullptr);
+    case BlockType::q5_0: {  // the cache's ggml levels (kernels/quantize/reference.hpp) on one block
+      const QuantizerSpec spec{t == BlockType::q8_0   ? 8
+                               : t == BlockType::q5_0 ? 5
+                                                      : 4,
+                               block_values, Axis::per_token, Mode::ggml};
+      const auto [params, inv] = kernels::reference::ggml_params(spec, x, block_values, 1);
+      store_half(out, params.scale);
+      for (std::size_t j = 0; j < block_values; ++j) q[j] = kernels::reference::ggml_encode(spec, inv, x[j]);
+      if (t == BlockType::q8_0)
+        for (std::size_t j = 0; j < block_values; ++j) out[2 + j] = std::uint8_t(q[j] ^ 0x80);  // int8 codes
+      else
+        pack_codes(q, out + (t == BlockType::q5_0 ? 6 : 2), t == BlockType::q5_0 ? out + 2 : nullptr);
       return;
     }
     case BlockType::q4_1:
@@ -202,8 +188,7 @@ inline void quantize_block(BlockType t, const float* x, std::uint8_t* out) noexc
       return;
     }
     case BlockType::iq4_nl: {
-      float amax, max;
-      signed_absmax(x, amax, max);
+      const float max = kernels::reference::leading_value(x, block_values, 1), amax = std::fabs(max);
       float d = 0.0f;
       if (amax >= 1e-15f) {
         const float id = 1.0f / (max / float(iq4_nl_levels[0]));

@@ -20,8 +20,9 @@ concept Quantizer = requires {
 };
 
 namespace detail {
-template <int Bits, std::size_t Group, class Param, std::size_t Outliers = 0>
+template <int Bits, std::size_t Group, class Param, std::size_t Outliers = 0, Mode M = Mode::asymmetric>
 consteval bool check_quantizer() {
+  static_assert(M != Mode::ggml || Outliers == 0, "ggml levels keep no outliers");
   static_assert(Bits >= 1 && Bits <= 8, "a quantizer's bit width must be between 1 and 8");
   static_assert(Group >= 1, "a quantizer's group must hold at least one element");
   static_assert(Outliers == 0 || (Outliers < Group && Outliers <= max_outliers),
@@ -35,7 +36,7 @@ consteval bool check_quantizer() {
 /// Keys: one scale and zero point per channel per run of `Group` consecutive tokens (KIVI).
 template <int Bits, std::size_t Group, Mode M = Mode::asymmetric, class Param = fp16, std::size_t Outliers = 0>
 struct PerChannel {
-  static_assert(detail::check_quantizer<Bits, Group, Param, Outliers>());
+  static_assert(detail::check_quantizer<Bits, Group, Param, Outliers, M>());
   static constexpr int bits = Bits;
   static constexpr std::size_t group_size = Group;
   static constexpr Axis axis = Axis::per_channel;
@@ -49,7 +50,7 @@ struct PerChannel {
 /// `Group` equal to the head dimension means one pair per token and head.
 template <int Bits, std::size_t Group, Mode M = Mode::asymmetric, class Param = fp16, std::size_t Outliers = 0>
 struct PerToken {
-  static_assert(detail::check_quantizer<Bits, Group, Param, Outliers>());
+  static_assert(detail::check_quantizer<Bits, Group, Param, Outliers, M>());
   static constexpr int bits = Bits;
   static constexpr std::size_t group_size = Group;
   static constexpr Axis axis = Axis::per_token;
@@ -58,5 +59,11 @@ struct PerToken {
   static constexpr std::size_t outliers = Outliers;
   static constexpr QuantizerSpec spec{Bits, Group, Axis::per_token, M, scalar_of<Param>, Outliers};
 };
+
+/// llama.cpp's cache types (--cache-type-k/v) as quantizers: ggml's blocks of 32 values along
+/// the head with an fp16 step, the same numbers as its reference quantizers.
+using GgmlQ8_0 = PerToken<8, 32, Mode::ggml>;
+using GgmlQ5_0 = PerToken<5, 32, Mode::ggml>;
+using GgmlQ4_0 = PerToken<4, 32, Mode::ggml>;
 
 }  // namespace kvq::inline v0

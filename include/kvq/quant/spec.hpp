@@ -22,10 +22,16 @@ enum class Axis : std::uint8_t {
 enum class Mode : std::uint8_t {
   asymmetric,  // zero point = group minimum, step = (max - min) / (2^b - 1)
   symmetric,   // levels symmetric about 0: step = 2 absmax / (2^b - 1), no stored zero point
+  // llama.cpp's cache blocks: levels (code - 2^(b-1)) x d, no stored zero point; d = absmax / 127
+  // at 8 bits (q8_0), else the group's value of largest magnitude over -2^(b-1) (q4_0, q5_0), so
+  // that value is the bottom level. kernels/quantize/reference.hpp defines the rounding.
+  ggml,
 };
 
 constexpr const char* to_string(Axis a) noexcept { return a == Axis::per_channel ? "per_channel" : "per_token"; }
-constexpr const char* to_string(Mode m) noexcept { return m == Mode::asymmetric ? "asymmetric" : "symmetric"; }
+constexpr const char* to_string(Mode m) noexcept {
+  return m == Mode::asymmetric ? "asymmetric" : m == Mode::symmetric ? "symmetric" : "ggml";
+}
 
 inline constexpr int min_bits = 1;
 inline constexpr int max_bits = 8;
@@ -60,8 +66,11 @@ inline void validate(const QuantizerSpec& spec, std::string_view what) {
     throw Error(ErrorCode::invalid_argument, prefix + "bits must be in 1..8, got " + std::to_string(spec.bits));
   if (spec.axis != Axis::per_channel && spec.axis != Axis::per_token)
     throw Error(ErrorCode::invalid_argument, prefix + "axis " + std::to_string(int(spec.axis)) + " is not an Axis");
-  if (spec.mode != Mode::asymmetric && spec.mode != Mode::symmetric)
+  if (spec.mode != Mode::asymmetric && spec.mode != Mode::symmetric && spec.mode != Mode::ggml)
     throw Error(ErrorCode::invalid_argument, prefix + "mode " + std::to_string(int(spec.mode)) + " is not a Mode");
+  if (spec.mode == Mode::ggml && spec.outliers > 0)
+    throw Error(ErrorCode::invalid_argument,
+                prefix + "ggml levels keep no outliers (got " + std::to_string(spec.outliers) + " per group)");
   if (!is_valid(spec.param))
     throw Error(ErrorCode::invalid_argument,
                 prefix + "parameter type " + std::to_string(int(spec.param)) + " is not a Scalar");
@@ -97,8 +106,9 @@ constexpr std::size_t groups_per_row(const QuantizerSpec& spec, std::size_t head
 }
 
 /// "k4c32": tensor letter, bits, axis letter (c per channel, t per token), group; then optional
-/// "o<n>" for n outliers per group, "s" for symmetric and ".bf16" / ".f32" for the parameter type
-/// (default no outliers, asymmetric, f16).
+/// "o<n>" for n outliers per group, "s" for symmetric or "g" for ggml's levels ("k4t32g" is
+/// llama.cpp's q4_0, "k8t32g" its q8_0) and ".bf16" / ".f32" for the parameter type (default no
+/// outliers, asymmetric, f16).
 inline std::string to_string(const QuantizerSpec& spec, char tensor) {
   std::string s(1, tensor);
   s += std::to_string(spec.bits);
@@ -106,6 +116,7 @@ inline std::string to_string(const QuantizerSpec& spec, char tensor) {
   s += std::to_string(spec.group);
   if (spec.outliers > 0) s += 'o' + std::to_string(spec.outliers);
   if (spec.mode == Mode::symmetric) s += 's';
+  if (spec.mode == Mode::ggml) s += 'g';
   if (spec.param != Scalar::f16) s += std::string(".") + to_string(spec.param);
   return s;
 }
@@ -132,8 +143,8 @@ inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
   const std::string original(text);
   auto fail = [&](const std::string& why) -> QuantizerSpec {
     throw Error(ErrorCode::invalid_argument, "quantizer '" + original + "': " + why + " (expected e.g. " + tensor +
-                                                 "4c32, " + tensor + "2t64s, " + tensor + "3c32o1, " + tensor +
-                                                 "8t128.bf16)");
+                                                 "4c32, " + tensor + "2t64s, " + tensor + "4t32g, " + tensor +
+                                                 "3c32o1, " + tensor + "8t128.bf16)");
   };
   QuantizerSpec spec;
   if (text.empty() || text.front() != tensor) return fail(std::string("must start with '") + tensor + "'");
@@ -153,9 +164,10 @@ inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
         spec.outliers >= spec.group)
       return fail("outliers per group must be 1.." + std::to_string(max_outliers) + " and fewer than the group");
   }
-  if (!text.empty() && text.front() == 's') {
-    spec.mode = Mode::symmetric;
+  if (!text.empty() && (text.front() == 's' || text.front() == 'g')) {
+    spec.mode = text.front() == 's' ? Mode::symmetric : Mode::ggml;
     text.remove_prefix(1);
+    if (spec.mode == Mode::ggml && spec.outliers > 0) return fail("ggml levels keep no outliers");
   }
   if (!text.empty()) {
     if (text == ".f32")

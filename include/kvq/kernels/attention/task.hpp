@@ -23,7 +23,8 @@
 //            computed as in the exact tier.
 // The x86 kernels implement the same definitions (up to exp() rounding and rounding ties).
 // Caches with dense-and-sparse outliers (QuantizerSpec::outliers) run the exact tier for both:
-// no integer path reads the outliers' corrections.
+// no integer path reads the outliers' corrections. So do caches with ggml's levels (Mode::ggml,
+// centred at 2^(b-1), steps of either sign; decode.hpp's kernel_tier).
 
 #include <algorithm>
 #include <array>

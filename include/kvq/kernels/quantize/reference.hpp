@@ -10,6 +10,14 @@
 // with inv = 1 / scale in float (0 when scale is 0 or subnormal, so a constant group decodes to its value
 // rounded to the parameter type, never NaN), P() rounding to the parameter type, and rne
 // rounding half to even.
+//   ggml:       llama.cpp's reference quantizers (quantize_row_q8_0/q4_0/q5_0_ref), operation by
+//               operation, so a group of 32 holds ggml's block: with lead the value of largest
+//               magnitude (the first on a tie) and mid = 2^(b-1),
+//               d = absmax / 127 (8 bits) or lead / -mid (fewer), scale = P(d), zero = -mid * scale,
+//               code = 8 bits: round(x * inv) + 128 (round half away from zero),
+//                      fewer: min(2^b - 1, trunc(x * inv + (mid + 0.5)))
+//               where inv = 1 / d from the unrounded d (ggml's choice; 0 when |d| is below float's
+//               normal range). d is negative when lead is positive.
 //
 // Dense-and-sparse (spec.outliers = n > 0): n values of each group are left out of min and max
 // (n times: asymmetric, the group's current minimum or maximum, whichever leaves the smaller
@@ -39,7 +47,36 @@ struct GroupParams {
 
 inline float round_half_even(float x) noexcept { return std::nearbyint(x); }  // default FE_TONEAREST
 
-inline float mid_code(const QuantizerSpec& spec) noexcept { return float(spec.levels() - 1) * 0.5f; }
+inline float mid_code(const QuantizerSpec& spec) noexcept {
+  return spec.mode == Mode::ggml ? float(spec.levels() / 2) : float(spec.levels() - 1) * 0.5f;
+}
+
+/// ggml mode: the unrounded step d of a group led by `lead` (its value of largest magnitude).
+inline float ggml_step(const QuantizerSpec& spec, float lead) noexcept {
+  return spec.bits == 8 ? std::fabs(lead) / 127.0f : lead / -mid_code(spec);
+}
+
+inline float ggml_inverse(float d) noexcept {
+  return std::fabs(d) >= std::numeric_limits<float>::min() ? 1.0f / d : 0.0f;
+}
+
+/// ggml mode: the code of x for a group of inverse step inv (ggml_inverse of the unrounded step).
+inline std::uint8_t ggml_encode(const QuantizerSpec& spec, float inv, float x) noexcept {
+  const float top = float(spec.levels() - 1);
+  if (spec.bits == 8) return std::uint8_t(std::clamp(std::round(x * inv) + 128.0f, 1.0f, top));
+  return std::uint8_t(std::clamp(std::trunc(x * inv + (mid_code(spec) + 0.5f)), 0.0f, top));
+}
+
+/// The first of the n values x[i * stride] of largest magnitude, with its sign.
+inline float leading_value(const float* x, std::size_t n, std::size_t stride) noexcept {
+  float lead = 0.0f, most = 0.0f;
+  for (std::size_t i = 0; i < n; ++i)
+    if (most < std::fabs(x[i * stride])) {
+      most = std::fabs(x[i * stride]);
+      lead = x[i * stride];
+    }
+  return lead;
+}
 
 /// Parameters for a group whose values span [min, max]; non-finite when unrepresentable.
 inline GroupParams make_params(const QuantizerSpec& spec, float min, float max) noexcept {
@@ -48,16 +85,30 @@ inline GroupParams make_params(const QuantizerSpec& spec, float min, float max) 
   max += 0.0f;
   const float top = float(spec.levels() - 1);
   if (spec.mode == Mode::asymmetric) return {round_to(spec.param, (max - min) / top), round_to(spec.param, min)};
+  if (spec.mode == Mode::ggml) {
+    const float scale = round_to(spec.param, ggml_step(spec, std::fabs(min) > std::fabs(max) ? min : max));
+    return {scale, -mid_code(spec) * scale};
+  }
   const float absmax = std::max(std::fabs(min), std::fabs(max));
   const float scale = round_to(spec.param, 2.0f * absmax / top);
   return {scale, -mid_code(spec) * scale};
 }
 
+/// ggml mode: the stored parameters of the n values x[i * stride] and the inverse step their codes
+/// are rounded with.
+inline std::pair<GroupParams, float> ggml_params(const QuantizerSpec& spec, const float* x, std::size_t n,
+                                                 std::size_t stride) noexcept {
+  const float d = ggml_step(spec, leading_value(x, n, stride));
+  const float scale = round_to(spec.param, d);
+  return {{scale, -mid_code(spec) * scale}, ggml_inverse(d)};
+}
+
 inline bool representable(const GroupParams& p) noexcept { return std::isfinite(p.scale) && std::isfinite(p.zero); }
 
-// One form for both modes, a subtraction then a product: no compiler can fuse it into an FMA,
-// so every build and ISA rounds identically.
+// One form for both affine modes, a subtraction then a product: no compiler can fuse it into an
+// FMA, so every build and ISA rounds identically. ggml's form is its own (see the top).
 inline std::uint8_t encode(const QuantizerSpec& spec, const GroupParams& p, float inv, float x) noexcept {
+  if (spec.mode == Mode::ggml) return ggml_encode(spec, inv, x);
   const float top = float(spec.levels() - 1);
   return std::uint8_t(std::clamp(round_half_even((x - p.zero) * inv), 0.0f, top));
 }
@@ -147,12 +198,18 @@ inline void quantize_row_per_token(const QuantizerSpec& spec, const float* x, st
   for (std::size_t g = 0, begin = 0; begin < dim; ++g, begin += spec.group) {
     const std::size_t end = std::min(dim, begin + spec.group);
     std::uint16_t* slots = spec.outliers == 0 ? nullptr : outliers.slots + g * spec.outliers;
-    const auto [lo, hi] = spec.outliers > 0
-                              ? pick_outliers(spec, x + begin, end - begin, 1, slots)
-                              : std::pair{*std::min_element(x + begin, x + end), *std::max_element(x + begin, x + end)};
-    const GroupParams p = make_params(spec, lo, hi);
+    GroupParams p;
+    float inv;
+    if (spec.mode == Mode::ggml) {
+      std::tie(p, inv) = ggml_params(spec, x + begin, end - begin, 1);
+    } else {
+      const auto [lo, hi] =
+          spec.outliers > 0 ? pick_outliers(spec, x + begin, end - begin, 1, slots)
+                            : std::pair{*std::min_element(x + begin, x + end), *std::max_element(x + begin, x + end)};
+      p = make_params(spec, lo, hi);
+      inv = inverse(p.scale);
+    }
     store_params(spec, scales, zeros, g, p);
-    const float inv = inverse(p.scale);
     for (std::size_t c = begin; c < end; ++c) codes[c] = encode(spec, p, inv, x[c]);
     for (std::size_t k = 0; k < spec.outliers; ++k) {
       const std::size_t c = begin + slots[k];
@@ -170,6 +227,11 @@ inline void quantize_block_per_channel(const QuantizerSpec& spec, const float* x
   GroupParams params[max_head_dim];
   float inv[max_head_dim];
   for (std::size_t c = 0; c < dim; ++c) {
+    if (spec.mode == Mode::ggml) {
+      std::tie(params[c], inv[c]) = ggml_params(spec, x + c, rows, stride);
+      store_params(spec, scales, zeros, c, params[c]);
+      continue;
+    }
     float lo = x[c], hi = x[c];
     if (spec.outliers > 0) {
       std::tie(lo, hi) = pick_outliers(spec, x + c, rows, stride, outliers.slots + c * spec.outliers);
