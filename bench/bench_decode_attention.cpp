@@ -152,6 +152,13 @@ struct Named {
   const char* config;
 };
 
+/// Whether this build and CPU run the kernel called `name` ("" names the automatic choice).
+bool kernel_runs(std::string_view name) {
+  const auto& table = kvq::kernels::attention::registry();
+  return name.empty() ||
+         std::any_of(table.begin(), table.end(), [&](const auto& e) { return e.name == name && e.available(); });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -183,9 +190,7 @@ int main(int argc, char** argv) {
   // The AVX2 kernel and the vector kernel on AVX2 and AVX-512 ops, both tiers, on the baseline and
   // the 2-bit-value caches, 32K, one thread.
   for (const std::string kernel : {"avx2", "vector-avx2", "vector-avx512"}) {
-    const auto& table = kvq::kernels::attention::registry();
-    if (std::none_of(table.begin(), table.end(), [&](const auto& e) { return e.name == kernel && e.available(); }))
-      continue;
+    if (!kernel_runs(kernel)) continue;
     for (const Named& c : caches) {
       const std::string_view name = c.name;
       const bool unquantized = name == "fp16";
@@ -230,13 +235,28 @@ int main(int argc, char** argv) {
           std::string(c.config), tier, std::size_t(32768), std::size_t(1), std::string(), true, std::size_t(0))
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
+  // Level tables (NormalFloat, Lloyd-Max codes, read through their table) beside affine K4V2,
+  // post-RoPE, 32K, one thread, exact tier, on the kernel chosen automatically and on the vector
+  // kernel.
+  const Named level_tables[] = {{"K4V2-post", "k4c32-v2t32-r128-s0-post"},
+                                {"K4V2n-post", "k4c32n-v2t32n-r128-s0-post"},
+                                {"K3V2l-post", "k3c32l-v2t32l-r128-s0-post"}};
+  for (const Named& c : level_tables)
+    for (const std::string kernel : {"", "vector-avx512"}) {
+      if (!kernel_runs(kernel)) continue;
+      benchmark::RegisterBenchmark(("decode_levels/" + std::string(c.name) + "/" +
+                                    (kernel.empty() ? std::string("auto") : kernel) + "/exact/32768/threads:1")
+                                       .c_str(),
+                                   decode_step, std::string(c.config), kvq::Tier::exact, std::size_t(32768),
+                                   std::size_t(1), kernel, true, std::size_t(0))
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
   // The unrotated pre-RoPE caches above on the kernels that run their rotated forms (the generic
   // AVX-512 kernel, the vector kernels on AVX-512 and AVX2 ops): what rotating each key row back
   // costs there.
   for (const std::string kernel : {"avx512-generic", "vector-avx512", "vector-avx2"}) {
-    const auto& table = kvq::kernels::attention::registry();
-    if (std::none_of(table.begin(), table.end(), [&](const auto& e) { return e.name == kernel && e.available(); }))
-      continue;
+    if (!kernel_runs(kernel)) continue;
     for (const Named& c : other_forms)
       if (std::string_view(c.name).starts_with("rotated/") && std::string_view(c.name).ends_with("-pre"))
         benchmark::RegisterBenchmark(
@@ -255,11 +275,10 @@ int main(int argc, char** argv) {
                                  {"q4_0-layout", "k4t32s-v4t32s-r0-s0-post"}};
   for (const Named& c : token_layouts)
     for (const std::string kernel : {"", "avx512-generic", "avx2", "vector-avx512", "vector-avx2"}) {
-      const auto& table = kvq::kernels::attention::registry();
-      if (!kernel.empty() &&
-          std::none_of(table.begin(), table.end(), [&](const auto& e) { return e.name == kernel && e.available(); }))
-        continue;
-      for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer})
+      if (!kernel_runs(kernel)) continue;
+      for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
+        // ggml's levels run the exact tier for both (kernel_tier): no integer row for them
+        if (tier == kvq::Tier::integer && kvq::parse_cache_config(c.config).key.mode == kvq::Mode::ggml) continue;
         benchmark::RegisterBenchmark(
             ("decode_token_keys/" + std::string(c.name) + "/" + (kernel.empty() ? std::string("auto") : kernel) + "/" +
              kvq::to_string(tier) + "/32768/threads:1")
@@ -267,6 +286,7 @@ int main(int argc, char** argv) {
             decode_step, std::string(c.config), tier, std::size_t(32768), std::size_t(1), kernel, true, std::size_t(0))
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
+      }
     }
   // The integer tier without its outlier scan (DecodeOptions::guard_outliers), 32K, one thread:
   // what the scan costs, beside the default rows above.

@@ -76,11 +76,13 @@ usage: kvq-eval [options]
                        (affine, NormalFloat, Lloyd-Max, Hadamard; no model needed)
   --help               this text
 
-Configuration strings: k<bits><c|t><group>[o<n>][s][.bf16|.f32]-v...-r<window>-s<sinks>[-post][-hk|-hsk]
-                      [-hv|-hsv][-f32]
+Configuration strings: k<bits><c|t><group>[o<n>][s|g|n|l][.bf16|.f32]-v...-r<window>-s<sinks>[-post]
+                      [-hk|-hsk][-hv|-hsv][-f32]
   c = per channel (one scale per channel per run of <group> tokens), t = per token,
   o<n> = keep the n values of each group farthest out exact (dense-and-sparse outliers),
-  s = symmetric, k16/v16 = unquantized, -post = the cache receives post-RoPE keys,
+  s = symmetric, g = ggml's levels (k4t32g is llama.cpp's q4_0, k8t32g its q8_0; in the cache,
+  read by kvq's kernels), n / l = NormalFloat / Lloyd-Max levels read through a table,
+  k16/v16 = unquantized, -post = the cache receives post-RoPE keys,
   -hk/-hv = store keys/values rotated by a Hadamard transform per head (-hsk/-hsv: with random
   signs; pre-RoPE keys are rotated back before RoPE when attention reads them).
 

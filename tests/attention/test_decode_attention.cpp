@@ -86,9 +86,11 @@ void check_case(const Case& c, unsigned seed) {
                                                                 cache.values(0, 0, 0), c.group, rope, unrotate);
     if (kernel == "avx2" || kernel == "vector-avx2") {
       // They take every head_dim that is a multiple of 8, and only those; the AVX2 kernel neither
-      // outliers nor pre-RoPE keys stored rotated.
-      EXPECT_EQ(accepted,
-                c.dim % 8 == 0 && (kernel == "vector-avx2" || (cache.config().key.outliers == 0 && !unrotate)));
+      // outliers, nor pre-RoPE keys stored rotated, nor level tables.
+      const bool tables = kvq::kernels::attention::has_level_table(cache.keys(0, 0, 0)) ||
+                          kvq::kernels::attention::has_level_table(cache.values(0, 0, 0));
+      EXPECT_EQ(accepted, c.dim % 8 == 0 &&
+                              (kernel == "vector-avx2" || (cache.config().key.outliers == 0 && !unrotate && !tables)));
     }
     if (!accepted) {
       EXPECT_THROW(run(cache, c, q, o), kvq::Error);  // named, but not for this shape
@@ -96,9 +98,16 @@ void check_case(const Case& c, unsigned seed) {
     }
     o.chunk_tokens = 64;
     o.tier = Tier::exact;
-    EXPECT_LT(relative_error(run(cache, c, q, o), ref), exact_bound);
+    const auto exact = run(cache, c, q, o);
+    EXPECT_LT(relative_error(exact, ref), exact_bound);
     o.tier = Tier::integer;
-    EXPECT_LT(relative_error(run(cache, c, q, o), ref), integer_bound);
+    const auto integer = run(cache, c, q, o);
+    EXPECT_LT(relative_error(integer, ref), integer_bound);
+    // Streams the integer tier does not read (outliers, ggml's levels, level tables): exact for both.
+    if (!kvq::kernels::attention::integer_tier_reads(cache.keys(0, 0, 0)) ||
+        !kvq::kernels::attention::integer_tier_reads(cache.values(0, 0, 0))) {
+      EXPECT_EQ(integer, exact);
+    }
   }
 }
 
@@ -131,7 +140,11 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
         // a group): per token as llama.cpp stores them, with its rotation, before RoPE, and per
         // channel on the packed-span kernels of both tiers
         "k8t32g-v8t32g-r16-s1-post", "k4t32g-v4t32g-r0-s0-post", "k4t32g-v4t32g-r16-s1-post-hk-hv",
-        "k5t32g-v4t32g-r8-s0", "k4c32g-v2t32g-r16-s1", "k4c32g-v4t32g-r16-s0-post", "k2c32g-v8t32g-r16-s1-post"}) {
+        "k5t32g-v4t32g-r8-s0", "k4c32g-v2t32g-r16-s1", "k4c32g-v4t32g-r16-s0-post", "k2c32g-v8t32g-r16-s1-post",
+        // level tables (NormalFloat, Lloyd-Max): per-channel keys before and after RoPE, per-token
+        // keys and values with rotations, 3-bit codes
+        "k4c32n-v4t32n-r16-s1", "k2c32l-v4t32n-r16-s1-post", "k3t32l-v2t32l-r8-s0-post",
+        "k4t32n-v4t32n-r16-s1-post-hk-hv", "k3c16n-v3t16l-r8-s2-hsk"}) {
     for (const auto& [kv, group] : {std::pair<std::size_t, std::size_t>{2, 1}, {1, 4}, {2, 8}}) {
       for (const std::size_t dim : {64, 128}) {
         check_case({config, kv, group, dim, 301, 300}, seed++);
@@ -400,6 +413,11 @@ TEST(DecodeAttention, KernelSelection) {
     Tier tier;
     const char* avx512;
   };
+#if defined(KVQ_HAVE_X86_VECTOR_KERNELS)
+  const char* const vector_kernel = "vector-avx512";
+#else
+  const char* const vector_kernel = "reference";  // builds without x86 vector kernels (clang)
+#endif
   const Expected cases[] = {{"k16-v16-r0-s1-post", Tier::exact, "avx512-dense"},
                             {"k16-v16-r0-s1-post-f32", Tier::exact, "avx512-dense"},
                             {"k4c32-v2t32-r16-s1-post", Tier::exact, "avx512-exact"},
@@ -412,7 +430,9 @@ TEST(DecodeAttention, KernelSelection) {
                             {"k4t32-v2t32-r16-s1-hk", Tier::exact, "avx512-generic"},
                             {"k4c32-v2t32-r16-s1-hsk-hv", Tier::integer, "avx512-generic"},
                             // ggml's levels run the exact tier for both
-                            {"k4c32g-v2t32g-r16-s1-post", Tier::integer, "avx512-exact"}};
+                            {"k4c32g-v2t32g-r16-s1-post", Tier::integer, "avx512-exact"},
+                            // level tables: the vector kernel reads codes through the table
+                            {"k4c32n-v2t32l-r16-s1-post", Tier::integer, vector_kernel}};
   for (const Expected& e : cases) {
     const BasicKVCache cache = make_cache({e.config, 2, 4, 128, 100, 99}, 5);
     EXPECT_STREQ(kvq::decode_kernel(cache, 8, {.tier = e.tier, .kernel = "reference"}), "reference");

@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "kvq/quant/code_levels.hpp"
 #include "kvq/quant/levels.hpp"
 
 namespace {
@@ -91,6 +92,20 @@ TEST(NormalFloat, FourBitsIsQloraNf4Table) {
   EXPECT_THROW((void)kvq::normal_float(5), kvq::Error);
   EXPECT_THROW((void)kvq::lloyd_max_gaussian(0), kvq::Error);
   EXPECT_THROW((void)kvq::lloyd_max_gaussian(5), kvq::Error);
+}
+
+// The cache's stored-format tables (quant/code_levels.hpp) are these level sets rounded to float.
+TEST(CodeLevels, CacheTablesAreTheComputedLevelSets) {
+  auto expect_table = [](kvq::Mode mode, int bits, const kvq::LevelSet& set) {
+    const float* table = kvq::code_levels(kvq::QuantizerSpec{bits, 32, kvq::Axis::per_token, mode});
+    ASSERT_NE(table, nullptr) << kvq::to_string(mode) << " " << bits;
+    ASSERT_EQ(set.size(), std::size_t(1) << bits);
+    for (std::size_t i = 0; i < set.size(); ++i)
+      EXPECT_EQ(table[i], set.levels()[i]) << kvq::to_string(mode) << " " << bits << " level " << i;
+  };
+  for (int bits = 1; bits <= 4; ++bits) expect_table(kvq::Mode::lloyd_max, bits, kvq::lloyd_max_gaussian(bits));
+  for (int bits = 2; bits <= 4; ++bits) expect_table(kvq::Mode::normal_float, bits, kvq::normal_float(bits));
+  EXPECT_EQ(kvq::code_levels(kvq::QuantizerSpec{4, 32, kvq::Axis::per_token, kvq::Mode::symmetric}), nullptr);
 }
 
 TEST(LevelSet, NearestLevelWithTiesToTheUpperOne) {

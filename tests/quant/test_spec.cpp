@@ -85,9 +85,12 @@ std::vector<QuantizerSpec> spec_grid() {
   for (int bits = 1; bits <= 8; ++bits)
     for (const Axis axis : {Axis::per_channel, Axis::per_token})
       for (const std::size_t group : {1, 16, 32, 128, 1024, 4096})
-        for (const Mode mode : {Mode::asymmetric, Mode::symmetric, Mode::ggml})
-          for (const Scalar param : {Scalar::f16, Scalar::bf16, Scalar::f32})
+        for (const Mode mode : {Mode::asymmetric, Mode::symmetric, Mode::ggml, Mode::normal_float, Mode::lloyd_max})
+          for (const Scalar param : {Scalar::f16, Scalar::bf16, Scalar::f32}) {
+            if ((mode == Mode::normal_float && (bits < 2 || bits > 4)) || (mode == Mode::lloyd_max && bits > 4))
+              continue;  // the level tables hold 2..4 and 1..4 bits
             grid.push_back(QuantizerSpec{bits, group, axis, mode, param});
+          }
   return grid;
 }
 
@@ -112,6 +115,12 @@ TEST(Spec, QuantizerStringRoundTrip) {
   // ggml levels keep no outliers: refused by the parser and by validate.
   EXPECT_THROW((void)kvq::parse_quantizer("k4t32o1g", 'k'), kvq::Error);
   EXPECT_THROW(kvq::validate(QuantizerSpec{4, 32, Axis::per_token, Mode::ggml, Scalar::f16, 1}, "keys"), kvq::Error);
+  EXPECT_EQ(kvq::parse_quantizer("v4t32n", 'v'), (kvq::PerToken<4, 32, Mode::normal_float>::spec));
+  EXPECT_EQ(kvq::parse_quantizer("k3c32l.bf16", 'k'), (kvq::PerChannel<3, 32, Mode::lloyd_max, kvq::bf16>::spec));
+  for (const char* bad : {"k1t32n", "k5t32n", "k8c32l", "k3c32o1l", "k3c32ln"})
+    EXPECT_THROW((void)kvq::parse_quantizer(bad, 'k'), kvq::Error) << bad;
+  EXPECT_THROW(kvq::validate(QuantizerSpec{5, 32, Axis::per_token, Mode::lloyd_max}, "keys"), kvq::Error);
+  EXPECT_THROW(kvq::validate(QuantizerSpec{1, 32, Axis::per_token, Mode::normal_float}, "keys"), kvq::Error);
 }
 
 TEST(Spec, CacheConfigStringRoundTrip) {
@@ -270,8 +279,8 @@ TEST(Spec, ValidateConfigRejectsValuesOutsideTheirEnums) {
   c.value.param = static_cast<Scalar>(7);
   expect_bad(c, "parameter type 7");
   c = {};
-  c.value.mode = static_cast<Mode>(3);
-  expect_bad(c, "mode 3");
+  c.value.mode = static_cast<Mode>(9);
+  expect_bad(c, "mode 9");
   c = {};
   c.residual = static_cast<Scalar>(7);
   expect_bad(c, "residual type 7");

@@ -58,13 +58,13 @@ inline const HadamardTransform* key_unrotation(const BasicKVCache& cache) noexce
   return cache.config().key_rope == KeyRope::pre ? cache.rotation(Tensor::keys) : nullptr;
 }
 
-/// The tier the kernels run: caches with ggml's levels (Mode::ggml) run the exact tier for both,
-/// since the integer tier's definition (kernels/attention/task.hpp) centres codes at
-/// (2^b - 1) / 2 on non-negative steps.
+/// The tier the kernels run: caches with levels other than kvq's own affine ones (ggml's, or a
+/// level table) run the exact tier for both, since the integer tier's definition
+/// (kernels/attention/task.hpp) centres codes at (2^b - 1) / 2 on non-negative steps.
 inline Tier kernel_tier(const BasicKVCache& cache, Tier requested) noexcept {
   const CacheConfig& c = cache.config();
-  const bool ggml = (c.quantize_keys && c.key.mode == Mode::ggml) || (c.quantize_values && c.value.mode == Mode::ggml);
-  return ggml ? Tier::exact : requested;
+  auto own = [](bool quantized, Mode m) { return !quantized || m == Mode::asymmetric || m == Mode::symmetric; };
+  return own(c.quantize_keys, c.key.mode) && own(c.quantize_values, c.value.mode) ? requested : Tier::exact;
 }
 
 struct DecodePlan {

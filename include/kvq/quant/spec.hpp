@@ -26,11 +26,34 @@ enum class Mode : std::uint8_t {
   // at 8 bits (q8_0), else the group's value of largest magnitude over -2^(b-1) (q4_0, q5_0), so
   // that value is the bottom level. kernels/quantize/reference.hpp defines the rounding.
   ggml,
+  // Non-uniform levels read through a table (quant/code_levels.hpp), x = scale * level[code],
+  // scale = absmax / the largest level magnitude, no zero point:
+  normal_float,  // NormalFloat levels (QLoRA's NF4 construction), 2..4 bits
+  lloyd_max,     // Lloyd-Max levels of a unit Gaussian, 1..4 bits
 };
 
 constexpr const char* to_string(Axis a) noexcept { return a == Axis::per_channel ? "per_channel" : "per_token"; }
 constexpr const char* to_string(Mode m) noexcept {
-  return m == Mode::asymmetric ? "asymmetric" : m == Mode::symmetric ? "symmetric" : "ggml";
+  return m == Mode::asymmetric     ? "asymmetric"
+         : m == Mode::symmetric    ? "symmetric"
+         : m == Mode::ggml         ? "ggml"
+         : m == Mode::normal_float ? "normal_float"
+                                   : "lloyd_max";
+}
+
+/// Whether a mode decodes as zero + scale * code (every kernel reads these; level tables only the
+/// vector kernels).
+constexpr bool affine_levels(Mode m) noexcept {
+  return m == Mode::asymmetric || m == Mode::symmetric || m == Mode::ggml;
+}
+
+/// The suffix naming a mode in a quantizer string ('\0' for the default, asymmetric).
+constexpr char mode_letter(Mode m) noexcept {
+  return m == Mode::symmetric      ? 's'
+         : m == Mode::ggml         ? 'g'
+         : m == Mode::normal_float ? 'n'
+         : m == Mode::lloyd_max    ? 'l'
+                                   : '\0';
 }
 
 inline constexpr int min_bits = 1;
@@ -66,11 +89,18 @@ inline void validate(const QuantizerSpec& spec, std::string_view what) {
     throw Error(ErrorCode::invalid_argument, prefix + "bits must be in 1..8, got " + std::to_string(spec.bits));
   if (spec.axis != Axis::per_channel && spec.axis != Axis::per_token)
     throw Error(ErrorCode::invalid_argument, prefix + "axis " + std::to_string(int(spec.axis)) + " is not an Axis");
-  if (spec.mode != Mode::asymmetric && spec.mode != Mode::symmetric && spec.mode != Mode::ggml)
+  if (spec.mode != Mode::asymmetric && spec.mode != Mode::symmetric && spec.mode != Mode::ggml &&
+      spec.mode != Mode::normal_float && spec.mode != Mode::lloyd_max)
     throw Error(ErrorCode::invalid_argument, prefix + "mode " + std::to_string(int(spec.mode)) + " is not a Mode");
-  if (spec.mode == Mode::ggml && spec.outliers > 0)
-    throw Error(ErrorCode::invalid_argument,
-                prefix + "ggml levels keep no outliers (got " + std::to_string(spec.outliers) + " per group)");
+  if (spec.outliers > 0 && spec.mode != Mode::asymmetric && spec.mode != Mode::symmetric)
+    throw Error(ErrorCode::invalid_argument, prefix + std::string(to_string(spec.mode)) +
+                                                 " levels keep no outliers (got " + std::to_string(spec.outliers) +
+                                                 " per group)");
+  if ((spec.mode == Mode::normal_float && (spec.bits < 2 || spec.bits > 4)) ||
+      (spec.mode == Mode::lloyd_max && spec.bits > 4))
+    throw Error(ErrorCode::invalid_argument, prefix + std::string(to_string(spec.mode)) + " levels take " +
+                                                 (spec.mode == Mode::normal_float ? "2" : "1") + "..4 bits, got " +
+                                                 std::to_string(spec.bits));
   if (!is_valid(spec.param))
     throw Error(ErrorCode::invalid_argument,
                 prefix + "parameter type " + std::to_string(int(spec.param)) + " is not a Scalar");
@@ -106,17 +136,16 @@ constexpr std::size_t groups_per_row(const QuantizerSpec& spec, std::size_t head
 }
 
 /// "k4c32": tensor letter, bits, axis letter (c per channel, t per token), group; then optional
-/// "o<n>" for n outliers per group, "s" for symmetric or "g" for ggml's levels ("k4t32g" is
-/// llama.cpp's q4_0, "k8t32g" its q8_0) and ".bf16" / ".f32" for the parameter type (default no
-/// outliers, asymmetric, f16).
+/// "o<n>" for n outliers per group, a mode letter ("s" symmetric; "g" ggml's levels, so "k4t32g"
+/// is llama.cpp's q4_0 and "k8t32g" its q8_0; "n" NormalFloat and "l" Lloyd-Max levels) and
+/// ".bf16" / ".f32" for the parameter type (default no outliers, asymmetric, f16).
 inline std::string to_string(const QuantizerSpec& spec, char tensor) {
   std::string s(1, tensor);
   s += std::to_string(spec.bits);
   s += spec.axis == Axis::per_channel ? 'c' : 't';
   s += std::to_string(spec.group);
   if (spec.outliers > 0) s += 'o' + std::to_string(spec.outliers);
-  if (spec.mode == Mode::symmetric) s += 's';
-  if (spec.mode == Mode::ggml) s += 'g';
+  if (mode_letter(spec.mode) != '\0') s += mode_letter(spec.mode);
   if (spec.param != Scalar::f16) s += std::string(".") + to_string(spec.param);
   return s;
 }
@@ -164,10 +193,14 @@ inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
         spec.outliers >= spec.group)
       return fail("outliers per group must be 1.." + std::to_string(max_outliers) + " and fewer than the group");
   }
-  if (!text.empty() && (text.front() == 's' || text.front() == 'g')) {
-    spec.mode = text.front() == 's' ? Mode::symmetric : Mode::ggml;
+  for (const Mode m : {Mode::symmetric, Mode::ggml, Mode::normal_float, Mode::lloyd_max}) {
+    if (text.empty() || text.front() != mode_letter(m)) continue;
+    spec.mode = m;
     text.remove_prefix(1);
-    if (spec.mode == Mode::ggml && spec.outliers > 0) return fail("ggml levels keep no outliers");
+    if (spec.outliers > 0 && m != Mode::symmetric) return fail(std::string(to_string(m)) + " levels keep no outliers");
+    if (m == Mode::normal_float && spec.bits < 2) return fail("NormalFloat levels need 2..4 bits");
+    if ((m == Mode::normal_float || m == Mode::lloyd_max) && spec.bits > 4) return fail("level tables hold 1..4 bits");
+    break;
   }
   if (!text.empty()) {
     if (text == ".f32")

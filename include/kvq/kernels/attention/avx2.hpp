@@ -70,6 +70,7 @@ inline bool supports(const StreamView& keys, const StreamView& values, std::size
                      const RopeTable* rope) noexcept {
   const std::size_t d = keys.head_dim;
   if (d == 0 || d % 8 != 0 || d > max_head_dim || values.head_dim != d || group == 0 || group > max_group) return false;
+  if (has_level_table(keys) || has_level_table(values)) return false;  // its rows are zero + scale * code
   return rope == nullptr || rope->config().head_dim == d;
 }
 
@@ -1126,6 +1127,11 @@ struct Kernel {
 
 /// Runs one task (supports() must hold).
 KVQ_TARGET_AVX2_ATTENTION inline void decode_task(const DecodeTask& task) noexcept {
+  if (computed_tier(task) != task.tier) {
+    DecodeTask exact = task;
+    exact.tier = Tier::exact;
+    return avx2::decode_task(exact);  // qualified: DecodeTask brings attention::decode_task too
+  }
   detail::Kernel kernel(task);
   kernel.run();
 }

@@ -37,6 +37,7 @@
 #include "kvq/kernels/attention/avx512_exact.hpp"
 #include "kvq/kernels/attention/avx512_int.hpp"
 #include "kvq/kernels/attention/avx512_rope.hpp"
+#include "kvq/kernels/ops/avx512.hpp"
 
 KVQ_INTRINSIC_WARNINGS_OFF
 
@@ -131,10 +132,10 @@ struct Kernels {
     __m512 sign[4];
     for (int s = 0; s < 4; ++s) sign[s] = _mm512_loadu_ps(butterfly_lane_signs[std::size_t(s)].data());
     for (int i = 0; i < NV; ++i) {
-      x[i] = _mm512_fmadd_ps(x[i], sign[0], _mm512_permute_ps(x[i], 0xb1));
-      x[i] = _mm512_fmadd_ps(x[i], sign[1], _mm512_permute_ps(x[i], 0x4e));
-      x[i] = _mm512_fmadd_ps(x[i], sign[2], _mm512_shuffle_f32x4(x[i], x[i], 0xb1));
-      x[i] = _mm512_fmadd_ps(x[i], sign[3], _mm512_shuffle_f32x4(x[i], x[i], 0x4e));
+      x[i] = _mm512_fmadd_ps(x[i], sign[0], ops::Avx512::exchange<1>(x[i]));
+      x[i] = _mm512_fmadd_ps(x[i], sign[1], ops::Avx512::exchange<2>(x[i]));
+      x[i] = _mm512_fmadd_ps(x[i], sign[2], ops::Avx512::exchange<4>(x[i]));
+      x[i] = _mm512_fmadd_ps(x[i], sign[3], ops::Avx512::exchange<8>(x[i]));
     }
     for (int len = 1; len < NV; len *= 2)
       for (int i = 0; i < NV; i += 2 * len)
@@ -577,6 +578,11 @@ KVQ_TARGET_AVX512_ATTENTION inline void decode_task(const DecodeTask& task, bool
   // The packed-span kernels keep their query tables across the segments of one task
   // (int_init); a task's first segment starts afresh whatever path ran before it.
   if (!task.resume) detail::int_state().queries = nullptr;
+  if (computed_tier(task) != task.tier) {
+    DecodeTask exact = task;
+    exact.tier = Tier::exact;
+    return avx512::decode_task(exact, generic_only);
+  }
   if (task.keys.head_dim == 64) {
     detail::Kernels<4> kernel(task);
     kernel.run(generic_only);

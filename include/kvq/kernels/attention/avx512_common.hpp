@@ -39,6 +39,8 @@ inline bool supports(const StreamView& keys, const StreamView& values, std::size
                      const RopeTable* rope) noexcept {
   const std::size_t d = keys.head_dim;
   if ((d != 64 && d != 128) || values.head_dim != d || group == 0 || group > max_group) return false;
+  // Level tables go to the vector kernels, which read codes through them (read_row: 4x slower).
+  if (has_level_table(keys) || has_level_table(values)) return false;
   if (rope != nullptr && rope->config().dims() != d) return false;
   return true;
 }
@@ -49,7 +51,7 @@ using DecodeTask = attention::DecodeTask;
 
 /// Codes of one stream unpack this fast way: width 2/4/8, per-channel or whole 16-channel groups.
 inline bool fast_codes(const StreamView& s) noexcept {
-  return s.quantized && fast_bits(s.spec.bits) && s.spec.group % 16 == 0;
+  return s.quantized && fast_bits(s.spec.bits) && s.spec.group % 16 == 0 && affine_levels(s.spec.mode);
 }
 
 /// 16 values of type s at element index i as floats.

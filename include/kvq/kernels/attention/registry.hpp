@@ -84,7 +84,9 @@ inline bool kernel_takes(const KernelEntry& e, const StreamView& keys, const Str
 /// CPU or these streams rule it out.
 inline const KernelEntry& select_kernel(const StreamView& keys, const StreamView& values, std::size_t group,
                                         const RopeTable* rope, bool unrotate, std::string_view name = {}) {
-  const bool outliers = has_outliers(keys) || has_outliers(values), refused_by_hand_tuned = outliers || unrotate;
+  const bool outliers = has_outliers(keys) || has_outliers(values);
+  const bool tables = has_level_table(keys) || has_level_table(values);
+  const bool refused_by_hand_tuned = outliers || unrotate || tables;
   for (const KernelEntry& e : registry()) {
     if (name.empty() ? e.choice == Choice::by_name || (e.choice == Choice::fallback && !refused_by_hand_tuned)
                      : name != e.name)
@@ -98,6 +100,7 @@ inline const KernelEntry& select_kernel(const StreamView& keys, const StreamView
                                               std::to_string(keys.head_dim) + " with " + std::to_string(group) +
                                               " query heads per KV head" +
                                               (outliers ? " and dense-and-sparse outliers" : "") +
+                                              (tables ? " and levels read through a table" : "") +
                                               (unrotate ? " and pre-RoPE keys stored rotated" : ""));
   }
   if (name.empty()) return registry().back();  // not reached: the reference kernel takes every shape

@@ -24,7 +24,7 @@
 // The x86 kernels implement the same definitions (up to exp() rounding and rounding ties).
 // Caches with dense-and-sparse outliers (QuantizerSpec::outliers) run the exact tier for both:
 // no integer path reads the outliers' corrections. So do caches with ggml's levels (Mode::ggml,
-// centred at 2^(b-1), steps of either sign; decode.hpp's kernel_tier).
+// centred at 2^(b-1), steps of either sign) or level tables (decode.hpp's kernel_tier).
 
 #include <algorithm>
 #include <array>
@@ -61,6 +61,14 @@ inline constexpr auto butterfly_lane_signs = [] {
 
 /// Whether a stream keeps dense-and-sparse outliers (only the vector kernel reads them).
 inline bool has_outliers(const StreamView& s) noexcept { return s.quantized && s.spec.outliers > 0; }
+/// Whether the integer tier reads a stream: unquantized, or kvq's own affine levels without
+/// outliers. Every kernel computes the exact tier for a task with any other stream (computed_tier).
+inline bool integer_tier_reads(const StreamView& s) noexcept {
+  return !s.quantized || (s.spec.outliers == 0 && (s.spec.mode == Mode::asymmetric || s.spec.mode == Mode::symmetric));
+}
+/// Whether a stream's codes index a level table (Mode::normal_float, Mode::lloyd_max): only the
+/// vector kernels (and so the reference) read them, through the table.
+inline bool has_level_table(const StreamView& s) noexcept { return s.quantized && !affine_levels(s.spec.mode); }
 
 /// One unit of decode work: the query heads of one KV head over positions [begin, end).
 struct DecodeTask {
@@ -88,6 +96,13 @@ struct DecodeTask {
   float* sum = nullptr;  // (group) sum of exp(score - max)
   float* acc = nullptr;  // (group, head_dim) sum of exp(score - max) * value
 };
+
+/// The tier kernels compute for a task: the one it asks for, or exact where a stream is one the
+/// integer tier does not read (integer_tier_reads).
+inline Tier computed_tier(const DecodeTask& t) noexcept {
+  return t.tier == Tier::integer && integer_tier_reads(t.keys) && integer_tier_reads(t.values) ? Tier::integer
+                                                                                               : Tier::exact;
+}
 
 /// Where a kernel reading the rows [begin, end) of a segment prefetches ahead of `row`: `distance`
 /// bytes further (at most the segment's length), continuing into the next segment's rows (`next`)

@@ -79,7 +79,8 @@ struct VectorKernel {
       Ops::store(acc + c, Ops::fma(wv, Ops::load(row + c), Ops::load(acc + c)));
   }
 
-  /// The codes of row p of a packed stream as floats: out (head_dim).
+  /// The codes of row p of a packed stream as floats (the levels they name, for a level table):
+  /// out (head_dim).
   static void codes_of(const StreamView& s, std::size_t p, float* out) noexcept {
     const std::uint8_t* in = s.code_row(p);
     const std::size_t n = s.head_dim;
@@ -98,6 +99,8 @@ struct VectorKernel {
       unpack_codes(in, n, s.spec.bits, codes);
       for (std::size_t c = 0; c < n; ++c) out[c] = float(codes[c]);
     }
+    if (const float* levels = code_levels(s.spec))  // a level table: the level each code names
+      for (std::size_t c = 0; c < n; ++c) out[c] = levels[std::size_t(out[c])];
   }
 
   /// The scales and zero points of the packed per-channel key block holding row a: (head_dim) each.
@@ -390,7 +393,7 @@ struct VectorKernel {
     float scores[max_group][max_tile];
     alignas(64) float row[max_head_dim];
     const bool packed_values = v.quantized && v.spec.axis == Axis::per_token && v.spec.group % width == 0;
-    const bool integer = task.tier == Tier::integer && !has_outliers(k) && !has_outliers(v);
+    const bool integer = computed_tier(task) == Tier::integer;
     for (std::size_t a = task.begin; a < task.end;) {
       const std::size_t b = tile_end(k, a, task.end), n = b - a;
       // Keys block by block (a tile holds whole key blocks when keys are quantized per channel).

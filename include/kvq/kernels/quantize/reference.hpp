@@ -16,8 +16,12 @@
 //               d = absmax / 127 (8 bits) or lead / -mid (fewer), scale = P(d), zero = -mid * scale,
 //               code = 8 bits: round(x * inv) + 128 (round half away from zero),
 //                      fewer: min(2^b - 1, trunc(x * inv + (mid + 0.5)))
-//               where inv = 1 / d from the unrounded d (ggml's choice; 0 when |d| is below float's
-//               normal range). d is negative when lead is positive.
+//               where inv = 1 / d from the unrounded d (ggml's choice; 0 where that overflows),
+//               the product rounded before the addition (no FMA). d is negative when lead is
+//               positive. make_params (the representability check) leads with max on a tie.
+//   normal_float, lloyd_max: T = the mode's level table (quant/code_levels.hpp, ascending),
+//               scale = P(absmax / max|T|), no zero point, code = the index of the level nearest
+//               to x * inv (halfway: the upper one), x^ = T[code] * scale.
 //
 // Dense-and-sparse (spec.outliers = n > 0): n values of each group are left out of min and max
 // (n times: asymmetric, the group's current minimum or maximum, whichever leaves the smaller
@@ -35,14 +39,17 @@
 #include <utility>
 
 #include "kvq/pack/bitpack.hpp"
+#include "kvq/quant/code_levels.hpp"
 #include "kvq/quant/spec.hpp"
 
 namespace kvq::inline v0::kernels::reference {
 
-/// Stored parameters of one group, as floats. `zero` is the value of code 0.
+/// Stored parameters of one group, as floats. `zero` is the value of code 0; with a level table
+/// (non-affine modes) a code decodes to levels[code] * scale and zero is 0.
 struct GroupParams {
   float scale = 0.0f;
   float zero = 0.0f;
+  const float* levels = nullptr;
 };
 
 inline float round_half_even(float x) noexcept { return std::nearbyint(x); }  // default FE_TONEAREST
@@ -56,15 +63,25 @@ inline float ggml_step(const QuantizerSpec& spec, float lead) noexcept {
   return spec.bits == 8 ? std::fabs(lead) / 127.0f : lead / -mid_code(spec);
 }
 
+// 1 / d as ggml takes it (0 for d = 0), and 0 where that overflows (a subnormal d), which ggml
+// leaves to chance.
 inline float ggml_inverse(float d) noexcept {
-  return std::fabs(d) >= std::numeric_limits<float>::min() ? 1.0f / d : 0.0f;
+  const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+  return std::isfinite(inv) ? inv : 0.0f;
+}
+
+// a * b rounded to float on its own, never fused into a following addition (an FMA would round
+// differently from ggml's reference, and differently from one build to the next).
+inline float unfused_product(float a, float b) noexcept {
+  volatile float p = a * b;
+  return p;
 }
 
 /// ggml mode: the code of x for a group of inverse step inv (ggml_inverse of the unrounded step).
 inline std::uint8_t ggml_encode(const QuantizerSpec& spec, float inv, float x) noexcept {
   const float top = float(spec.levels() - 1);
   if (spec.bits == 8) return std::uint8_t(std::clamp(std::round(x * inv) + 128.0f, 1.0f, top));
-  return std::uint8_t(std::clamp(std::trunc(x * inv + (mid_code(spec) + 0.5f)), 0.0f, top));
+  return std::uint8_t(std::clamp(std::trunc(unfused_product(x, inv) + (mid_code(spec) + 0.5f)), 0.0f, top));
 }
 
 /// The first of the n values x[i * stride] of largest magnitude, with its sign.
@@ -89,6 +106,10 @@ inline GroupParams make_params(const QuantizerSpec& spec, float min, float max) 
     const float scale = round_to(spec.param, ggml_step(spec, std::fabs(min) > std::fabs(max) ? min : max));
     return {scale, -mid_code(spec) * scale};
   }
+  if (const float* levels = code_levels(spec)) {
+    const float outer = std::max(-levels[0], levels[spec.levels() - 1]);
+    return {round_to(spec.param, std::max(std::fabs(min), std::fabs(max)) / outer), 0.0f, levels};
+  }
   const float absmax = std::max(std::fabs(min), std::fabs(max));
   const float scale = round_to(spec.param, 2.0f * absmax / top);
   return {scale, -mid_code(spec) * scale};
@@ -109,6 +130,13 @@ inline bool representable(const GroupParams& p) noexcept { return std::isfinite(
 // FMA, so every build and ISA rounds identically. ggml's form is its own (see the top).
 inline std::uint8_t encode(const QuantizerSpec& spec, const GroupParams& p, float inv, float x) noexcept {
   if (spec.mode == Mode::ggml) return ggml_encode(spec, inv, x);
+  if (p.levels != nullptr) {  // the nearest level; midpoints of two floats are exact in double
+    const double v = double(x * inv);
+    std::uint8_t code = 0;
+    for (int i = 1; i < spec.levels(); ++i)
+      if (v >= 0.5 * (double(p.levels[i - 1]) + double(p.levels[i]))) code = std::uint8_t(i);
+    return code;
+  }
   const float top = float(spec.levels() - 1);
   return std::uint8_t(std::clamp(round_half_even((x - p.zero) * inv), 0.0f, top));
 }
@@ -116,13 +144,16 @@ inline std::uint8_t encode(const QuantizerSpec& spec, const GroupParams& p, floa
 // Subnormal scales (possible with f32 parameters) would give an infinite inverse.
 inline float inverse(float scale) noexcept { return scale >= std::numeric_limits<float>::min() ? 1.0f / scale : 0.0f; }
 
-inline float decode(const GroupParams& p, std::uint8_t code) noexcept { return p.zero + float(code) * p.scale; }
+inline float decode(const GroupParams& p, std::uint8_t code) noexcept {
+  return p.levels != nullptr ? p.levels[code] * p.scale : p.zero + float(code) * p.scale;
+}
 
 /// Parameters as they were stored (reloaded from the parameter type).
 inline GroupParams load_params(const QuantizerSpec& spec, const void* scales, const void* zeros,
                                std::size_t i) noexcept {
   const float scale = load_scalar(spec.param, scales, i);
   if (spec.mode == Mode::asymmetric) return {scale, load_scalar(spec.param, zeros, i)};
+  if (const float* levels = code_levels(spec)) return {scale, 0.0f, levels};
   return {scale, -mid_code(spec) * scale};
 }
 
