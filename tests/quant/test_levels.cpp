@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -100,8 +101,11 @@ TEST(CodeLevels, CacheTablesAreTheComputedLevelSets) {
     const float* table = kvq::code_levels(kvq::QuantizerSpec{bits, 32, kvq::Axis::per_token, mode});
     ASSERT_NE(table, nullptr) << kvq::to_string(mode) << " " << bits;
     ASSERT_EQ(set.size(), std::size_t(1) << bits);
+    // Within an ulp: the computation goes through libm's erfc and exp, which may differ in the last
+    // place from one platform to another (the reason the tables are constants).
     for (std::size_t i = 0; i < set.size(); ++i)
-      EXPECT_EQ(table[i], set.levels()[i]) << kvq::to_string(mode) << " " << bits << " level " << i;
+      EXPECT_LE(std::fabs(table[i] - set.levels()[i]), std::numeric_limits<float>::epsilon() * std::fabs(table[i]))
+          << kvq::to_string(mode) << " " << bits << " level " << i;
   };
   for (int bits = 1; bits <= 4; ++bits) expect_table(kvq::Mode::lloyd_max, bits, kvq::lloyd_max_gaussian(bits));
   for (int bits = 2; bits <= 4; ++bits) expect_table(kvq::Mode::normal_float, bits, kvq::normal_float(bits));

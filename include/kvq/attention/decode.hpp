@@ -58,9 +58,11 @@ inline const HadamardTransform* key_unrotation(const BasicKVCache& cache) noexce
   return cache.config().key_rope == KeyRope::pre ? cache.rotation(Tensor::keys) : nullptr;
 }
 
-/// The tier the kernels run: caches with levels other than kvq's own affine ones (ggml's, or a
-/// level table) run the exact tier for both, since the integer tier's definition
-/// (kernels/attention/task.hpp) centres codes at (2^b - 1) / 2 on non-negative steps.
+/// The tier the kernels compute for this cache: caches with levels other than kvq's own affine
+/// ones (ggml's, or a level table) get the exact tier for both, since the integer tier's
+/// definition (kernels/attention/task.hpp) centres codes at (2^b - 1) / 2 on non-negative steps.
+/// Each kernel applies the rule itself (computed_tier); this answers it ahead of the kernels, for
+/// the outlier scan and decode_kernel.
 inline Tier kernel_tier(const BasicKVCache& cache, Tier requested) noexcept {
   const CacheConfig& c = cache.config();
   auto own = [](bool quantized, Mode m) { return !quantized || m == Mode::asymmetric || m == Mode::symmetric; };
@@ -149,9 +151,9 @@ inline void run_range(const BasicKVCache& cache, std::size_t layer, std::size_t 
     t.end = std::min(end, sinks + (k + 1) * block);
     t.resume = k != first;
   };
-  t.tier = kernel_tier(cache, options.tier);
+  t.tier = options.tier;  // a kernel computes the exact tier where the streams ask it to (computed_tier)
   t.softcap = softcap_or_zero(options.scores);
-  if (t.tier == Tier::integer && options.guard_outliers) {
+  if (kernel_tier(cache, options.tier) == Tier::integer && options.guard_outliers) {
     kernels::attention::ScaleSpread spread;
     for (std::size_t k = first; k <= last; ++k) at_segment(k), spread.add(t);
     if (!spread.integer_tier_carries()) t.tier = Tier::exact;

@@ -12,7 +12,7 @@
 namespace kvq::inline v0 {
 
 namespace detail {
-// NormalFloat, 2..4 bits (the 4-bit table is QLoRA's NF4).
+// NormalFloat, 2..4 bits (QLoRA's construction; within a few float ulps of bitsandbytes' NF4).
 inline constexpr std::array<float, 4> nf2 = {-1.0f, 0.0f, 0x1.be471ep-2f, 1.0f};
 inline constexpr std::array<float, 8> nf3 = {-1.0f,          -0x1.11ee8p-1f, -0x1.f9b73p-3f, 0.0f,
                                              0x1.7779a4p-3f, 0x1.87296cp-2f, 0x1.3ef7fcp-1f, 1.0f};

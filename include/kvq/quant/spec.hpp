@@ -198,8 +198,8 @@ inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
     spec.mode = m;
     text.remove_prefix(1);
     if (spec.outliers > 0 && m != Mode::symmetric) return fail(std::string(to_string(m)) + " levels keep no outliers");
-    if (m == Mode::normal_float && spec.bits < 2) return fail("NormalFloat levels need 2..4 bits");
-    if ((m == Mode::normal_float || m == Mode::lloyd_max) && spec.bits > 4) return fail("level tables hold 1..4 bits");
+    if (m == Mode::normal_float && (spec.bits < 2 || spec.bits > 4)) return fail("NormalFloat levels take 2..4 bits");
+    if (m == Mode::lloyd_max && spec.bits > 4) return fail("Lloyd-Max levels take 1..4 bits");
     break;
   }
   if (!text.empty()) {

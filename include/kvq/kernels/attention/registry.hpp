@@ -24,8 +24,8 @@ namespace kvq::inline v0::kernels::attention {
 enum class Choice : unsigned char {
   automatic,  // whenever it takes the cache
   by_name,    // only named (tests, benchmarks, bisecting)
-  fallback,   // named, or for caches a hand-tuned kernel refuses: dense-and-sparse outliers, or
-              // pre-RoPE keys stored rotated (AVX2; AVX-512 rotates them back)
+  fallback,   // named, or for caches a hand-tuned kernel refuses: dense-and-sparse outliers, level
+              // tables, or pre-RoPE keys stored rotated (AVX2; AVX-512 rotates them back)
 };
 
 struct KernelEntry {
