@@ -58,15 +58,12 @@ inline const HadamardTransform* key_unrotation(const BasicKVCache& cache) noexce
   return cache.config().key_rope == KeyRope::pre ? cache.rotation(Tensor::keys) : nullptr;
 }
 
-/// The tier the kernels compute for this cache: caches with levels other than kvq's own affine
-/// ones (ggml's, or a level table) get the exact tier for both, since the integer tier's
-/// definition (kernels/attention/task.hpp) centres codes at (2^b - 1) / 2 on non-negative steps.
-/// Each kernel applies the rule itself (computed_tier); this answers it ahead of the kernels, for
-/// the outlier scan and decode_kernel.
+/// The tier the kernels compute for this cache (kernels::attention::computed_tier: the exact one
+/// for streams the integer tier does not read), answered ahead of the kernels for the outlier scan
+/// and decode_kernel.
 inline Tier kernel_tier(const BasicKVCache& cache, Tier requested) noexcept {
-  const CacheConfig& c = cache.config();
-  auto own = [](bool quantized, Mode m) { return !quantized || m == Mode::asymmetric || m == Mode::symmetric; };
-  return own(c.quantize_keys, c.key.mode) && own(c.quantize_values, c.value.mode) ? requested : Tier::exact;
+  using kernels::attention::integer_tier_reads;
+  return integer_tier_reads(cache.keys(0, 0, 0)) && integer_tier_reads(cache.values(0, 0, 0)) ? requested : Tier::exact;
 }
 
 struct DecodePlan {

@@ -22,7 +22,7 @@ concept Quantizer = requires {
 namespace detail {
 template <int Bits, std::size_t Group, class Param, std::size_t Outliers = 0, Mode M = Mode::asymmetric>
 consteval bool check_quantizer() {
-  static_assert(Outliers == 0 || M == Mode::asymmetric || M == Mode::symmetric,
+  static_assert(Outliers == 0 || min_max_levels(M),
                 "only kvq's affine levels keep outliers (ggml's levels and level tables do not)");
   static_assert(M != Mode::normal_float || (Bits >= 2 && Bits <= 4), "NormalFloat levels take 2..4 bits");
   static_assert(M != Mode::lloyd_max || Bits <= 4, "Lloyd-Max levels take 1..4 bits");

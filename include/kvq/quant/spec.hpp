@@ -41,11 +41,13 @@ constexpr const char* to_string(Mode m) noexcept {
                                    : "lloyd_max";
 }
 
+/// Whether a mode is kvq's own min-max levels (asymmetric or symmetric): the only ones that keep
+/// outliers, that the integer tier reads and that the vector quantizer writes.
+constexpr bool min_max_levels(Mode m) noexcept { return m == Mode::asymmetric || m == Mode::symmetric; }
+
 /// Whether a mode decodes as zero + scale * code (every kernel reads these; level tables only the
 /// vector kernels).
-constexpr bool affine_levels(Mode m) noexcept {
-  return m == Mode::asymmetric || m == Mode::symmetric || m == Mode::ggml;
-}
+constexpr bool affine_levels(Mode m) noexcept { return min_max_levels(m) || m == Mode::ggml; }
 
 /// The suffix naming a mode in a quantizer string ('\0' for the default, asymmetric).
 constexpr char mode_letter(Mode m) noexcept {
@@ -92,7 +94,7 @@ inline void validate(const QuantizerSpec& spec, std::string_view what) {
   if (spec.mode != Mode::asymmetric && spec.mode != Mode::symmetric && spec.mode != Mode::ggml &&
       spec.mode != Mode::normal_float && spec.mode != Mode::lloyd_max)
     throw Error(ErrorCode::invalid_argument, prefix + "mode " + std::to_string(int(spec.mode)) + " is not a Mode");
-  if (spec.outliers > 0 && spec.mode != Mode::asymmetric && spec.mode != Mode::symmetric)
+  if (spec.outliers > 0 && !min_max_levels(spec.mode))
     throw Error(ErrorCode::invalid_argument, prefix + std::string(to_string(spec.mode)) +
                                                  " levels keep no outliers (got " + std::to_string(spec.outliers) +
                                                  " per group)");

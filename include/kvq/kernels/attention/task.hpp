@@ -64,7 +64,7 @@ inline bool has_outliers(const StreamView& s) noexcept { return s.quantized && s
 /// Whether the integer tier reads a stream: unquantized, or kvq's own affine levels without
 /// outliers. Every kernel computes the exact tier for a task with any other stream (computed_tier).
 inline bool integer_tier_reads(const StreamView& s) noexcept {
-  return !s.quantized || (s.spec.outliers == 0 && (s.spec.mode == Mode::asymmetric || s.spec.mode == Mode::symmetric));
+  return !s.quantized || (s.spec.outliers == 0 && min_max_levels(s.spec.mode));
 }
 /// Whether a stream's codes index a level table (Mode::normal_float, Mode::lloyd_max): only the
 /// vector kernels (and so the reference) read them, through the table.

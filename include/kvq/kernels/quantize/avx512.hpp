@@ -32,8 +32,7 @@ namespace kvq::inline v0::kernels::avx512 {
 /// Per-token groups must be whole vectors, and the levels kvq's own (ggml's and the level tables
 /// take the reference); everything else is handled here.
 inline bool supports(const QuantizerSpec& spec) noexcept {
-  return spec.outliers == 0 && (spec.mode == Mode::asymmetric || spec.mode == Mode::symmetric) &&
-         (spec.axis == Axis::per_channel || spec.group % 16 == 0);
+  return spec.outliers == 0 && min_max_levels(spec.mode) && (spec.axis == Axis::per_channel || spec.group % 16 == 0);
 }
 
 KVQ_QUANT_INLINE inline __m512 round_to(Scalar s, __m512 v) noexcept {
