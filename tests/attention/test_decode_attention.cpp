@@ -142,9 +142,12 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
         "k8t32g-v8t32g-r16-s1-post", "k4t32g-v4t32g-r0-s0-post", "k4t32g-v4t32g-r16-s1-post-hk-hv",
         "k5t32g-v4t32g-r8-s0", "k4c32g-v2t32g-r16-s1", "k4c32g-v4t32g-r16-s0-post", "k2c32g-v8t32g-r16-s1-post",
         // level tables (NormalFloat, Lloyd-Max): per-channel keys before and after RoPE, per-token
-        // keys and values with rotations, 3-bit codes
+        // keys and values with rotations, 3-bit codes; looked up in registers on AVX-512 (the
+        // exact span kernel before and after RoPE, 2-bit values, pre-RoPE keys stored rotated on
+        // the generic kernel, values in groups of 16 and 64)
         "k4c32n-v4t32n-r16-s1", "k2c32l-v4t32n-r16-s1-post", "k3t32l-v2t32l-r8-s0-post",
-        "k4t32n-v4t32n-r16-s1-post-hk-hv", "k3c16n-v3t16l-r8-s2-hsk"}) {
+        "k4t32n-v4t32n-r16-s1-post-hk-hv", "k3c16n-v3t16l-r8-s2-hsk", "k4c32l-v2t32n-r16-s1-post",
+        "k2c16n-v2t32l-r40-s1", "k4c32n-v2t32l-r16-s1-hsk", "k4c64l-v4t16n-r8-s0-post", "k2t16l-v4t64n-r0-s2"}) {
     for (const auto& [kv, group] : {std::pair<std::size_t, std::size_t>{2, 1}, {1, 4}, {2, 8}}) {
       for (const std::size_t dim : {64, 128}) {
         check_case({config, kv, group, dim, 301, 300}, seed++);
@@ -413,10 +416,13 @@ TEST(DecodeAttention, KernelSelection) {
     Tier tier;
     const char* avx512;
   };
+  // Layouts the hand-tuned kernels read only row by row go to the vector kernel, or, in builds
+  // without x86 vector kernels (clang), stay on the generic AVX-512 kernel (the scalar reference
+  // is slower still).
 #if defined(KVQ_HAVE_X86_VECTOR_KERNELS)
   const char* const vector_kernel = "vector-avx512";
 #else
-  const char* const vector_kernel = "reference";  // builds without x86 vector kernels (clang)
+  const char* const vector_kernel = "avx512-generic";
 #endif
   const Expected cases[] = {{"k16-v16-r0-s1-post", Tier::exact, "avx512-dense"},
                             {"k16-v16-r0-s1-post-f32", Tier::exact, "avx512-dense"},
@@ -424,15 +430,28 @@ TEST(DecodeAttention, KernelSelection) {
                             {"k4c32-v2t32-r16-s1-post", Tier::integer, "avx512-integer"},
                             {"k2c64-v8t32-r16-s0", Tier::integer, "avx512-integer"},
                             {"k8c32-v4t32-r16-s0", Tier::exact, "avx512-exact"},
-                            {"k3c8-v5t16-r5-s0", Tier::exact, "avx512-generic"},
+                            {"k3c8-v5t16-r5-s0", Tier::exact, vector_kernel},
+                            // read row by row on AVX-512, unpacked in registers on AVX2: 3-bit
+                            // post-RoPE keys per channel, values in groups of 8, values per channel
+                            {"k3c32-v2t32-r16-s1-post", Tier::exact, "avx2"},
+                            {"k4c32-v2t8-r16-s1-post", Tier::exact, "avx2"},
+                            {"k4t32-v4c32-r16-s1", Tier::integer, "avx2"},
+                            // row by row on both: 3-bit values, pre-RoPE 5-bit keys
+                            {"k4c32-v3t32-r16-s1-post", Tier::exact, vector_kernel},
+                            {"k5c32-v4t32-r16-s1", Tier::exact, vector_kernel},
                             {"k4t32-v2t32-r16-s1-post", Tier::integer, "avx512-generic"},
                             // pre-RoPE keys stored rotated: the generic kernel rotates them back
                             {"k4t32-v2t32-r16-s1-hk", Tier::exact, "avx512-generic"},
                             {"k4c32-v2t32-r16-s1-hsk-hv", Tier::integer, "avx512-generic"},
                             // ggml's levels run the exact tier for both
                             {"k4c32g-v2t32g-r16-s1-post", Tier::integer, "avx512-exact"},
-                            // level tables: the vector kernel reads codes through the table
-                            {"k4c32n-v2t32l-r16-s1-post", Tier::integer, vector_kernel}};
+                            // level tables of 2 and 4 bits are looked up where kvq's codes are
+                            // converted; others go to the vector kernel
+                            {"k4c32n-v2t32l-r16-s1-post", Tier::integer, "avx512-exact"},
+                            {"k2c32l-v4t32n-r16-s1", Tier::exact, "avx512-exact"},
+                            {"k4t32n-v4t32n-r16-s1-post", Tier::exact, "avx512-generic"},
+                            {"k3c32l-v2t32l-r16-s1-post", Tier::exact, vector_kernel},
+                            {"k4c32n-v4c32n-r16-s1-post", Tier::exact, vector_kernel}};
   for (const Expected& e : cases) {
     const BasicKVCache cache = make_cache({e.config, 2, 4, 128, 100, 99}, 5);
     EXPECT_STREQ(kvq::decode_kernel(cache, 8, {.tier = e.tier, .kernel = "reference"}), "reference");

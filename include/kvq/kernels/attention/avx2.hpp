@@ -74,6 +74,19 @@ inline bool supports(const StreamView& keys, const StreamView& values, std::size
   return rope == nullptr || rope->config().head_dim == d;
 }
 
+/// Whether it reads these streams at speed: codes of 2, 4 and 8 bits unpacked in registers (per
+/// channel, or per token in groups of a multiple of 8 channels), and post-RoPE keys per channel of
+/// any width (codes against the folded query). It dequantizes other rows through
+/// StreamView::read_row, 2-3x slower than the vector kernels (bench/RESULTS.md).
+inline bool at_speed(const StreamView& keys, const StreamView& values, const RopeTable* rope) noexcept {
+  auto unpacked = [](const StreamView& s) {
+    const int b = s.spec.bits;
+    return !s.quantized ||
+           ((b == 2 || b == 4 || b == 8) && (s.spec.axis == Axis::per_channel || s.spec.group % 8 == 0));
+  };
+  return (unpacked(keys) || (keys.spec.axis == Axis::per_channel && rope == nullptr)) && unpacked(values);
+}
+
 namespace detail {
 
 using DecodeTask = attention::DecodeTask;

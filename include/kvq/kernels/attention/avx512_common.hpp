@@ -34,25 +34,52 @@ inline bool supported() noexcept {
 
 inline bool fast_bits(int bits) noexcept { return bits == 2 || bits == 4 || bits == 8; }
 
-/// Shapes the kernels take; anything else runs on the reference kernel.
+namespace detail {
+
+/// Codes of one stream unpack this fast way: width 2/4/8, per-channel or whole 16-channel groups.
+inline bool fast_codes(const StreamView& s) noexcept {
+  return s.quantized && fast_bits(s.spec.bits) && s.spec.group % 16 == 0;
+}
+
+/// Whether the kernels here unpack a stream's codes in registers: unquantized, or fast codes of
+/// keys, or of values per token whose 16-channel vectors hold whole groups. They read other rows
+/// through StreamView::read_row.
+inline bool reads_at_speed(const StreamView& s, bool keys) noexcept {
+  return !s.quantized ||
+         (fast_codes(s) && (keys || (s.spec.axis == Axis::per_token && 16 % groups_per_row(s.spec, s.head_dim) == 0)));
+}
+
+/// What the codes of a 2- or 4-bit stream stand for, as a vpermps table read with the low 4 bits
+/// of a lane: the code itself (affine levels: value = zero + scale * code) or the level it names
+/// (a level table: value = scale * level, zero 0). 2-bit entries repeat with period 4, so the
+/// bits above a code need no mask.
+inline void code_values(const QuantizerSpec& spec, float* table) noexcept {
+  const float* levels = code_levels(spec);
+  const int mask = spec.bits == 2 ? 3 : 15;
+  for (int j = 0; j < 16; ++j) table[j] = levels != nullptr ? levels[j & mask] : float(j & mask);
+}
+
+}  // namespace detail
+
+/// Shapes the kernels take; anything else runs on another kernel.
 inline bool supports(const StreamView& keys, const StreamView& values, std::size_t group,
                      const RopeTable* rope) noexcept {
   const std::size_t d = keys.head_dim;
   if ((d != 64 && d != 128) || values.head_dim != d || group == 0 || group > max_group) return false;
-  // Level tables go to the vector kernels, which read codes through them (read_row: 4x slower).
-  if (has_level_table(keys) || has_level_table(values)) return false;
   if (rope != nullptr && rope->config().dims() != d) return false;
   return true;
+}
+
+/// Whether the kernels read these streams at speed (detail::reads_at_speed; level tables of 2 and
+/// 4 bits are looked up like kvq's codes, code_values). Rows read one by one through read_row run
+/// 2-10x slower than on the vector kernels (bench/RESULTS.md), which the registry prefers then.
+inline bool at_speed(const StreamView& keys, const StreamView& values, const RopeTable*) noexcept {
+  return detail::reads_at_speed(keys, true) && detail::reads_at_speed(values, false);
 }
 
 namespace detail {
 
 using DecodeTask = attention::DecodeTask;
-
-/// Codes of one stream unpack this fast way: width 2/4/8, per-channel or whole 16-channel groups.
-inline bool fast_codes(const StreamView& s) noexcept {
-  return s.quantized && fast_bits(s.spec.bits) && s.spec.group % 16 == 0 && affine_levels(s.spec.mode);
-}
 
 /// 16 values of type s at element index i as floats.
 KVQ_TARGET_AVX512_ATTENTION inline __m512 load16(Scalar s, const std::uint8_t* base, std::size_t i) noexcept {

@@ -4,13 +4,14 @@
 // 2/4/8 bits, blocks of a multiple of 16; values per token, 2/4/8 bits, groups of 32; head_dim
 // 64 or 128): the structure of the integer kernel (avx512_int.hpp) with fp32 arithmetic.
 //   keys: the transposed codes (one row per lane) are converted field by field to fp32 (a shift
-//         and a vpermps table lookup for 2 and 4 bits, mask and convert for 8) and
+//         and a vpermps table lookup for 2 and 4 bits, mask and convert for 8; the table holds
+//         the codes, or the levels of a level table, whose zero is 0: code_values) and
 //         multiplied with the block-folded query q~ = q * scale broadcast per channel, so the 16
 //         scores of a head accumulate in one vector (two, alternating); bias q.zero per block
 //         and head;
-//   values: each row is converted to fp32 once, 16 channels at a time, and multiplied with the
-//           weights w = p * scale of 4 heads (registers over the tile); the zero points add
-//           sum p * zero per group.
+//   values: each row is converted to fp32 once, 16 channels at a time (the same lookup), and
+//           multiplied with the weights w = p * scale of 4 heads (registers over the tile); the
+//           zero points add sum p * zero per group.
 // Matches the reference attention to fp32 rounding.
 
 #include <immintrin.h>
@@ -64,7 +65,7 @@ KVQ_EXACT_INLINE inline void exact_fold(const IntState& S, ExactState& E, std::s
     const __m512 s = _mm512_permutexvar_ps(perm, load16(k.spec.param, k.scales, pi + 16 * std::size_t(i)));
     const __m512 z = k.zeros != nullptr
                          ? _mm512_permutexvar_ps(perm, load16(k.spec.param, k.zeros, pi + 16 * std::size_t(i)))
-                         : _mm512_mul_ps(s, _mm512_set1_ps(-reference::mid_code(k.spec)));
+                         : _mm512_mul_ps(s, _mm512_set1_ps(reference::implied_zero(k.spec)));
     for (int h = 0; h < NH; ++h) {
       const __m512 q = _mm512_load_ps(S.qp[S.h0 + std::size_t(h)] + 16 * i);
       _mm512_store_ps(E.qf[slot][h] + 16 * i, _mm512_mul_ps(q, s));
@@ -73,21 +74,6 @@ KVQ_EXACT_INLINE inline void exact_fold(const IntState& S, ExactState& E, std::s
   }
   _mm512_store_ps(E.bias[slot], reduce4<false>(bs[0], bs[1], bs[2], bs[3]));
 }
-
-/// Codes of B = 2 or 4 bits as fp32 without a conversion: vpermps reads the low 4 bits of each
-/// lane as an index into this table, which maps them to the low B bits (2-bit tables repeat with
-/// period 4), so the bits above a code need no mask.
-template <int B>
-struct CodeTable {
-  alignas(64) float code[16];
-};
-
-template <int B>
-inline constexpr CodeTable<B> code_table = [] {
-  CodeTable<B> t{};
-  for (int j = 0; j < 16; ++j) t.code[j] = float(j & ((1 << B) - 1));
-  return t;
-}();
 
 /// Shift counts that bring 16 value codes of B bits to the low bits of the lanes by one variable
 /// shift of their broadcast 2B bytes. 2 bits: dword lane l by 2l, so lane l holds code l. 4 bits:
@@ -125,7 +111,7 @@ KVQ_EXACT_INLINE inline void exact_keys16(IntState& S, const ExactState& E, std:
   for (int a = 0; a < 2; ++a)
     for (int h = 0; h < NH; ++h) acc[a][h] = _mm512_setzero_ps();
   const __m512i mask = _mm512_set1_epi32((1 << KB) - 1);
-  const __m512 table = _mm512_load_ps(code_table < KB < 8 ? KB : 4 >.code);
+  const __m512 table = _mm512_load_ps(S.kcode);
   const float* qbase = E.qf[slot][0];
   __asm__("" : "+r"(qbase));
 #define KVQ_EXACT_DOTS(T, j)                                                                                     \
@@ -160,8 +146,8 @@ KVQ_EXACT_INLINE inline void exact_keys16(IntState& S, const ExactState& E, std:
 
 /// Value codes of VB = 2 or 4 bits as fp32, 16 channels at a time: the 2 VB bytes that hold them
 /// are broadcast by the load, one variable shift (value_lanes) brings each code to the low bits of
-/// its lane, and vpermps looks it up in code_table (its 2-bit table repeats with period 4, so the
-/// bits above need no mask). 4-bit codes come out in the lane order of value_lanes<4>.lane. On Zen 4
+/// its lane, and vpermps looks it up in S.vcode (code_values: its 2-bit table repeats with period
+/// 4, so the bits above need no mask). 4-bit codes come out in the lane order of value_lanes<4>.lane. On Zen 4
 /// the shifts issue beside the FMAs; vpmultishiftqb, used here before, takes a slot of the FMA
 /// pipes (bench_pipes).
 template <int VB>
@@ -191,7 +177,7 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
   for (std::size_t i = 0; i < nvec; ++i) {
     const __m512 sv = load16(v.spec.param, v.scales, pi + 16 * i);
     const __m512 zv = v.zeros != nullptr ? load16(v.spec.param, v.zeros, pi + 16 * i)
-                                         : _mm512_mul_ps(sv, _mm512_set1_ps(-reference::mid_code(v.spec)));
+                                         : _mm512_mul_ps(sv, _mm512_set1_ps(reference::implied_zero(v.spec)));
     for (int h = 0; h < NH; ++h) {
       const __m512 pv = _mm512_permutexvar_ps(rowof, _mm512_loadu_ps(S.score[h] + i * 16 / G));
       _mm512_store_ps(E.w[h] + 16 * i, _mm512_mul_ps(pv, sv));
@@ -207,7 +193,7 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
   const std::uint8_t* base = v.code_row(a);
   const __m512i shift = _mm512_load_si512(value_lanes < VB < 8 ? VB : 2 >.shift);
   const __m512i lane = _mm512_load_si512(value_lanes < VB < 8 ? VB : 2 >.lane);
-  const __m512 table = _mm512_load_ps(code_table<VB>.code);
+  const __m512 table = _mm512_load_ps(S.vcode);
   for (unsigned u = 0; u < unsigned(NV / 4); ++u) {
     __m512 acc[NH][4];
     for (int h = 0; h < NH; ++h)

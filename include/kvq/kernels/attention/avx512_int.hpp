@@ -73,6 +73,7 @@ struct IntState {
   alignas(64) std::int8_t qb[max_tile / 16][int_heads][max_head_dim];
   alignas(64) float fold[max_tile / 16][2][16];   // [slot][alpha, bias][4 * head]
   alignas(64) float qt[int_heads][max_head_dim];  // q * scale of the block being folded
+  alignas(64) float kcode[16];                    // what 2/4-bit key codes stand for (code_values)
 
   // values
   alignas(64) std::uint8_t vidx[8][64];          // vpermt2b indices per byte vector (rows of <= 32 bytes)
@@ -89,6 +90,7 @@ struct IntState {
   alignas(64) float corr[16], scale[16];  // lane 4h: exp(old max - new max), exp(tile max - new max)
   float beta[int_heads];
   alignas(64) float cg[int_heads][16];
+  alignas(64) float vcode[16];  // what 2/4-bit value codes stand for (code_values)
 };
 
 /// The integer kernel applies: integer tier, post-RoPE, fast widths and layouts.
@@ -177,6 +179,9 @@ inline std::size_t key_channel(std::size_t k, int bits) noexcept {
 KVQ_TARGET_AVX512_ATTENTION inline void int_init(IntState& S, const DecodeTask& t) noexcept {
   const StreamView &k = t.keys, &v = t.values;
   S.task = &t;
+  // The exact tier's lookups read these (the integer tier takes no level table: computed_tier).
+  code_values(k.spec, S.kcode);
+  code_values(v.spec, S.vcode);
   // A task resumed on its next segment (block) keeps its queries and widths: the tables stand.
   if (t.resume && S.queries == t.queries && S.group == t.group && S.dim == k.head_dim && S.kbits == k.spec.bits &&
       S.vbits == v.spec.bits && S.krow == k.row_bytes && S.vrow == v.row_bytes)

@@ -11,9 +11,9 @@
 //
 // Codes: 16 rows transposed as dwords (one row per lane, avx512_int.hpp). A 2/4-bit field
 // dequantizes with one shift and one vpermps from a per-channel table of zero + scale * code
-// (vpermps reads the low 4 bits of each lane, so 2-bit tables repeat with period 4 and no mask is
-// needed); 8-bit fields convert and multiply-add. Each rotated pair multiplies into the 16 scores
-// of every head (fp32 FMAs, the query channel broadcast from memory).
+// (scale * level for a level table; vpermps reads the low 4 bits of each lane, so 2-bit tables
+// repeat with period 4 and no mask is needed); 8-bit fields convert and multiply-add. Each rotated pair multiplies into
+// the 16 scores of every head (fp32 FMAs, the query channel broadcast from memory).
 //
 // Both tiers take these fp32 scores (reference.hpp: the integer tier quantizes post-RoPE keys
 // only). Rounding the rotated keys to int8 for vpdpbusd was measured at 3% faster on Zen 4 and
@@ -47,25 +47,25 @@ struct RopeKeyState {
   std::size_t block = ~std::size_t(0);                    // key block whose tables are loaded
 };
 
-/// Dequantization tables of key block `blk`.
+/// Dequantization tables of key block `blk`; `codes`: what each code stands for (code_values).
 template <int NV, int KB>
-KVQ_ROPE_INLINE inline void rope_key_tables(const StreamView& k, RopeKeyState& P, std::size_t blk) noexcept {
+KVQ_ROPE_INLINE inline void rope_key_tables(const StreamView& k, RopeKeyState& P, std::size_t blk,
+                                            const float* codes) noexcept {
   constexpr std::size_t dim = 16 * NV;
   const std::size_t pi = blk * dim;
-  const float mid = reference::mid_code(k.spec);
+  const float implied = reference::implied_zero(k.spec);
   __m512 s[NV], z[NV];
   for (int i = 0; i < NV; ++i) {
     s[i] = load16(k.spec.param, k.scales, pi + 16 * std::size_t(i));
     z[i] = k.zeros != nullptr ? load16(k.spec.param, k.zeros, pi + 16 * std::size_t(i))
-                              : _mm512_mul_ps(s[i], _mm512_set1_ps(-mid));
+                              : _mm512_mul_ps(s[i], _mm512_set1_ps(implied));
   }
   for (int i = 0; i < NV; ++i) {
     _mm512_store_ps(P.scale + 16 * i, s[i]);
     _mm512_store_ps(P.zero + 16 * i, z[i]);
   }
   if constexpr (KB < 8) {
-    const __m512 code = KB == 2 ? _mm512_set_ps(3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0)
-                                : _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 code = _mm512_load_ps(codes);
     for (std::size_t c = 0; c < dim; ++c)
       _mm512_store_ps(P.lut[c], _mm512_fmadd_ps(code, _mm512_set1_ps(P.scale[c]), _mm512_set1_ps(P.zero[c])));
   }
@@ -180,7 +180,7 @@ KVQ_TARGET_AVX512_ATTENTION inline void rope_keys_style(IntState& S, RopeKeyStat
     const std::size_t s = a + o, from_block = (s - k.first_quantized) % k.spec.group;
     const std::size_t blk = (s - k.first_quantized) / k.spec.group, t0 = from_block % unit, u = s - t0;
     if (blk != P.block) {
-      rope_key_tables<NV, KB>(k, P, blk);
+      rope_key_tables<NV, KB>(k, P, blk, S.kcode);
       P.block = blk;
     }
     if (t0 == 0) {

@@ -1,9 +1,10 @@
 #pragma once
 // The table of decode-attention kernels: each with its name, the CPU features it needs, the
-// shapes it takes and its entry point. Attention runs the first automatic kernel this CPU has
-// that takes the cache, or the one named in the options (DecodeOptions::kernel), so a test or a
-// benchmark can run every kernel directly. Order is preference: hand-tuned kernels first, the
-// reference kernel, which takes everything, last.
+// shapes it takes, the layouts it reads at speed and its entry point. Attention runs the first
+// automatic kernel this CPU has that takes the cache and reads it at speed (else the first that
+// takes it), or the one named in the options (DecodeOptions::kernel), so a test or a benchmark
+// can run every kernel directly. Order is preference: hand-tuned kernels first, the vector
+// kernels, then the reference kernel, which takes everything, last.
 
 #include <span>
 #include <string>
@@ -22,10 +23,8 @@ namespace kvq::inline v0::kernels::attention {
 
 /// When a kernel runs without being named.
 enum class Choice : unsigned char {
-  automatic,  // whenever it takes the cache
+  automatic,  // whenever it takes the cache (and no kernel before it takes it at speed)
   by_name,    // only named (tests, benchmarks, bisecting)
-  fallback,   // named, or for caches a hand-tuned kernel refuses: dense-and-sparse outliers, level
-              // tables, or pre-RoPE keys stored rotated (AVX2; AVX-512 rotates them back)
 };
 
 struct KernelEntry {
@@ -36,6 +35,9 @@ struct KernelEntry {
   bool unrotates;  // rotates pre-RoPE keys stored rotated back (DecodeTask::unrotate)
   bool (*available)() noexcept;
   bool (*accepts)(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope) noexcept;
+  // Whether it reads these streams at speed; null: every stream it takes. A hand-tuned kernel reads
+  // some layouts only row by row, 2-10x slower than the vector kernels (bench/RESULTS.md).
+  bool (*at_speed)(const StreamView& keys, const StreamView& values, const RopeTable* rope) noexcept;
   void (*run)(const DecodeTask& task) noexcept;
 };
 
@@ -51,22 +53,25 @@ inline std::span<const KernelEntry> registry() noexcept {
   static constexpr KernelEntry table[] = {
 #if defined(KVQ_HAVE_X86_KERNELS)
     {"avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", Choice::automatic, false, true,
-     avx512::supported, avx512::supports, [](const DecodeTask& t) noexcept { avx512::decode_task(t); }},
+     avx512::supported, avx512::supports, avx512::at_speed,
+     [](const DecodeTask& t) noexcept { avx512::decode_task(t); }},
     {"avx512-generic", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", Choice::by_name, false,
-     true, avx512::supported, avx512::supports, avx512::decode_task_generic},
-    {"avx2", "avx2 fma f16c", Choice::automatic, false, false, avx2::supported, avx2::supports, avx2::decode_task},
+     true, avx512::supported, avx512::supports, nullptr, avx512::decode_task_generic},
+    {"avx2", "avx2 fma f16c", Choice::automatic, false, false, avx2::supported, avx2::supports, avx2::at_speed,
+     avx2::decode_task},
 #endif
 #if defined(KVQ_HAVE_X86_VECTOR_KERNELS)
-    {"vector-avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni bmi2 f16c fma", Choice::fallback, true, true,
-     detail::avx512_level, VectorKernel<ops::Avx512>::accepts, vector_avx512_task},
-    {"vector-avx2", "avx2 fma f16c", Choice::fallback, true, true, avx2::supported, VectorKernel<ops::Avx2>::accepts,
-     vector_avx2_task},
+    {"vector-avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni bmi2 f16c fma", Choice::automatic, true, true,
+     detail::avx512_level, VectorKernel<ops::Avx512>::accepts, nullptr, vector_avx512_task},
+    {"vector-avx2", "avx2 fma f16c", Choice::automatic, true, true, avx2::supported, VectorKernel<ops::Avx2>::accepts,
+     nullptr, vector_avx2_task},
 #endif
 #if defined(__aarch64__)
-    {"vector-neon", "asimd", Choice::automatic, true, true, detail::always, VectorKernel<ops::Neon>::accepts,
+    {"vector-neon", "asimd", Choice::automatic, true, true, detail::always, VectorKernel<ops::Neon>::accepts, nullptr,
      vector_neon_task},
 #endif
-    {"reference", "", Choice::automatic, true, true, detail::always, VectorKernel<ops::Scalar>::accepts, decode_task},
+    {"reference", "", Choice::automatic, true, true, detail::always, VectorKernel<ops::Scalar>::accepts, nullptr,
+     decode_task},
   };
   return table;
 }
@@ -79,31 +84,37 @@ inline bool kernel_takes(const KernelEntry& e, const StreamView& keys, const Str
          (e.unrotates || !unrotate);
 }
 
-/// The kernel for these streams: the first this CPU runs that takes them and is chosen without
-/// a name for them, or the one called `name`. Throws kvq::Error when `name` is unknown, or this
-/// CPU or these streams rule it out.
+/// The kernel for these streams: the first automatic kernel this CPU runs that takes them at
+/// speed (else the first that takes them), or the one called `name`. Throws kvq::Error when `name`
+/// is unknown, or this CPU or these streams rule it out.
 inline const KernelEntry& select_kernel(const StreamView& keys, const StreamView& values, std::size_t group,
                                         const RopeTable* rope, bool unrotate, std::string_view name = {}) {
+  if (name.empty()) {
+    const KernelEntry* first = nullptr;  // the first that takes them, at speed or not
+    for (const KernelEntry& e : registry()) {
+      if (e.choice != Choice::automatic || !e.available() || !kernel_takes(e, keys, values, group, rope, unrotate))
+        continue;
+      if (first == nullptr) first = &e;
+      // The reference kernel (last, scalar) is slower than a hand-tuned one reading row by row.
+      if ((e.at_speed == nullptr || e.at_speed(keys, values, rope)) && &e != &registry().back()) return e;
+    }
+    return first != nullptr ? *first : registry().back();  // the reference kernel takes every shape
+  }
   const bool outliers = has_outliers(keys) || has_outliers(values);
   const bool tables = has_level_table(keys) || has_level_table(values);
-  const bool refused_by_hand_tuned = outliers || unrotate || tables;
   for (const KernelEntry& e : registry()) {
-    if (name.empty() ? e.choice == Choice::by_name || (e.choice == Choice::fallback && !refused_by_hand_tuned)
-                     : name != e.name)
-      continue;
-    if (!name.empty() && !e.available())
+    if (name != e.name) continue;
+    if (!e.available())
       throw Error(ErrorCode::unsupported,
                   "attention kernel '" + std::string(name) + "' needs " + e.needs + ", which this CPU lacks");
-    if (e.available() && kernel_takes(e, keys, values, group, rope, unrotate)) return e;
-    if (!name.empty())
-      throw Error(ErrorCode::unsupported, "attention kernel '" + std::string(name) + "' does not take head_dim " +
-                                              std::to_string(keys.head_dim) + " with " + std::to_string(group) +
-                                              " query heads per KV head" +
-                                              (outliers ? " and dense-and-sparse outliers" : "") +
-                                              (tables ? " and levels read through a table" : "") +
-                                              (unrotate ? " and pre-RoPE keys stored rotated" : ""));
+    if (kernel_takes(e, keys, values, group, rope, unrotate)) return e;
+    throw Error(ErrorCode::unsupported, "attention kernel '" + std::string(name) + "' does not take head_dim " +
+                                            std::to_string(keys.head_dim) + " with " + std::to_string(group) +
+                                            " query heads per KV head" +
+                                            (outliers ? " and dense-and-sparse outliers" : "") +
+                                            (tables ? " and levels read through a table" : "") +
+                                            (unrotate ? " and pre-RoPE keys stored rotated" : ""));
   }
-  if (name.empty()) return registry().back();  // not reached: the reference kernel takes every shape
   std::string known;
   for (const KernelEntry& e : registry()) known += std::string(known.empty() ? "" : ", ") + e.name;
   throw Error(ErrorCode::invalid_argument,

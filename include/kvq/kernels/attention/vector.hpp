@@ -33,8 +33,9 @@
 #include "kvq/kernels/ops/scalar.hpp"
 // The x86 entry points rely on GCC's `flatten` inlining the ops into a target function; clang
 // refuses vector arguments in the template's own (untargeted) functions, so its builds leave them
-// out: there they do not exist by name, and caches the hand-tuned kernels refuse (outliers, level
-// tables, or rotated pre-RoPE keys off AVX-512) run on the reference kernel.
+// out: there they do not exist by name, caches the hand-tuned kernels refuse (outliers, level
+// tables off AVX-512, rotated pre-RoPE keys off AVX-512) run on the reference kernel, and those
+// they read only row by row stay on them.
 #if defined(KVQ_HAVE_X86_KERNELS) && !defined(__clang__)
 #define KVQ_HAVE_X86_VECTOR_KERNELS 1
 #include "kvq/kernels/ops/avx2.hpp"

@@ -58,6 +58,12 @@ inline float mid_code(const QuantizerSpec& spec) noexcept {
   return spec.mode == Mode::ggml ? float(spec.levels() / 2) : float(spec.levels() - 1) * 0.5f;
 }
 
+/// The zero point of a group that stores none, in units of its scale: -mid_code, or 0 for a level
+/// table (a code decodes to scale * level).
+inline float implied_zero(const QuantizerSpec& spec) noexcept {
+  return code_levels(spec) != nullptr ? 0.0f : -mid_code(spec);
+}
+
 /// ggml mode: the unrounded step d of a group led by `lead` (its value of largest magnitude).
 inline float ggml_step(const QuantizerSpec& spec, float lead) noexcept {
   return spec.bits == 8 ? std::fabs(lead) / 127.0f : lead / -mid_code(spec);
