@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <random>
@@ -246,10 +247,13 @@ int main(int argc, char** argv) {
       {"K4V2n-pre", "k4c32n-v2t32n-r128-s0"},       {"K3V2-post", "k3c32-v2t32-r128-s0-post"},
       {"K3V2l-post", "k3c32l-v2t32l-r128-s0-post"}};
   // One exact-tier step at 32K on one thread for each cache, on the kernel chosen automatically and
-  // on `other`, named "decode_<set>/<cache>/<kernel>/exact/32768/threads:1".
-  auto exact_32k_rows = [](const std::string& set, std::span<const Named> configs, const std::string& other) {
+  // on each of `others`, named "decode_<set>/<cache>/<kernel>/exact/32768/threads:1".
+  auto exact_32k_rows = [](const std::string& set, std::span<const Named> configs,
+                           std::initializer_list<std::string> others) {
+    std::vector<std::string> kernels{std::string()};
+    kernels.insert(kernels.end(), others);
     for (const Named& c : configs)
-      for (const std::string& kernel : {std::string(), other}) {
+      for (const std::string& kernel : kernels) {
         if (!kernel_runs(kernel)) continue;
         benchmark::RegisterBenchmark(
             ("decode_" + set + "/" + c.name + "/" + (kernel.empty() ? "auto" : kernel) + "/exact/32768/threads:1")
@@ -260,7 +264,7 @@ int main(int argc, char** argv) {
             ->UseRealTime();
       }
   };
-  exact_32k_rows("levels", level_tables, "vector-avx512");
+  exact_32k_rows("levels", level_tables, {"vector-avx512"});
   // The unrotated pre-RoPE caches above on the kernels that run their rotated forms (the generic
   // AVX-512 kernel, the vector kernels on AVX-512 and AVX2 ops): what rotating each key row back
   // costs there.
@@ -275,12 +279,13 @@ int main(int argc, char** argv) {
             ->UseRealTime();
   }
   // Layouts the hand-tuned kernels read only row by row (StreamView::read_row), on the kernel the
-  // registry picks for them (the first that reads them at speed: KernelEntry::at_speed) and on the
-  // generic AVX-512 kernel, which took them before; exact tier, 32K, one thread.
+  // registry picks for them (the first that reads them at speed: KernelEntry::at_speed), on the
+  // generic AVX-512 kernel, which took them before, and on the other kernels that take them; exact
+  // tier, 32K, one thread.
   const Named row_by_row[] = {{"K4V2g8-post", "k4c32-v2t8-r128-s0-post"},  {"K4g8V2-post", "k4c8-v2t32-r128-s0-post"},
                               {"K2tV2c-post", "k2t32-v2c32-r128-s0-post"}, {"K3V2-pre", "k3c32-v2t32-r128-s0"},
                               {"K4V3-post", "k4c32-v3t32-r128-s0-post"},   {"K5tV4-post", "k5t32-v4t32-r128-s0-post"}};
-  exact_32k_rows("row_by_row", row_by_row, "avx512-generic");
+  exact_32k_rows("row_by_row", row_by_row, {"avx512-generic", "avx2", "vector-avx512", "vector-avx2"});
   // Keys and values per token in groups of 32 with fp16 scales, no window: llama.cpp's cache types
   // q8_0 (8.5 bits per value) and q4_0 (4.5 bits) with ggml's levels, and the same layouts with
   // kvq's symmetric levels; 32K, one thread, both tiers, on the kernel chosen automatically and on

@@ -144,10 +144,15 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
         // level tables (NormalFloat, Lloyd-Max): per-channel keys before and after RoPE, per-token
         // keys and values with rotations, 3-bit codes; looked up in registers on AVX-512 (the
         // exact span kernel before and after RoPE, 2-bit values, pre-RoPE keys stored rotated on
-        // the generic kernel, values in groups of 16 and 64)
+        // the generic kernel, per channel and per token, values in groups of 16 and 64, key blocks
+        // of 64)
         "k4c32n-v4t32n-r16-s1", "k2c32l-v4t32n-r16-s1-post", "k3t32l-v2t32l-r8-s0-post",
         "k4t32n-v4t32n-r16-s1-post-hk-hv", "k3c16n-v3t16l-r8-s2-hsk", "k4c32l-v2t32n-r16-s1-post",
-        "k2c16n-v2t32l-r40-s1", "k4c32n-v2t32l-r16-s1-hsk", "k4c64l-v4t16n-r8-s0-post", "k2t16l-v4t64n-r0-s2"}) {
+        "k2c16n-v2t32l-r40-s1", "k4c32n-v2t32l-r16-s1-hsk", "k4c64l-v4t16n-r8-s0-post", "k2t16l-v4t64n-r0-s2",
+        "k4t32n-v2t32n-r16-s1-hk", "k4c64n-v2t32n-r16-s1-post",
+        // a table beside affine levels: each stream's zero point and lookup its own
+        "k4c32-v4t32n-r16-s1-post", "k4c32s-v4t32n-r16-s1-post", "k4c32n-v2t32s-r16-s1", "k4c32g-v2t32n-r16-s1-post",
+        "k4c32n-v4t32-r16-s1-post"}) {
     for (const auto& [kv, group] : {std::pair<std::size_t, std::size_t>{2, 1}, {1, 4}, {2, 8}}) {
       for (const std::size_t dim : {64, 128}) {
         check_case({config, kv, group, dim, 301, 300}, seed++);
@@ -465,6 +470,39 @@ TEST(DecodeAttention, KernelSelection) {
 #endif
   }
 }
+
+#if defined(KVQ_HAVE_X86_KERNELS)
+// The registry's speed rules on any x86 CPU (KernelSelection pins the choice on AVX-512 only):
+// the layouts each hand-tuned kernel unpacks in registers rather than reading row by row.
+TEST(DecodeAttention, HandTunedKernelsSayWhatTheyReadAtSpeed) {
+  struct Expected {
+    const char* config;
+    std::size_t dim;
+    bool avx512, avx2;
+  };
+  const Expected cases[] = {{"k4c32-v2t32-r16-s1-post", 128, true, true},
+                            {"k4c32-v2t8-r16-s1-post", 128, false, true},   // 16 value groups of 8: AVX2's packed path
+                            {"k4c32-v2t32-r16-s1-post", 96, false, false},  // 3 value groups: no power of two
+                            {"k4c32-v4t8-r16-s1-post", 256, false, false},  // 32 value groups: more than 16
+                            {"k2t32-v2c32-r16-s1-post", 128, false, true},  // values per channel
+                            {"k4c8-v2t32-r16-s1-post", 128, false, true},   // key blocks of 8
+                            {"k3c32-v2t32-r16-s1-post", 128, false, true},  // 3-bit keys against the folded query
+                            {"k3c32-v2t32-r16-s1", 128, false, false},      // 3-bit keys rotated after dequantization
+                            {"k4c32-v3t32-r16-s1-post", 128, false, false},
+                            {"k5t32-v4t32-r16-s1-post", 128, false, false},
+                            {"k4c32n-v2t32l-r16-s1", 128, true, true},  // tables (which AVX2 refuses in accepts)
+                            {"k3c32l-v2t32l-r16-s1-post", 128, false, true},
+                            {"k4c32-v4t8n-r16-s1-post", 128, false, true}};
+  for (const Expected& e : cases) {
+    const BasicKVCache cache = make_cache({e.config, 1, 1, e.dim, 100, 99}, 6);
+    const kvq::RopeTable* rope = cache.config().key_rope == kvq::KeyRope::pre ? &cache.rope() : nullptr;
+    EXPECT_EQ(kvq::kernels::attention::avx512::at_speed(cache.keys(0, 0, 0), cache.values(0, 0, 0), rope), e.avx512)
+        << e.config << " d=" << e.dim;
+    EXPECT_EQ(kvq::kernels::attention::avx2::at_speed(cache.keys(0, 0, 0), cache.values(0, 0, 0), rope), e.avx2)
+        << e.config << " d=" << e.dim;
+  }
+}
+#endif
 
 TEST(DecodeAttention, RejectsBadInput) {
   const Case c{"k4c32-v2t32-r16-s1", 2, 4, 64, 40, 39};

@@ -45,8 +45,8 @@ constexpr const char* to_string(Mode m) noexcept {
 /// outliers, that the integer tier reads and that the vector quantizer writes.
 constexpr bool min_max_levels(Mode m) noexcept { return m == Mode::asymmetric || m == Mode::symmetric; }
 
-/// Whether a mode decodes as zero + scale * code (every kernel reads these; level tables only the
-/// vector kernels).
+/// Whether a mode decodes as zero + scale * code (every kernel reads these; level tables the
+/// vector kernels, and the AVX-512 ones at 2 and 4 bits).
 constexpr bool affine_levels(Mode m) noexcept { return min_max_levels(m) || m == Mode::ggml; }
 
 /// The suffix naming a mode in a quantizer string ('\0' for the default, asymmetric).

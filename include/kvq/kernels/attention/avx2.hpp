@@ -74,19 +74,6 @@ inline bool supports(const StreamView& keys, const StreamView& values, std::size
   return rope == nullptr || rope->config().head_dim == d;
 }
 
-/// Whether it reads these streams at speed: codes of 2, 4 and 8 bits unpacked in registers (per
-/// channel, or per token in groups of a multiple of 8 channels), and post-RoPE keys per channel of
-/// any width (codes against the folded query). It dequantizes other rows through
-/// StreamView::read_row, 2-3x slower than the vector kernels (bench/RESULTS.md).
-inline bool at_speed(const StreamView& keys, const StreamView& values, const RopeTable* rope) noexcept {
-  auto unpacked = [](const StreamView& s) {
-    const int b = s.spec.bits;
-    return !s.quantized ||
-           ((b == 2 || b == 4 || b == 8) && (s.spec.axis == Axis::per_channel || s.spec.group % 8 == 0));
-  };
-  return (unpacked(keys) || (keys.spec.axis == Axis::per_channel && rope == nullptr)) && unpacked(values);
-}
-
 namespace detail {
 
 using DecodeTask = attention::DecodeTask;
@@ -96,6 +83,20 @@ inline constexpr std::size_t buffer_floats = 4096;   // produced rows at once (1
 inline constexpr std::size_t max_value_groups = 16;  // per-token value groups per row, packed value path
 
 inline bool fast_bits(int bits) noexcept { return bits == 2 || bits == 4 || bits == 8; }
+
+/// Codes unpacked in registers: 2, 4 or 8 bits, per channel or per token in groups of a multiple
+/// of 8 channels (dequantize_row).
+inline bool unpacked_codes(const StreamView& s) noexcept {
+  return s.quantized && fast_bits(s.spec.bits) && (s.spec.axis == Axis::per_channel || s.spec.group % 8 == 0);
+}
+
+/// Value groups per row of the packed value path (both tiers), or 0 where it does not apply:
+/// unpacked codes per token whose rows hold a power of two of at most 16 groups.
+inline std::size_t packed_value_groups(const StreamView& v) noexcept {
+  if (!unpacked_codes(v) || v.spec.axis != Axis::per_token) return 0;
+  const std::size_t g = groups_per_row(v.spec, v.head_dim);
+  return g <= max_value_groups && (g & (g - 1)) == 0 ? g : 0;
+}
 
 /// 8 values of type s at element index i as floats.
 KVQ_TARGET_AVX2_ATTENTION inline __m256 load8(Scalar s, const std::uint8_t* base, std::size_t i) noexcept {
@@ -369,7 +370,7 @@ struct Kernel {
       for (std::size_t i = 0; i < nv; ++i) _mm256_store_ps(out + 8 * i, load8(s.residual, row, 8 * i));
       return;
     }
-    if (fast_bits(s.spec.bits) && (s.spec.axis == Axis::per_channel || s.spec.group % 8 == 0)) {
+    if (unpacked_codes(s)) {
       switch (s.spec.bits) {
         case 2:
           return dequantize_row<2>(s, p, out);
@@ -813,11 +814,6 @@ struct Kernel {
   }
 
   /// Groups per row the packed value path takes: a power of two up to max_value_groups.
-  std::size_t packed_value_groups() const noexcept {
-    if (!v.quantized || v.spec.axis != Axis::per_token || !fast_bits(v.spec.bits) || v.spec.group % 8 != 0) return 0;
-    const std::size_t g = groups_per_row(v.spec, dim);
-    return g <= max_value_groups && (g & (g - 1)) == 0 ? g : 0;
-  }
 
   /// Weights per (row, group) of heads [h0, h0 + nh) for the packed rows [x, x + n) of the tile
   /// at `tile` (G groups per row; vscale/vcentre filled), with their per-group terms.
@@ -1111,7 +1107,7 @@ struct Kernel {
       qb = std::min(b, v.end_quantized);
     }
     if (qa < qb) {
-      if (const std::size_t G = packed_value_groups(); G != 0)
+      if (const std::size_t G = detail::packed_value_groups(v); G != 0)
         packed_values(a, qa, qb, G);
       else if (task.tier == Tier::integer && v.spec.axis == Axis::per_token)
         attention::detail::integer_values(task, a, qa, qb, scores);
@@ -1137,6 +1133,20 @@ struct Kernel {
 };
 
 }  // namespace detail
+
+/// Whether it reads these streams at speed: keys whose codes it unpacks in registers, or per
+/// channel after RoPE at any width (codes against the folded query); values per channel it
+/// unpacks, or per token on the packed value path. It dequantizes other rows through
+/// StreamView::read_row (and takes the integer tier's values on the scalar routine), 2-3x
+/// slower than the vector kernels (bench/RESULTS.md).
+inline bool at_speed(const StreamView& keys, const StreamView& values, const RopeTable* rope) noexcept {
+  const bool keys_fast =
+      !keys.quantized || detail::unpacked_codes(keys) || (keys.spec.axis == Axis::per_channel && rope == nullptr);
+  const bool values_fast =
+      !values.quantized || (values.spec.axis == Axis::per_channel ? detail::unpacked_codes(values)
+                                                                  : detail::packed_value_groups(values) != 0);
+  return keys_fast && values_fast;
+}
 
 /// Runs one task (supports() must hold).
 KVQ_TARGET_AVX2_ATTENTION inline void decode_task(const DecodeTask& task) noexcept {

@@ -93,7 +93,7 @@ struct Kernels {
   KVQ_TARGET_AVX512_ATTENTION explicit Kernels(const DecodeTask& t) noexcept : task(t), k(t.keys), v(t.values) {
     key_fast = detail::fast_codes(k) && k.spec.axis == Axis::per_channel;
     key_token_fast = detail::fast_codes(k) && k.spec.axis == Axis::per_token;
-    value_fast = detail::fast_codes(v) && v.spec.axis == Axis::per_token && 16 % groups_per_row(v.spec, dim) == 0;
+    value_fast = v.quantized && detail::reads_at_speed(v, false);
     if (key_fast || key_token_fast) ku.init(k.spec.bits, k.row_bytes);
     if (value_fast) vu.init(v.spec.bits, v.row_bytes);
     if (key_token_fast) token_groups(k, key_groups, key_group_of);

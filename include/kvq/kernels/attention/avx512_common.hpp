@@ -72,7 +72,8 @@ inline bool supports(const StreamView& keys, const StreamView& values, std::size
 
 /// Whether the kernels read these streams at speed (detail::reads_at_speed; level tables of 2 and
 /// 4 bits are looked up like kvq's codes, code_values). Rows read one by one through read_row run
-/// 2-10x slower than on the vector kernels (bench/RESULTS.md), which the registry prefers then.
+/// 2-9x slower than on AVX2 or the vector kernels (bench/RESULTS.md), which the registry prefers
+/// then.
 inline bool at_speed(const StreamView& keys, const StreamView& values, const RopeTable*) noexcept {
   return detail::reads_at_speed(keys, true) && detail::reads_at_speed(values, false);
 }

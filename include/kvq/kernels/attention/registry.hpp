@@ -36,7 +36,8 @@ struct KernelEntry {
   bool (*available)() noexcept;
   bool (*accepts)(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope) noexcept;
   // Whether it reads these streams at speed; null: every stream it takes. A hand-tuned kernel reads
-  // some layouts only row by row, 2-10x slower than the vector kernels (bench/RESULTS.md).
+  // some layouts only row by row, 2-9x slower than the next kernel that unpacks them (AVX2 or a
+  // vector kernel; bench/RESULTS.md).
   bool (*at_speed)(const StreamView& keys, const StreamView& values, const RopeTable* rope) noexcept;
   void (*run)(const DecodeTask& task) noexcept;
 };

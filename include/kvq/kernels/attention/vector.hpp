@@ -3,8 +3,9 @@
 // online softmax, RoPE and value accumulation of task.hpp, with the dot products and the value
 // updates in vectors of Ops::width lanes. On scalar ops (fp64 products) it is the reference
 // kernel, which takes every configuration; on NEON it is the AArch64 kernel; on AVX2 and AVX-512
-// ops it runs by name beside the hand-tuned x86 kernels (registry.hpp), which it is measured
-// against. A new instruction set is one ops file and one registry entry.
+// ops it runs after the hand-tuned x86 kernels (registry.hpp), for caches they refuse or read
+// only row by row, and is measured against them. A new instruction set is one ops file and one
+// registry entry.
 //
 // Keys: a packed per-channel block folds its scales into the query (post-RoPE) or is dequantized
 // row by row and rotated (pre-RoPE); rows packed per token in groups of whole vectors are
