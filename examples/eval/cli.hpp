@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "eval/advisor.hpp"
+#include "eval/calibrate.hpp"
 #include "eval/distortion.hpp"
 #include "eval/model_eval.hpp"
 #include "eval/report.hpp"
@@ -50,7 +51,10 @@ usage: kvq-eval [options]
                        sequences of --context ids (no BOS is added; no tokenizer is needed)
   --set NAME           configuration set: default, axes, full, engines (default: default);
                        engines = the default set plus every engine format below
-  --configs A,B,...    explicit configurations, e.g. k4c32-v2t8-r0-s0,ggml-q4_0 (overrides --set)
+  --configs A,B,...    explicit configurations, e.g. k4c32-v2t8-r0-s0,ggml-q4_0 (overrides --set);
+                       a quantizer ending in a bare 'b' (k3c32b-v4t8-r0-s0) gets codebook levels
+                       fitted to the model's own greedy text from BOS (pre-RoPE keys, values;
+                       one codebook per tensor over layers and heads), printed in the table
   --stories N          evaluate the first N stories (default: all)
   --context N          truncate each story to N tokens (default: 512, or the model's
                        context length if shorter; more than that length is an error)
@@ -449,7 +453,8 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
       out << usage;
       return 0;
     }
-    for (const std::string& c : o.configs) (void)parse_candidate(c);  // reject typos before any work
+    for (const std::string& c : o.configs)  // reject typos before any work
+      if (!codebook_request(c)) (void)parse_candidate(c);
     if (o.distortion) {
       print_distortion_table(out);
       return 0;
@@ -469,7 +474,10 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
                              : read_token_stories(o.tokens, model.config().vocab, context, o.stories);
     if (stories.empty()) throw Error(ErrorCode::invalid_argument, "'" + source.string() + "' holds no story");
     std::vector<Candidate> configs;
-    for (const std::string& c : o.configs) configs.push_back(parse_candidate(c));
+    for (const std::string& c : o.configs) {
+      const auto request = codebook_request(c);
+      configs.push_back(request ? Candidate(calibrate_codebooks(model, *request)) : parse_candidate(c));
+    }
     if (configs.empty()) configs = config_set(o.set, model.config().head_dim);
 
     ModelEvaluation evaluation(model, stories, o.metric_stories, attention_fn(o.attention), o.prefill_chunk);

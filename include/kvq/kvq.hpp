@@ -14,6 +14,7 @@
 #include "kvq/quant/policies.hpp"
 #include "kvq/quant/kv_policy.hpp"
 #include "kvq/quant/levels.hpp"
+#include "kvq/quant/codebook.hpp"
 #include "kvq/transform/hadamard.hpp"
 #include "kvq/codecs/ggml.hpp"
 #include "kvq/codecs/fp8.hpp"

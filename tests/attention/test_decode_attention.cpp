@@ -162,6 +162,28 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
   }
 }
 
+TEST(DecodeAttention, CodebooksMatchReference) {
+  // Calibrated levels (Mode::codebook) within each group's range: a stored zero point (the
+  // midpoint) beside a level lookup, so a kernel that drops either fails. 1-4 bits: the AVX-512
+  // exact span kernel before and after RoPE (2- and 4-bit), the generic kernel (per-token keys,
+  // rotations), the vector kernels (3 and 1 bits), a codebook beside NormalFloat and affine levels.
+  const std::string b1 = "bba003800", b2 = "bbc00b50034003c00", b3 = "bbc00b800b400ac003000360039003c00",
+                    b4 = "bbc00ba00b880b700b500b200ae00a8002800300034003600380039003a803c00";
+  unsigned seed = 700;
+  for (const std::string& config :
+       {"k4c32" + b4 + "-v2t32" + b2 + "-r16-s1", "k2c32" + b2 + "-v4t32" + b4 + "-r16-s1-post",
+        "k3c16" + b3 + "-v3t16" + b3 + "-r8-s2-hsk", "k4t32" + b4 + "-v4t32-r16-s1-post-hk-hv",
+        "k4c64" + b4 + "-v1t32" + b1 + "-r8-s0-post", "k4c32" + b4 + "-v4t32n-r16-s1-post",
+        "k4c32-v4t16" + b4 + "-r40-s1", "k2t16" + b2 + "-v2t32" + b2 + "-r16-s0-hk"}) {
+    for (const auto& [kv, group] : {std::pair<std::size_t, std::size_t>{2, 1}, {1, 4}, {2, 8}}) {
+      for (const std::size_t dim : {64, 128}) {
+        check_case({config, kv, group, dim, 301, 300}, seed++);
+        check_case({config, kv, group, dim, 301, 170}, seed++);
+      }
+    }
+  }
+}
+
 TEST(DecodeAttention, HalfSplitRopeShortContextsAndOddDims) {
   unsigned seed = 100;
   for (const char* config : {"k4c32-v2t32-r16-s1", "k8c32-v4t32-r16-s2", "k2c32-v2t32-r16-s0-post",

@@ -98,7 +98,8 @@ TEST(NormalFloat, FourBitsIsQloraNf4Table) {
 // The cache's stored-format tables (quant/code_levels.hpp) are these level sets rounded to float.
 TEST(CodeLevels, CacheTablesAreTheComputedLevelSets) {
   auto expect_table = [](kvq::Mode mode, int bits, const kvq::LevelSet& set) {
-    const float* table = kvq::code_levels(kvq::QuantizerSpec{bits, 32, kvq::Axis::per_token, mode});
+    const kvq::QuantizerSpec spec{bits, 32, kvq::Axis::per_token, mode};
+    const float* table = kvq::code_levels(spec);
     ASSERT_NE(table, nullptr) << kvq::to_string(mode) << " " << bits;
     ASSERT_EQ(set.size(), std::size_t(1) << bits);
     // Within an ulp: the computation goes through libm's erfc and exp, which may differ in the last

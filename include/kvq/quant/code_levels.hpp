@@ -32,8 +32,10 @@ inline constexpr std::array<float, 16> lm4 = {-0x1.5dc57ep+1f, -0x1.08d58ep+1f, 
 }  // namespace detail
 
 /// The 2^bits levels (ascending) a spec's codes index, or null for the affine modes (and for a
-/// width the mode does not take, which validate refuses).
+/// width the mode does not take, which validate refuses). A codebook's levels live in the spec:
+/// the pointer is valid while `spec` is.
 constexpr const float* code_levels(const QuantizerSpec& spec) noexcept {
+  if (spec.mode == Mode::codebook) return spec.codebook.data();
   if (spec.mode == Mode::normal_float)
     return spec.bits == 2   ? detail::nf2.data()
            : spec.bits == 3 ? detail::nf3.data()

@@ -3,6 +3,8 @@
 // type). Compiled policies (policies.hpp) expose theirs as a constexpr `spec`; tools build one
 // from a short string such as "k4c32" so that command lines and logs name configurations alike.
 
+#include <array>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -30,6 +32,10 @@ enum class Mode : std::uint8_t {
   // scale = absmax / the largest level magnitude, no zero point:
   normal_float,  // NormalFloat levels (QLoRA's NF4 construction), 2..4 bits
   lloyd_max,     // Lloyd-Max levels of a unit Gaussian, 1..4 bits
+  // Calibrated levels (QuantizerSpec::codebook, fitted to a model's activations, KVQuant's
+  // non-uniform datatype) within the group's range: x = zero + scale * level[code] with
+  // zero = the range's midpoint, scale = (max - min) / 2 and levels in [-1, 1], 1..4 bits.
+  codebook,
 };
 
 constexpr const char* to_string(Axis a) noexcept { return a == Axis::per_channel ? "per_channel" : "per_token"; }
@@ -38,7 +44,8 @@ constexpr const char* to_string(Mode m) noexcept {
          : m == Mode::symmetric    ? "symmetric"
          : m == Mode::ggml         ? "ggml"
          : m == Mode::normal_float ? "normal_float"
-                                   : "lloyd_max";
+         : m == Mode::lloyd_max    ? "lloyd_max"
+                                   : "codebook";
 }
 
 /// Whether a mode is kvq's own min-max levels (asymmetric or symmetric): the only ones that keep
@@ -55,6 +62,7 @@ constexpr char mode_letter(Mode m) noexcept {
          : m == Mode::ggml         ? 'g'
          : m == Mode::normal_float ? 'n'
          : m == Mode::lloyd_max    ? 'l'
+         : m == Mode::codebook     ? 'b'
                                    : '\0';
 }
 
@@ -69,6 +77,9 @@ inline constexpr std::size_t max_group_tokens = 4096;
 /// Most values per group a quantizer keeps exact (dense-and-sparse outliers).
 inline constexpr std::size_t max_outliers = 64;
 
+/// Most levels a table mode names (4 bits): the kernels' code tables hold 16 entries.
+inline constexpr std::size_t max_table_levels = 16;
+
 struct QuantizerSpec {
   int bits = 4;
   std::size_t group = 32;
@@ -78,11 +89,39 @@ struct QuantizerSpec {
   /// Dense-and-sparse (KVQuant): the `outliers` values of each group farthest out are left out
   /// of its range and stored as corrections (kernels/quantize/reference.hpp defines which).
   std::size_t outliers = 0;
+  /// Mode::codebook: the 2^bits levels, ascending, in [-1, 1], each an f16 value (the form the
+  /// quantizer string spells); every other entry, and every entry of other modes, is 0.
+  std::array<float, max_table_levels> codebook{};
 
   constexpr int levels() const noexcept { return 1 << bits; }
-  constexpr bool has_zero_point() const noexcept { return mode == Mode::asymmetric; }
+  constexpr bool has_zero_point() const noexcept { return mode == Mode::asymmetric || mode == Mode::codebook; }
   constexpr bool operator==(const QuantizerSpec&) const = default;
 };
+
+/// Throws unless spec.codebook is what spec.mode needs: for Mode::codebook, 2^bits finite f16
+/// values in [-1, 1], strictly ascending, then zeros; for other modes, all zeros.
+inline void validate_codebook(const QuantizerSpec& spec, const std::string& prefix) {
+  const std::size_t used = spec.mode == Mode::codebook ? std::size_t(spec.levels()) : 0;
+  for (std::size_t i = 0; i < spec.codebook.size(); ++i) {
+    const float level = spec.codebook[i];
+    const std::string where = prefix + "codebook level " + std::to_string(i) + " (" + std::to_string(level) + ")";
+    if (i >= used) {
+      if (level != 0.0f || std::signbit(level))
+        throw Error(
+            ErrorCode::invalid_argument,
+            where + (used == 0 ? " is set, but " + std::string(to_string(spec.mode)) + " levels read no codebook"
+                               : " is beyond the " + std::to_string(used) + " levels of " + std::to_string(spec.bits) +
+                                     " bits and must be 0"));
+      continue;
+    }
+    if (!(level >= -1.0f && level <= 1.0f)) throw Error(ErrorCode::invalid_argument, where + " must lie in [-1, 1]");
+    if (level == 0.0f && std::signbit(level))  // one spelling per codebook: +0 only
+      throw Error(ErrorCode::invalid_argument, where + " is -0; write +0");
+    if (round_to(Scalar::f16, level) != level) throw Error(ErrorCode::invalid_argument, where + " is not an f16 value");
+    if (i > 0 && !(spec.codebook[i - 1] < level))
+      throw Error(ErrorCode::invalid_argument, where + " must exceed the level before it (levels ascend)");
+  }
+}
 
 /// Throws if the spec is not a quantizer kvq implements, whatever the shape.
 inline void validate(const QuantizerSpec& spec, std::string_view what) {
@@ -92,17 +131,18 @@ inline void validate(const QuantizerSpec& spec, std::string_view what) {
   if (spec.axis != Axis::per_channel && spec.axis != Axis::per_token)
     throw Error(ErrorCode::invalid_argument, prefix + "axis " + std::to_string(int(spec.axis)) + " is not an Axis");
   if (spec.mode != Mode::asymmetric && spec.mode != Mode::symmetric && spec.mode != Mode::ggml &&
-      spec.mode != Mode::normal_float && spec.mode != Mode::lloyd_max)
+      spec.mode != Mode::normal_float && spec.mode != Mode::lloyd_max && spec.mode != Mode::codebook)
     throw Error(ErrorCode::invalid_argument, prefix + "mode " + std::to_string(int(spec.mode)) + " is not a Mode");
   if (spec.outliers > 0 && !min_max_levels(spec.mode))
     throw Error(ErrorCode::invalid_argument, prefix + std::string(to_string(spec.mode)) +
                                                  " levels keep no outliers (got " + std::to_string(spec.outliers) +
                                                  " per group)");
   if ((spec.mode == Mode::normal_float && (spec.bits < 2 || spec.bits > 4)) ||
-      (spec.mode == Mode::lloyd_max && spec.bits > 4))
+      ((spec.mode == Mode::lloyd_max || spec.mode == Mode::codebook) && spec.bits > 4))
     throw Error(ErrorCode::invalid_argument, prefix + std::string(to_string(spec.mode)) + " levels take " +
                                                  (spec.mode == Mode::normal_float ? "2" : "1") + "..4 bits, got " +
                                                  std::to_string(spec.bits));
+  validate_codebook(spec, prefix);
   if (!is_valid(spec.param))
     throw Error(ErrorCode::invalid_argument,
                 prefix + "parameter type " + std::to_string(int(spec.param)) + " is not a Scalar");
@@ -139,8 +179,9 @@ constexpr std::size_t groups_per_row(const QuantizerSpec& spec, std::size_t head
 
 /// "k4c32": tensor letter, bits, axis letter (c per channel, t per token), group; then optional
 /// "o<n>" for n outliers per group, a mode letter ("s" symmetric; "g" ggml's levels, so "k4t32g"
-/// is llama.cpp's q4_0 and "k8t32g" its q8_0; "n" NormalFloat and "l" Lloyd-Max levels) and
-/// ".bf16" / ".f32" for the parameter type (default no outliers, asymmetric, f16).
+/// is llama.cpp's q4_0 and "k8t32g" its q8_0; "n" NormalFloat and "l" Lloyd-Max levels; "b"
+/// then the codebook's levels as f16 bit patterns, 4 lowercase hex digits each) and ".bf16" /
+/// ".f32" for the parameter type (default no outliers, asymmetric, f16).
 inline std::string to_string(const QuantizerSpec& spec, char tensor) {
   std::string s(1, tensor);
   s += std::to_string(spec.bits);
@@ -148,6 +189,11 @@ inline std::string to_string(const QuantizerSpec& spec, char tensor) {
   s += std::to_string(spec.group);
   if (spec.outliers > 0) s += 'o' + std::to_string(spec.outliers);
   if (mode_letter(spec.mode) != '\0') s += mode_letter(spec.mode);
+  if (spec.mode == Mode::codebook)
+    for (int i = 0; i < spec.levels(); ++i) {
+      const std::uint16_t bits = to_fp16(spec.codebook[std::size_t(i)]).bits;
+      for (int shift = 12; shift >= 0; shift -= 4) s += "0123456789abcdef"[(bits >> shift) & 15];
+    }
   if (spec.param != Scalar::f16) s += std::string(".") + to_string(spec.param);
   return s;
 }
@@ -195,13 +241,32 @@ inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
         spec.outliers >= spec.group)
       return fail("outliers per group must be 1.." + std::to_string(max_outliers) + " and fewer than the group");
   }
-  for (const Mode m : {Mode::symmetric, Mode::ggml, Mode::normal_float, Mode::lloyd_max}) {
+  for (const Mode m : {Mode::symmetric, Mode::ggml, Mode::normal_float, Mode::lloyd_max, Mode::codebook}) {
     if (text.empty() || text.front() != mode_letter(m)) continue;
     spec.mode = m;
     text.remove_prefix(1);
     if (spec.outliers > 0 && m != Mode::symmetric) return fail(std::string(to_string(m)) + " levels keep no outliers");
     if (m == Mode::normal_float && (spec.bits < 2 || spec.bits > 4)) return fail("NormalFloat levels take 2..4 bits");
     if (m == Mode::lloyd_max && spec.bits > 4) return fail("Lloyd-Max levels take 1..4 bits");
+    if (m == Mode::codebook) {
+      if (spec.bits > 4) return fail("codebook levels take 1..4 bits");
+      for (int i = 0; i < spec.levels(); ++i) {
+        std::uint16_t half_bits = 0;
+        for (int digit = 0; digit < 4; ++digit, text.remove_prefix(1)) {
+          const char c = text.empty() ? '\0' : text.front();
+          if ((c < '0' || c > '9') && (c < 'a' || c > 'f'))
+            return fail("a codebook of " + std::to_string(spec.bits) + " bits is " + std::to_string(spec.levels()) +
+                        " levels of 4 lowercase hex digits (f16 bits) after 'b'");
+          half_bits = std::uint16_t(half_bits * 16 + (c <= '9' ? c - '0' : c - 'a' + 10));
+        }
+        spec.codebook[std::size_t(i)] = to_float(fp16{half_bits});
+      }
+      try {
+        validate_codebook(spec, "");
+      } catch (const Error& e) {
+        return fail(e.message());
+      }
+    }
     break;
   }
   if (!text.empty()) {

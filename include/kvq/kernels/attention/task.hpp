@@ -66,7 +66,7 @@ inline bool has_outliers(const StreamView& s) noexcept { return s.quantized && s
 inline bool integer_tier_reads(const StreamView& s) noexcept {
   return !s.quantized || (s.spec.outliers == 0 && min_max_levels(s.spec.mode));
 }
-/// Whether a stream's codes index a level table (Mode::normal_float, Mode::lloyd_max): the vector
+/// Whether a stream's codes index a level table (NormalFloat, Lloyd-Max, a codebook): the vector
 /// kernels (and so the reference) read every such stream through the table; AVX-512 looks up
 /// those of 2 and 4 bits in registers, AVX2 refuses them.
 inline bool has_level_table(const StreamView& s) noexcept { return s.quantized && !affine_levels(s.spec.mode); }

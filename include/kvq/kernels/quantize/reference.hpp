@@ -22,6 +22,9 @@
 //   normal_float, lloyd_max: T = the mode's level table (quant/code_levels.hpp, ascending),
 //               scale = P(absmax / max|T|), no zero point, code = the index of the level nearest
 //               to x * inv (halfway: the upper one), x^ = T[code] * scale.
+//   codebook:   T = spec.codebook (ascending, in [-1, 1]), scale = P((max - min) / 2),
+//               zero = P(min + (max - min) / 2), code = the index of the level nearest to
+//               (x - zero) * inv (halfway: the upper one), x^ = zero + T[code] * scale.
 //
 // Dense-and-sparse (spec.outliers = n > 0): n values of each group are left out of min and max
 // (n times: asymmetric, the group's current minimum or maximum, whichever leaves the smaller
@@ -45,7 +48,7 @@
 namespace kvq::inline v0::kernels::reference {
 
 /// Stored parameters of one group, as floats. `zero` is the value of code 0; with a level table
-/// (non-affine modes) a code decodes to levels[code] * scale and zero is 0.
+/// (non-affine modes) a code decodes to zero + levels[code] * scale (zero 0 but for codebooks).
 struct GroupParams {
   float scale = 0.0f;
   float zero = 0.0f;
@@ -112,6 +115,9 @@ inline GroupParams make_params(const QuantizerSpec& spec, float min, float max) 
     const float scale = round_to(spec.param, ggml_step(spec, std::fabs(min) > std::fabs(max) ? min : max));
     return {scale, -mid_code(spec) * scale};
   }
+  if (spec.mode == Mode::codebook)
+    return {round_to(spec.param, (max - min) * 0.5f), round_to(spec.param, min + (max - min) * 0.5f),
+            code_levels(spec)};
   if (const float* levels = code_levels(spec)) {
     const float outer = std::max(-levels[0], levels[spec.levels() - 1]);
     return {round_to(spec.param, std::max(std::fabs(min), std::fabs(max)) / outer), 0.0f, levels};
@@ -137,7 +143,7 @@ inline bool representable(const GroupParams& p) noexcept { return std::isfinite(
 inline std::uint8_t encode(const QuantizerSpec& spec, const GroupParams& p, float inv, float x) noexcept {
   if (spec.mode == Mode::ggml) return ggml_encode(spec, inv, x);
   if (p.levels != nullptr) {  // the nearest level; midpoints of two floats are exact in double
-    const double v = double(x * inv);
+    const double v = double((x - p.zero) * inv);
     std::uint8_t code = 0;
     for (int i = 1; i < spec.levels(); ++i)
       if (v >= 0.5 * (double(p.levels[i - 1]) + double(p.levels[i]))) code = std::uint8_t(i);
@@ -151,14 +157,14 @@ inline std::uint8_t encode(const QuantizerSpec& spec, const GroupParams& p, floa
 inline float inverse(float scale) noexcept { return scale >= std::numeric_limits<float>::min() ? 1.0f / scale : 0.0f; }
 
 inline float decode(const GroupParams& p, std::uint8_t code) noexcept {
-  return p.levels != nullptr ? p.levels[code] * p.scale : p.zero + float(code) * p.scale;
+  return p.levels != nullptr ? p.zero + p.levels[code] * p.scale : p.zero + float(code) * p.scale;
 }
 
 /// Parameters as they were stored (reloaded from the parameter type).
 inline GroupParams load_params(const QuantizerSpec& spec, const void* scales, const void* zeros,
                                std::size_t i) noexcept {
   const float scale = load_scalar(spec.param, scales, i);
-  if (spec.mode == Mode::asymmetric) return {scale, load_scalar(spec.param, zeros, i)};
+  if (spec.has_zero_point()) return {scale, load_scalar(spec.param, zeros, i), code_levels(spec)};
   if (const float* levels = code_levels(spec)) return {scale, 0.0f, levels};
   return {scale, -mid_code(spec) * scale};
 }
@@ -166,7 +172,7 @@ inline GroupParams load_params(const QuantizerSpec& spec, const void* scales, co
 inline void store_params(const QuantizerSpec& spec, void* scales, void* zeros, std::size_t i,
                          const GroupParams& p) noexcept {
   store_scalar(spec.param, scales, i, p.scale);
-  if (spec.mode == Mode::asymmetric) store_scalar(spec.param, zeros, i, p.zero);
+  if (spec.has_zero_point()) store_scalar(spec.param, zeros, i, p.zero);
 }
 
 /// A quantizer's outlier entries (spec.outliers per parameter group, in the order of the groups'
