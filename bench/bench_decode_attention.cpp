@@ -237,15 +237,29 @@ int main(int argc, char** argv) {
           std::string(c.config), tier, std::size_t(32768), std::size_t(1), std::string(), true, std::size_t(0))
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
-  // Level tables (NormalFloat, Lloyd-Max codes, read through their table) beside the same affine
+  // Level tables (NormalFloat, Lloyd-Max, iq4_nl, codebooks: codes read through a table) beside the same affine
   // layouts, 32K, one thread, exact tier, on the kernel chosen automatically and on the vector
   // kernel. V4n: affine keys with NormalFloat values (the tables' best use on stories260K).
   const Named level_tables[] = {
-      {"K4V2-post", "k4c32-v2t32-r128-s0-post"},    {"K4V2n-post", "k4c32n-v2t32n-r128-s0-post"},
-      {"K4V2l-post", "k4c32l-v2t32l-r128-s0-post"}, {"K4V4-post", "k4c32-v4t32-r128-s0-post"},
-      {"K4V4n-post", "k4c32-v4t32n-r128-s0-post"},  {"K4V2-pre", "k4c32-v2t32-r128-s0"},
-      {"K4V2n-pre", "k4c32n-v2t32n-r128-s0"},       {"K3V2-post", "k3c32-v2t32-r128-s0-post"},
-      {"K3V2l-post", "k3c32l-v2t32l-r128-s0-post"}};
+      {"K4V2-post", "k4c32-v2t32-r128-s0-post"},
+      {"K4V2n-post", "k4c32n-v2t32n-r128-s0-post"},
+      {"K4V2l-post", "k4c32l-v2t32l-r128-s0-post"},
+      {"K4V4-post", "k4c32-v4t32-r128-s0-post"},
+      {"K4V4n-post", "k4c32-v4t32n-r128-s0-post"},
+      {"K4V2-pre", "k4c32-v2t32-r128-s0"},
+      {"K4V2n-pre", "k4c32n-v2t32n-r128-s0"},
+      {"K3V2-post", "k3c32-v2t32-r128-s0-post"},
+      {"K3V2l-post", "k3c32l-v2t32l-r128-s0-post"},
+      // llama.cpp's iq4_nl and q4_0 per token (its layout), iq4_nl keys per channel
+      {"K4V4i-tok-post", "k4t32i-v4t32i-r128-s0-post"},
+      {"K4V4g-tok-post", "k4t32g-v4t32g-r128-s0-post"},
+      {"K4iV4i-post", "k4c32i-v4t32i-r128-s0-post"},
+      // calibrated codebooks (levels as in DecodeAttention.CodebooksMatchReference)
+      {"K4V2b-post",
+       "k4c32bbc00ba00b880b700b500b200ae00a8002800300034003600380039003a803c00-v2t32bbc00b50034003c00-r128-s0-post"},
+      {"K4V2b-pre",
+       "k4c32bbc00ba00b880b700b500b200ae00a8002800300034003600380039003a803c00-v2t32bbc00b50034003c00-r128-s0"},
+      {"K3V2b-post", "k3c32bbc00b800b400ac003000360039003c00-v2t32bbc00b50034003c00-r128-s0-post"}};
   // One exact-tier step at 32K on one thread for each cache, on the kernel chosen automatically and
   // on each of `others`, named "decode_<set>/<cache>/<kernel>/exact/32768/threads:1".
   auto exact_32k_rows = [](const std::string& set, std::span<const Named> configs,
@@ -278,10 +292,10 @@ int main(int argc, char** argv) {
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
   }
-  // Layouts the hand-tuned kernels read only row by row (StreamView::read_row), on the kernel the
-  // registry picks for them (the first that reads them at speed: KernelEntry::at_speed), on the
-  // generic AVX-512 kernel, which took them before, and on the other kernels that take them; exact
-  // tier, 32K, one thread.
+  // Layouts some hand-tuned kernel reads only row by row (StreamView::read_row; 3-bit codes were
+  // such until the generic AVX-512 kernel unpacked them), on the kernel the registry picks for
+  // them (the first that reads them at speed: KernelEntry::at_speed) and on the other kernels that
+  // take them; exact tier, 32K, one thread.
   const Named row_by_row[] = {{"K4V2g8-post", "k4c32-v2t8-r128-s0-post"},  {"K4g8V2-post", "k4c8-v2t32-r128-s0-post"},
                               {"K2tV2c-post", "k2t32-v2c32-r128-s0-post"}, {"K3V2-pre", "k3c32-v2t32-r128-s0"},
                               {"K4V3-post", "k4c32-v3t32-r128-s0-post"},   {"K5tV4-post", "k5t32-v4t32-r128-s0-post"}};

@@ -7,10 +7,12 @@
 
 #include <cstddef>
 #include <optional>
+#include <regex>
 #include <string>
 #include <vector>
 
 #include "eval/cache_backend.hpp"
+#include "eval/engine_formats.hpp"
 #include "kvq/kvq.hpp"
 #include "llama/full_precision_backend.hpp"
 #include "llama/inference.hpp"
@@ -29,14 +31,16 @@ struct CodebookRequest {
 /// The request a configuration string makes, or nothing when no quantizer ends in a bare 'b'.
 /// Throws on a string that is no configuration either way.
 inline std::optional<CodebookRequest> codebook_request(const std::string& text) {
+  if (is_engine_format_name(text)) return std::nullopt;
   CodebookRequest r;
   std::string spelled = text;
   std::size_t start = 0;
   for (int part = 0; part < 2 && start < spelled.size(); ++part) {
     const std::size_t end = std::min(spelled.find('-', start), spelled.size());
     const std::string q = spelled.substr(start, end - start);
+    static const std::regex bare(R"([kv][0-9]+[ct][0-9]+(o[0-9]+)?b(\.[a-z0-9]+)?)");
     const std::size_t dot = std::min(q.find('.'), q.size());
-    if (dot > 1 && q[dot - 1] == 'b' && q.find_first_of("ct") < dot - 1) {
+    if (std::regex_match(q, bare)) {
       QuantizerSpec spec = parse_quantizer(q.substr(0, dot - 1) + q.substr(dot), q[0]);  // the same, affine
       spec.mode = Mode::codebook;
       for (int j = 0; j < spec.levels(); ++j)

@@ -150,6 +150,8 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
         "k4t32n-v4t32n-r16-s1-post-hk-hv", "k3c16n-v3t16l-r8-s2-hsk", "k4c32l-v2t32n-r16-s1-post",
         "k2c16n-v2t32l-r40-s1", "k4c32n-v2t32l-r16-s1-hsk", "k4c64l-v4t16n-r8-s0-post", "k2t16l-v4t64n-r0-s2",
         "k4t32n-v2t32n-r16-s1-hk", "k4c64n-v2t32n-r16-s1-post",
+        // llama.cpp's iq4_nl levels: per token with its rotation, per channel before RoPE
+        "k4t32i-v4t32i-r16-s1-post-hk-hv", "k4c32i-v4t32i-r16-s1", "k4t16i-v4t64i-r8-s0-post",
         // a table beside affine levels: each stream's zero point and lookup its own
         "k4c32-v4t32n-r16-s1-post", "k4c32s-v4t32n-r16-s1-post", "k4c32n-v2t32s-r16-s1", "k4c32g-v2t32n-r16-s1-post",
         "k4c32n-v4t32-r16-s1-post"}) {
@@ -458,13 +460,15 @@ TEST(DecodeAttention, KernelSelection) {
                             {"k2c64-v8t32-r16-s0", Tier::integer, "avx512-integer"},
                             {"k8c32-v4t32-r16-s0", Tier::exact, "avx512-exact"},
                             {"k3c8-v5t16-r5-s0", Tier::exact, vector_kernel},
-                            // read row by row on AVX-512, unpacked in registers on AVX2: 3-bit
-                            // post-RoPE keys per channel, values in groups of 8, values per channel
-                            {"k3c32-v2t32-r16-s1-post", Tier::exact, "avx2"},
+                            // read row by row on AVX-512, unpacked in registers on AVX2: values
+                            // in groups of 8, values per channel
                             {"k4c32-v2t8-r16-s1-post", Tier::exact, "avx2"},
                             {"k4t32-v4c32-r16-s1", Tier::integer, "avx2"},
-                            // row by row on both: 3-bit values, pre-RoPE 5-bit keys
-                            {"k4c32-v3t32-r16-s1-post", Tier::exact, vector_kernel},
+                            // 3-bit codes: unpacked by the generic AVX-512 kernel
+                            {"k3c32-v2t32-r16-s1-post", Tier::exact, "avx512-generic"},
+                            {"k4c32-v3t32-r16-s1-post", Tier::exact, "avx512-generic"},
+                            {"k3c32-v3t32-r16-s1", Tier::integer, "avx512-generic"},
+                            // row by row on both: pre-RoPE 5-bit keys
                             {"k5c32-v4t32-r16-s1", Tier::exact, vector_kernel},
                             {"k4t32-v2t32-r16-s1-post", Tier::integer, "avx512-generic"},
                             // pre-RoPE keys stored rotated: the generic kernel rotates them back
@@ -472,12 +476,15 @@ TEST(DecodeAttention, KernelSelection) {
                             {"k4c32-v2t32-r16-s1-hsk-hv", Tier::integer, "avx512-generic"},
                             // ggml's levels run the exact tier for both
                             {"k4c32g-v2t32g-r16-s1-post", Tier::integer, "avx512-exact"},
-                            // level tables of 2 and 4 bits are looked up where kvq's codes are
-                            // converted; others go to the vector kernel
+                            // level tables of 2 to 4 bits are looked up where kvq's codes are
+                            // converted (3 bits on the generic kernel); others go to the vector
+                            // kernel
                             {"k4c32n-v2t32l-r16-s1-post", Tier::integer, "avx512-exact"},
                             {"k2c32l-v4t32n-r16-s1", Tier::exact, "avx512-exact"},
                             {"k4t32n-v4t32n-r16-s1-post", Tier::exact, "avx512-generic"},
-                            {"k3c32l-v2t32l-r16-s1-post", Tier::exact, vector_kernel},
+                            {"k3c32l-v2t32l-r16-s1-post", Tier::exact, "avx512-generic"},
+                            {"k4c32i-v4t32i-r16-s1", Tier::exact, "avx512-exact"},
+                            {"k1t32l-v4t32-r16-s1-post", Tier::exact, vector_kernel},
                             {"k4c32n-v4c32n-r16-s1-post", Tier::exact, vector_kernel}};
   for (const Expected& e : cases) {
     const BasicKVCache cache = make_cache({e.config, 2, 4, 128, 100, 99}, 5);
@@ -508,12 +515,14 @@ TEST(DecodeAttention, HandTunedKernelsSayWhatTheyReadAtSpeed) {
                             {"k4c32-v4t8-r16-s1-post", 256, false, false},  // 32 value groups: more than 16
                             {"k2t32-v2c32-r16-s1-post", 128, false, true},  // values per channel
                             {"k4c8-v2t32-r16-s1-post", 128, false, true},   // key blocks of 8
-                            {"k3c32-v2t32-r16-s1-post", 128, false, true},  // 3-bit keys against the folded query
-                            {"k3c32-v2t32-r16-s1", 128, false, false},      // 3-bit keys rotated after dequantization
-                            {"k4c32-v3t32-r16-s1-post", 128, false, false},
+                            {"k3c32-v2t32-r16-s1-post", 128, true, true},   // 3-bit keys against the folded query
+                            {"k3c32-v2t32-r16-s1", 128, true, false},       // 3-bit keys rotated after dequantization
+                            {"k4c32-v3t32-r16-s1-post", 128, true, false},
+                            {"k3c32-v2t32-r16-s1-post", 64, true, true},
                             {"k5t32-v4t32-r16-s1-post", 128, false, false},
                             {"k4c32n-v2t32l-r16-s1", 128, true, true},  // tables (which AVX2 refuses in accepts)
-                            {"k3c32l-v2t32l-r16-s1-post", 128, false, true},
+                            {"k3c32l-v2t32l-r16-s1-post", 128, true, true},
+                            {"k1c32-v2t32-r16-s1-post", 128, false, true},
                             {"k4c32-v4t8n-r16-s1-post", 128, false, true}};
   for (const Expected& e : cases) {
     const BasicKVCache cache = make_cache({e.config, 1, 1, e.dim, 100, 99}, 6);

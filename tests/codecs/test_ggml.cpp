@@ -276,6 +276,26 @@ RefBlock ggml_reference_block(int bits, const float* x) {
 // blocks: the fp16 step and codes of the reference quantizer above for each 32 values of a head
 // (ties of magnitude, zero blocks, a block whose step is subnormal), and the cache reads back
 // ggml's values (as floats compare: ggml decodes the middle code to -0 where d < 0, kvq to +0).
+// Whole tensors (tokens, heads, dim) through a cache configured `config` (per-token groups of
+// 32), read back exactly as ggml decodes each head row's blocks of type t.
+void expect_cache_holds_blocks(const std::string& config, BlockType t, const std::vector<float>& keys,
+                               const std::vector<float>& values, std::size_t heads, std::size_t dim) {
+  const std::size_t tokens = keys.size() / (heads * dim);
+  kvq::BasicKVCache cache(kvq::CacheShape{1, heads, dim, 64}, kvq::parse_cache_config(config));
+  cache.append(0, 0, keys, values);
+  for (const kvq::Tensor tensor : {kvq::Tensor::keys, kvq::Tensor::values}) {
+    const std::vector<float>& input = tensor == kvq::Tensor::keys ? keys : values;
+    for (std::size_t p = 0; p < tokens; ++p)
+      for (std::size_t h = 0; h < heads; ++h) {
+        const std::vector<float> x(input.begin() + std::ptrdiff_t((p * heads + h) * dim),
+                                   input.begin() + std::ptrdiff_t((p * heads + h + 1) * dim));
+        std::vector<float> row(dim);
+        cache.read_row(tensor, 0, h, p, row.data());
+        ASSERT_EQ(row, dequantize(t, quantize(t, x))) << config << " position " << p << " head " << h;
+      }
+  }
+}
+
 TEST(GgmlCodecs, CacheGgmlLevelsHoldGgmlBlocks) {
   namespace ref = kvq::kernels::reference;
   std::mt19937 rng(23);
@@ -319,22 +339,37 @@ TEST(GgmlCodecs, CacheGgmlLevelsHoldGgmlBlocks) {
         }
       }
     }
-    // Whole tensors through the cache, read back as ggml decodes them.
-    kvq::BasicKVCache cache(kvq::CacheShape{1, heads, dim, 64},
-                            kvq::parse_cache_config("k" + b + "t32g-v" + b + "t32g-r0-s0-post-f32"));
-    cache.append(0, 0, keys, values);
-    for (const kvq::Tensor tensor : {kvq::Tensor::keys, kvq::Tensor::values}) {
-      const std::vector<float>& input = tensor == kvq::Tensor::keys ? keys : values;
-      for (std::size_t p = 0; p < tokens; ++p)
-        for (std::size_t h = 0; h < heads; ++h) {
-          const std::vector<float> x(input.begin() + std::ptrdiff_t((p * heads + h) * dim),
-                                     input.begin() + std::ptrdiff_t((p * heads + h + 1) * dim));
-          std::vector<float> row(dim);
-          cache.read_row(tensor, 0, h, p, row.data());
-          ASSERT_EQ(row, dequantize(t, quantize(t, x))) << "position " << p << " head " << h;
-        }
+    expect_cache_holds_blocks("k" + b + "t32g-v" + b + "t32g-r0-s0-post-f32", t, keys, values, heads, dim);
+  }
+}
+
+TEST(GgmlCodecs, CacheIq4NlLevelsHoldIq4NlBlocks) {
+  // Mode::iq4_nl ("k4t32i") is llama.cpp's iq4_nl cache type: per-token groups of 32 store the
+  // block's scale and codes, and decode as ggml decodes the block, per token and per channel.
+  std::mt19937 rng(29);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const std::size_t dim = 64, heads = 2, tokens = 40;
+  std::vector<float> keys(tokens * heads * dim), values(keys.size());
+  for (auto* tensor : {&keys, &values})
+    for (float& x : *tensor) x = normal(rng) * (rng() % 8 == 0 ? 30.0f : 1.0f);
+  std::fill_n(keys.begin() + 3 * heads * dim, 32, 0.0f);                    // a zero block
+  keys[5 * heads * dim + 3] = 400.0f, keys[5 * heads * dim + 9] = -400.0f;  // a tie: the first leads
+  expect_cache_holds_blocks("k4t32i-v4t32i-r0-s0-post-f32", BlockType::iq4_nl, keys, values, heads, dim);
+  // Per channel: each channel's run of 32 tokens is one block.
+  kvq::BasicKVCache channels(kvq::CacheShape{1, 1, 8, 64}, kvq::parse_cache_config("k4c32i-v4t8i-r0-s0-post-f32"));
+  channels.append(0, 0, std::span(keys).first(32 * 8), std::span(values).first(32 * 8));
+  for (std::size_t c = 0; c < 8; ++c) {
+    std::vector<float> column(32), decoded(32), row(8);
+    for (std::size_t p = 0; p < 32; ++p) column[p] = keys[p * 8 + c];
+    const std::vector<float> expected = dequantize(BlockType::iq4_nl, quantize(BlockType::iq4_nl, column));
+    for (std::size_t p = 0; p < 32; ++p) {
+      channels.read_row(kvq::Tensor::keys, 0, 0, p, row.data());
+      ASSERT_EQ(row[c], expected[p]) << "channel " << c << " position " << p;
     }
   }
+  EXPECT_THROW((void)kvq::parse_quantizer("k3t32i", 'k'), kvq::Error);
+  EXPECT_THROW((void)kvq::parse_quantizer("k4t32o1i", 'k'), kvq::Error);
+  EXPECT_EQ(kvq::to_string(kvq::parse_quantizer("v4t32i", 'v'), 'v'), "v4t32i");
 }
 
 }  // namespace

@@ -147,15 +147,6 @@ inline std::uint8_t truncate_code(float v, int top) noexcept {
   return std::uint8_t(std::clamp(int(std::max(v, 0.0f)), 0, top));
 }
 
-// Index of the iq4_nl level nearest to v; halfway between two levels takes the upper one.
-inline std::uint8_t nearest_iq4_nl(float v) noexcept {
-  if (v <= float(iq4_nl_levels.front())) return 0;
-  if (v >= float(iq4_nl_levels.back())) return 15;
-  std::size_t upper = 1;
-  while (float(iq4_nl_levels[upper]) <= v) ++upper;  // levels[upper - 1] <= v < levels[upper]
-  return std::uint8_t(v - float(iq4_nl_levels[upper - 1]) < float(iq4_nl_levels[upper]) - v ? upper - 1 : upper);
-}
-
 inline void quantize_block(BlockType t, const float* x, std::uint8_t* out) noexcept {
   std::uint8_t q[block_values] = {};
   switch (t) {
@@ -187,21 +178,11 @@ inline void quantize_block(BlockType t, const float* x, std::uint8_t* out) noexc
       pack_codes(q, out + (five ? 8 : 4), five ? out + 4 : nullptr);
       return;
     }
-    case BlockType::iq4_nl: {
-      const float max = kernels::reference::leading_value(x, block_values, 1), amax = std::fabs(max);
-      float d = 0.0f;
-      if (amax >= 1e-15f) {
-        const float id = 1.0f / (max / float(iq4_nl_levels[0]));
-        float sumqx = 0.0f, sumq2 = 0.0f;
-        for (std::size_t j = 0; j < block_values; ++j) {
-          q[j] = nearest_iq4_nl(id * x[j]);
-          const float level = float(iq4_nl_levels[q[j]]), w = x[j] * x[j];
-          sumqx += w * level * x[j];
-          sumq2 += w * level * level;
-        }
-        d = sumqx / sumq2;
-      }
-      store_half(out, d);
+    case BlockType::iq4_nl: {  // the cache's Mode::iq4_nl quantizer, one group of 32
+      constexpr QuantizerSpec spec{4, block_values, Axis::per_token, Mode::iq4_nl};
+      const auto [p, inv] = kernels::reference::iq4_nl_params(spec, x, block_values, 1);
+      for (std::size_t j = 0; j < block_values; ++j) q[j] = kernels::reference::encode(spec, p, inv, x[j]);
+      store_half(out, p.scale);
       pack_codes(q, out + 2, nullptr);
       return;
     }

@@ -29,6 +29,9 @@ inline constexpr std::array<float, 16> lm4 = {-0x1.5dc57ep+1f, -0x1.08d58ep+1f, 
                                               -0x1.e27a72p-1f, -0x1.5042bcp-1f, -0x1.8d5c88p-2f, -0x1.06f3fap-3f,
                                               0x1.06f3fap-3f,  0x1.8d5c88p-2f,  0x1.5042bcp-1f,  0x1.e27a72p-1f,
                                               0x1.41985ep+0f,  0x1.9e384ap+0f,  0x1.08d58ep+1f,  0x1.5dc57ep+1f};
+// llama.cpp's iq4_nl levels (ggml's kvalues_iq4nl).
+inline constexpr std::array<float, 16> iq4_nl = {-127.0f, -104.0f, -83.0f, -65.0f, -49.0f, -35.0f, -22.0f, -10.0f,
+                                                 1.0f,    13.0f,   25.0f,  38.0f,  53.0f,  69.0f,  89.0f,  113.0f};
 }  // namespace detail
 
 /// The 2^bits levels (ascending) a spec's codes index, or null for the affine modes (and for a
@@ -36,6 +39,7 @@ inline constexpr std::array<float, 16> lm4 = {-0x1.5dc57ep+1f, -0x1.08d58ep+1f, 
 /// the pointer is valid while `spec` is.
 constexpr const float* code_levels(const QuantizerSpec& spec) noexcept {
   if (spec.mode == Mode::codebook) return spec.codebook.data();
+  if (spec.mode == Mode::iq4_nl) return spec.bits == 4 ? detail::iq4_nl.data() : nullptr;
   if (spec.mode == Mode::normal_float)
     return spec.bits == 2   ? detail::nf2.data()
            : spec.bits == 3 ? detail::nf3.data()

@@ -26,6 +26,7 @@ consteval bool check_quantizer() {
                 "only kvq's affine levels keep outliers (ggml's levels and level tables do not)");
   static_assert(M != Mode::normal_float || (Bits >= 2 && Bits <= 4), "NormalFloat levels take 2..4 bits");
   static_assert(M != Mode::lloyd_max || Bits <= 4, "Lloyd-Max levels take 1..4 bits");
+  static_assert(M != Mode::iq4_nl || Bits == 4, "iq4_nl levels take 4 bits");
   static_assert(M != Mode::codebook,
                 "codebook levels are calibrated data: set QuantizerSpec::codebook in a CacheConfig at run time");
   static_assert(Bits >= 1 && Bits <= 8, "a quantizer's bit width must be between 1 and 8");

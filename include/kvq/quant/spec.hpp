@@ -36,6 +36,10 @@ enum class Mode : std::uint8_t {
   // non-uniform datatype) within the group's range: x = zero + scale * level[code] with
   // zero = the range's midpoint, scale = (max - min) / 2 and levels in [-1, 1], 1..4 bits.
   codebook,
+  // llama.cpp's iq4_nl cache type: 4-bit codes name its 16 fixed non-uniform levels (-127..113),
+  // x = scale * level[code], scale the least-squares fit of ggml's reference quantizer
+  // (kernels/quantize/reference.hpp), no zero point.
+  iq4_nl,
 };
 
 constexpr const char* to_string(Axis a) noexcept { return a == Axis::per_channel ? "per_channel" : "per_token"; }
@@ -45,7 +49,8 @@ constexpr const char* to_string(Mode m) noexcept {
          : m == Mode::ggml         ? "ggml"
          : m == Mode::normal_float ? "normal_float"
          : m == Mode::lloyd_max    ? "lloyd_max"
-                                   : "codebook";
+         : m == Mode::codebook     ? "codebook"
+                                   : "iq4_nl";
 }
 
 /// Whether a mode is kvq's own min-max levels (asymmetric or symmetric): the only ones that keep
@@ -63,6 +68,7 @@ constexpr char mode_letter(Mode m) noexcept {
          : m == Mode::normal_float ? 'n'
          : m == Mode::lloyd_max    ? 'l'
          : m == Mode::codebook     ? 'b'
+         : m == Mode::iq4_nl       ? 'i'
                                    : '\0';
 }
 
@@ -131,7 +137,8 @@ inline void validate(const QuantizerSpec& spec, std::string_view what) {
   if (spec.axis != Axis::per_channel && spec.axis != Axis::per_token)
     throw Error(ErrorCode::invalid_argument, prefix + "axis " + std::to_string(int(spec.axis)) + " is not an Axis");
   if (spec.mode != Mode::asymmetric && spec.mode != Mode::symmetric && spec.mode != Mode::ggml &&
-      spec.mode != Mode::normal_float && spec.mode != Mode::lloyd_max && spec.mode != Mode::codebook)
+      spec.mode != Mode::normal_float && spec.mode != Mode::lloyd_max && spec.mode != Mode::codebook &&
+      spec.mode != Mode::iq4_nl)
     throw Error(ErrorCode::invalid_argument, prefix + "mode " + std::to_string(int(spec.mode)) + " is not a Mode");
   if (spec.outliers > 0 && !min_max_levels(spec.mode))
     throw Error(ErrorCode::invalid_argument, prefix + std::string(to_string(spec.mode)) +
@@ -142,6 +149,8 @@ inline void validate(const QuantizerSpec& spec, std::string_view what) {
     throw Error(ErrorCode::invalid_argument, prefix + std::string(to_string(spec.mode)) + " levels take " +
                                                  (spec.mode == Mode::normal_float ? "2" : "1") + "..4 bits, got " +
                                                  std::to_string(spec.bits));
+  if (spec.mode == Mode::iq4_nl && spec.bits != 4)
+    throw Error(ErrorCode::invalid_argument, prefix + "iq4_nl levels take 4 bits, got " + std::to_string(spec.bits));
   validate_codebook(spec, prefix);
   if (!is_valid(spec.param))
     throw Error(ErrorCode::invalid_argument,
@@ -179,8 +188,9 @@ constexpr std::size_t groups_per_row(const QuantizerSpec& spec, std::size_t head
 
 /// "k4c32": tensor letter, bits, axis letter (c per channel, t per token), group; then optional
 /// "o<n>" for n outliers per group, a mode letter ("s" symmetric; "g" ggml's levels, so "k4t32g"
-/// is llama.cpp's q4_0 and "k8t32g" its q8_0; "n" NormalFloat and "l" Lloyd-Max levels; "b"
-/// then the codebook's levels as f16 bit patterns, 4 lowercase hex digits each) and ".bf16" /
+/// is llama.cpp's q4_0 and "k8t32g" its q8_0; "n" NormalFloat and "l" Lloyd-Max levels; "i"
+/// llama.cpp's iq4_nl ("k4t32i"); "b" then the codebook's levels as f16 bit patterns, 4 lowercase hex digits each) and
+/// ".bf16" /
 /// ".f32" for the parameter type (default no outliers, asymmetric, f16).
 inline std::string to_string(const QuantizerSpec& spec, char tensor) {
   std::string s(1, tensor);
@@ -241,13 +251,15 @@ inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
         spec.outliers >= spec.group)
       return fail("outliers per group must be 1.." + std::to_string(max_outliers) + " and fewer than the group");
   }
-  for (const Mode m : {Mode::symmetric, Mode::ggml, Mode::normal_float, Mode::lloyd_max, Mode::codebook}) {
+  for (const Mode m :
+       {Mode::symmetric, Mode::ggml, Mode::normal_float, Mode::lloyd_max, Mode::codebook, Mode::iq4_nl}) {
     if (text.empty() || text.front() != mode_letter(m)) continue;
     spec.mode = m;
     text.remove_prefix(1);
     if (spec.outliers > 0 && m != Mode::symmetric) return fail(std::string(to_string(m)) + " levels keep no outliers");
     if (m == Mode::normal_float && (spec.bits < 2 || spec.bits > 4)) return fail("NormalFloat levels take 2..4 bits");
     if (m == Mode::lloyd_max && spec.bits > 4) return fail("Lloyd-Max levels take 1..4 bits");
+    if (m == Mode::iq4_nl && spec.bits != 4) return fail("iq4_nl levels take 4 bits");
     if (m == Mode::codebook) {
       if (spec.bits > 4) return fail("codebook levels take 1..4 bits");
       for (int i = 0; i < spec.levels(); ++i) {

@@ -36,9 +36,11 @@ inline bool fast_bits(int bits) noexcept { return bits == 2 || bits == 4 || bits
 
 namespace detail {
 
-/// Codes of one stream unpack this fast way: width 2/4/8, per-channel or whole 16-channel groups.
+/// Codes of one stream the Unpacker turns into bytes in registers: widths 2/4/8, and 3 (eight
+/// codes in three bytes; the generic kernel, whose loops take any width the Unpacker gives), per
+/// channel or in whole 16-channel groups.
 inline bool fast_codes(const StreamView& s) noexcept {
-  return s.quantized && fast_bits(s.spec.bits) && s.spec.group % 16 == 0;
+  return s.quantized && (fast_bits(s.spec.bits) || s.spec.bits == 3) && s.spec.group % 16 == 0;
 }
 
 /// Whether the kernels here unpack a stream's codes in registers: unquantized, or fast codes of
@@ -49,13 +51,13 @@ inline bool reads_at_speed(const StreamView& s, bool keys) noexcept {
          (fast_codes(s) && (keys || (s.spec.axis == Axis::per_token && 16 % groups_per_row(s.spec, s.head_dim) == 0)));
 }
 
-/// What the codes of a 2- or 4-bit stream stand for, as a vpermps table read with the low 4 bits
-/// of a lane: the code itself (affine levels: value = zero + scale * code) or the level it names
-/// (a level table: value = scale * level, zero 0). 2-bit entries repeat with period 4, so the
-/// bits above a code need no mask.
+/// What the codes of a 2-, 3- or 4-bit stream stand for, as a vpermps table read with the low 4
+/// bits of a lane: the code itself (affine levels: value = zero + scale * code) or the level it
+/// names (a level table: value = zero + scale * level). Narrower entries repeat with period
+/// 2^bits, so the bits above a code need no mask.
 inline void code_values(const QuantizerSpec& spec, float* table) noexcept {
   const float* levels = code_levels(spec);
-  const int mask = spec.bits == 2 ? 3 : 15;
+  const int mask = spec.levels() < 16 ? spec.levels() - 1 : 15;
   for (int j = 0; j < 16; ++j) table[j] = levels != nullptr ? levels[j & mask] : float(j & mask);
 }
 
@@ -70,7 +72,7 @@ inline bool supports(const StreamView& keys, const StreamView& values, std::size
   return true;
 }
 
-/// Whether the kernels read these streams at speed (detail::reads_at_speed; level tables of 2 and
+/// Whether the kernels read these streams at speed (detail::reads_at_speed; level tables of 2 to
 /// 4 bits are looked up like kvq's codes, code_values). Rows read one by one through read_row run
 /// 2-9x slower than on AVX2 or the vector kernels (bench/RESULTS.md), which the registry prefers
 /// then.

@@ -68,7 +68,7 @@ inline bool integer_tier_reads(const StreamView& s) noexcept {
 }
 /// Whether a stream's codes index a level table (NormalFloat, Lloyd-Max, a codebook): the vector
 /// kernels (and so the reference) read every such stream through the table; AVX-512 looks up
-/// those of 2 and 4 bits in registers, AVX2 refuses them.
+/// those of 2 to 4 bits in registers, AVX2 refuses them.
 inline bool has_level_table(const StreamView& s) noexcept { return s.quantized && !affine_levels(s.spec.mode); }
 
 /// One unit of decode work: the query heads of one KV head over positions [begin, end).

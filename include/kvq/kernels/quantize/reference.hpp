@@ -22,6 +22,11 @@
 //   normal_float, lloyd_max: T = the mode's level table (quant/code_levels.hpp, ascending),
 //               scale = P(absmax / max|T|), no zero point, code = the index of the level nearest
 //               to x * inv (halfway: the upper one), x^ = T[code] * scale.
+//   iq4_nl:     ggml's quantize_row_iq4_nl_ref, operation by operation: T = its 16 levels, lead as
+//               for ggml, d0 = lead / T[0], inv = 1 / d0, code = the nearest level of x * inv
+//               (ggml's comparison of the two distances: halfway takes the upper level), then
+//               scale = P(sum(w T[code] x) / sum(w T[code]^2)) with w = x^2, summed in order;
+//               a group whose absmax is below 1e-15 stores scale 0 and codes 0. x^ = T[code] * scale.
 //   codebook:   T = spec.codebook (ascending, in [-1, 1]), scale = P((max - min) / 2),
 //               zero = P(min + (max - min) / 2), code = the index of the level nearest to
 //               (x - zero) * inv (halfway: the upper one), x^ = zero + T[code] * scale.
@@ -115,6 +120,11 @@ inline GroupParams make_params(const QuantizerSpec& spec, float min, float max) 
     const float scale = round_to(spec.param, ggml_step(spec, std::fabs(min) > std::fabs(max) ? min : max));
     return {scale, -mid_code(spec) * scale};
   }
+  if (spec.mode == Mode::iq4_nl) {  // iq4_nl_params sets the scale; this is its largest magnitude
+    // The least-squares scale is a weighted mean of x / T[code] over the group, each within
+    // (-5, 7) times lead / T[0]: 7 absmax / 127 bounds it (kv_cache's representability check).
+    return {round_to(spec.param, 7.0f * std::max(std::fabs(min), std::fabs(max)) / 127.0f), 0.0f, code_levels(spec)};
+  }
   if (spec.mode == Mode::codebook)
     return {round_to(spec.param, (max - min) * 0.5f), round_to(spec.param, min + (max - min) * 0.5f),
             code_levels(spec)};
@@ -136,12 +146,43 @@ inline std::pair<GroupParams, float> ggml_params(const QuantizerSpec& spec, cons
   return {{scale, -mid_code(spec) * scale}, ggml_inverse(d)};
 }
 
+/// iq4_nl: the index of ggml's level nearest to v (ggml's best_index_int8).
+inline std::uint8_t nearest_iq4_nl(float v) noexcept {
+  const float* t = detail::iq4_nl.data();
+  if (v <= t[0]) return 0;
+  if (v >= t[15]) return 15;
+  std::size_t lo = 0, hi = 15;
+  while (hi - lo > 1) {
+    const std::size_t mid = (lo + hi) / 2;
+    (v < t[mid] ? hi : lo) = mid;
+  }
+  return std::uint8_t(v - t[hi - 1] < t[hi] - v ? hi - 1 : hi);
+}
+
+/// iq4_nl: the stored parameters of the n values x[i * stride] and the inverse step their codes
+/// are found with (0 for a group of zeros).
+inline std::pair<GroupParams, float> iq4_nl_params(const QuantizerSpec& spec, const float* x, std::size_t n,
+                                                   std::size_t stride) noexcept {
+  const float* t = detail::iq4_nl.data();
+  const float lead = leading_value(x, n, stride);
+  if (std::fabs(lead) < 1e-15f) return {{0.0f, 0.0f, t}, 0.0f};
+  const float inv = 1.0f / (lead / t[0]);
+  float sumqx = 0.0f, sumq2 = 0.0f;
+  for (std::size_t i = 0; i < n; ++i) {
+    const float v = x[i * stride], level = t[nearest_iq4_nl(inv * v)], w = v * v;
+    sumqx += w * level * v;
+    sumq2 += w * level * level;
+  }
+  return {{round_to(spec.param, sumqx / sumq2), 0.0f, t}, inv};
+}
+
 inline bool representable(const GroupParams& p) noexcept { return std::isfinite(p.scale) && std::isfinite(p.zero); }
 
 // One form for both affine modes, a subtraction then a product: no compiler can fuse it into an
 // FMA, so every build and ISA rounds identically. ggml's form is its own (see the top).
 inline std::uint8_t encode(const QuantizerSpec& spec, const GroupParams& p, float inv, float x) noexcept {
   if (spec.mode == Mode::ggml) return ggml_encode(spec, inv, x);
+  if (spec.mode == Mode::iq4_nl) return inv == 0.0f ? 0 : nearest_iq4_nl(inv * x);
   if (p.levels != nullptr) {  // the nearest level; midpoints of two floats are exact in double
     const double v = double((x - p.zero) * inv);
     std::uint8_t code = 0;
@@ -245,6 +286,8 @@ inline void quantize_row_per_token(const QuantizerSpec& spec, const float* x, st
     float inv;
     if (spec.mode == Mode::ggml) {
       std::tie(p, inv) = ggml_params(spec, x + begin, end - begin, 1);
+    } else if (spec.mode == Mode::iq4_nl) {
+      std::tie(p, inv) = iq4_nl_params(spec, x + begin, end - begin, 1);
     } else {
       const auto [lo, hi] =
           spec.outliers > 0 ? pick_outliers(spec, x + begin, end - begin, 1, slots)
@@ -270,8 +313,9 @@ inline void quantize_block_per_channel(const QuantizerSpec& spec, const float* x
   GroupParams params[max_head_dim];
   float inv[max_head_dim];
   for (std::size_t c = 0; c < dim; ++c) {
-    if (spec.mode == Mode::ggml) {
-      std::tie(params[c], inv[c]) = ggml_params(spec, x + c, rows, stride);
+    if (spec.mode == Mode::ggml || spec.mode == Mode::iq4_nl) {
+      std::tie(params[c], inv[c]) =
+          spec.mode == Mode::ggml ? ggml_params(spec, x + c, rows, stride) : iq4_nl_params(spec, x + c, rows, stride);
       store_params(spec, scales, zeros, c, params[c]);
       continue;
     }
