@@ -43,6 +43,9 @@ inline std::optional<CodebookRequest> codebook_request(const std::string& text) 
     if (std::regex_match(q, bare)) {
       QuantizerSpec spec = parse_quantizer(q.substr(0, dot - 1) + q.substr(dot), q[0]);  // the same, affine
       spec.mode = Mode::codebook;
+      if (spec.bits > 4)  // before the levels: the codebook holds 16
+        throw Error(ErrorCode::invalid_argument,
+                    "'" + text + "': codebook levels take 1..4 bits, got " + std::to_string(spec.bits));
       for (int j = 0; j < spec.levels(); ++j)
         spec.codebook[std::size_t(j)] = round_to(Scalar::f16, -1.0f + 2.0f * float(j) / float(spec.levels() - 1));
       const std::string full = to_string(spec, q[0]);
