@@ -237,8 +237,8 @@ int main(int argc, char** argv) {
           std::string(c.config), tier, std::size_t(32768), std::size_t(1), std::string(), true, std::size_t(0))
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
-  // Level tables (NormalFloat, Lloyd-Max, iq4_nl, codebooks: codes read through a table) beside the same affine
-  // layouts, 32K, one thread, exact tier, on the kernel chosen automatically and on the vector
+  // Level tables (NormalFloat, Lloyd-Max, iq4_nl, codebooks, fp8: codes read through a table) beside the same
+  // affine layouts, 32K, one thread, exact tier, on the kernel chosen automatically and on the vector
   // kernel. V4n: affine keys with NormalFloat values (the tables' best use on stories260K).
   const Named level_tables[] = {
       {"K4V2-post", "k4c32-v2t32-r128-s0-post"},
@@ -259,7 +259,14 @@ int main(int argc, char** argv) {
        "k4c32bbc00ba00b880b700b500b200ae00a8002800300034003600380039003a803c00-v2t32bbc00b50034003c00-r128-s0-post"},
       {"K4V2b-pre",
        "k4c32bbc00ba00b880b700b500b200ae00a8002800300034003600380039003a803c00-v2t32bbc00b50034003c00-r128-s0"},
-      {"K3V2b-post", "k3c32bbc00b800b400ac003000360039003c00-v2t32bbc00b50034003c00-r128-s0-post"}};
+      {"K3V2b-post", "k3c32bbc00b800b400ac003000360039003c00-v2t32bbc00b50034003c00-r128-s0-post"},
+      // 8-bit floats with a scale per group (vLLM's fp8 caches) beside 8-bit affine codes and fp16
+      {"fp16-post", "k16-v16-r0-s0-post"},
+      {"K8V8-post", "k8c32-v8t32-r128-s0-post"},
+      {"K8V8e4m3-post", "k8c32e4m3-v8t32e4m3-r128-s0-post"},
+      {"K8V8e5m2-post", "k8c32e5m2-v8t32e5m2-r128-s0-post"},
+      {"K8V8e4m3-tok-post", "k8t128e4m3-v8t128e4m3-r128-s0-post"},
+      {"K8V8e4m3-pre", "k8c32e4m3-v8t32e4m3-r128-s0"}};
   // One exact-tier step at 32K on one thread for each cache, on the kernel chosen automatically and
   // on each of `others`, named "decode_<set>/<cache>/<kernel>/exact/32768/threads:1".
   auto exact_32k_rows = [](const std::string& set, std::span<const Named> configs,

@@ -45,9 +45,9 @@ void keys_per_channel(benchmark::State& state) {
   state.SetBytesProcessed(std::int64_t(state.iterations()) * std::int64_t(x.size() * sizeof(float)));
 }
 
-template <bool Reference>
+template <bool Reference, kvq::Mode M = kvq::Mode::asymmetric>
 void values_per_token(benchmark::State& state) {
-  const kvq::QuantizerSpec spec{int(state.range(0)), 32, kvq::Axis::per_token};
+  const kvq::QuantizerSpec spec{int(state.range(0)), 32, kvq::Axis::per_token, M};
   constexpr std::size_t dim = 128, tokens = 2048;
   const auto x = input(tokens * dim);
   const std::size_t row_bytes = kvq::packed_bytes(dim, spec.bits), groups = kvq::groups_per_row(spec, dim);
@@ -114,6 +114,10 @@ BENCHMARK(keys_per_channel<true>)->Name("quantize_keys_per_channel/reference")->
 BENCHMARK(keys_per_channel<false>)->Name("quantize_keys_per_channel/dispatched")->Arg(2)->Arg(4)->Arg(8);
 BENCHMARK(values_per_token<true>)->Name("quantize_values_per_token/reference")->Arg(2)->Arg(4)->Arg(8);
 BENCHMARK(values_per_token<false>)->Name("quantize_values_per_token/dispatched")->Arg(2)->Arg(4)->Arg(8);
+// 8-bit codes of other modes (the scalar reference quantizes them): ggml's q8_0, fp8
+BENCHMARK(values_per_token<false, kvq::Mode::ggml>)->Name("quantize_values_per_token/q8_0")->Arg(8);
+BENCHMARK(values_per_token<false, kvq::Mode::fp8_e4m3>)->Name("quantize_values_per_token/e4m3")->Arg(8);
+BENCHMARK(values_per_token<false, kvq::Mode::fp8_e5m2>)->Name("quantize_values_per_token/e5m2")->Arg(8);
 BENCHMARK(values_per_token_heads<kvq::Scalar::f32>)
     ->Name("quantize_values_per_token/8_heads_f32")
     ->Arg(2)

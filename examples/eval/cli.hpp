@@ -80,12 +80,14 @@ usage: kvq-eval [options]
                        (affine, NormalFloat, Lloyd-Max, Hadamard; no model needed)
   --help               this text
 
-Configuration strings: k<bits><c|t><group>[o<n>][s|g|n|l][.bf16|.f32]-v...-r<window>-s<sinks>[-post]
-                      [-hk|-hsk][-hv|-hsv][-f32]
+Configuration strings: k<bits><c|t><group>[o<n>][s|g|n|l|i|e4m3|e5m2|b<levels>][.bf16|.f32]-v...
+                      -r<window>-s<sinks>[-post][-hk|-hsk][-hv|-hsv][-f32]
   c = per channel (one scale per channel per run of <group> tokens), t = per token,
   o<n> = keep the n values of each group farthest out exact (dense-and-sparse outliers),
   s = symmetric, g = ggml's levels (k4t32g is llama.cpp's q4_0, k8t32g its q8_0; in the cache,
   read by kvq's kernels), n / l = NormalFloat / Lloyd-Max levels read through a table,
+  i = llama.cpp's iq4_nl levels (4 bits), e4m3 / e5m2 = 8-bit floats with a scale per group
+  (vLLM's fp8 cache with k8t<group>e4m3), b<levels> = a codebook (4 hex digits of f16 per level),
   k16/v16 = unquantized, -post = the cache receives post-RoPE keys,
   -hk/-hv = store keys/values rotated by a Hadamard transform per head (-hsk/-hsv: with random
   signs; pre-RoPE keys are rotated back before RoPE when attention reads them).
@@ -259,8 +261,12 @@ inline std::vector<Candidate> config_set(const std::string& set, std::size_t hea
       names.push_back(std::string("k") + b + "c64-v" + b + "t" + t + "-r0-s0");
     }
   }
-  if (set == "engines")
+  if (set == "engines") {
     for (const std::string& n : engine_format_names()) names.push_back(n);
+    // vLLM's fp8 formats as kvq caches: a scale per token's head vector instead of per tensor
+    for (const char* f : {"e4m3", "e5m2"})
+      names.push_back("k8t" + std::to_string(head_dim) + f + "-v8t" + std::to_string(head_dim) + f + "-r0-s0-post");
+  }
   std::vector<Candidate> configs;
   for (const std::string& n : names) configs.push_back(parse_candidate(n));
   return configs;

@@ -152,6 +152,10 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
         "k4t32n-v2t32n-r16-s1-hk", "k4c64n-v2t32n-r16-s1-post",
         // llama.cpp's iq4_nl levels: per token with its rotation, per channel before RoPE
         "k4t32i-v4t32i-r16-s1-post-hk-hv", "k4c32i-v4t32i-r16-s1", "k4t16i-v4t64i-r8-s0-post",
+        // 8-bit floats with a scale per group (a 256-entry table on the vector kernels, widened
+        // through f16 on the generic AVX-512 one): per channel before RoPE, per token with
+        // rotations, beside affine 2-bit values
+        "k8c32e4m3-v8t32e5m2-r16-s1", "k8t32e5m2-v8t64e4m3-r8-s0-post-hk-hv", "k8c64e4m3-v2t32-r16-s1-post",
         // a table beside affine levels: each stream's zero point and lookup its own
         "k4c32-v4t32n-r16-s1-post", "k4c32s-v4t32n-r16-s1-post", "k4c32n-v2t32s-r16-s1", "k4c32g-v2t32n-r16-s1-post",
         "k4c32n-v4t32-r16-s1-post"}) {
@@ -485,6 +489,10 @@ TEST(DecodeAttention, KernelSelection) {
                             {"k3c32l-v2t32l-r16-s1-post", Tier::exact, "avx512-generic"},
                             {"k4c32i-v4t32i-r16-s1", Tier::exact, "avx512-exact"},
                             {"k1t32l-v4t32-r16-s1-post", Tier::exact, vector_kernel},
+                            // fp8 codes: converted through f16 on the generic kernel (the span
+                            // kernels' tables hold 16 levels), exact tier for both
+                            {"k8c32e4m3-v8t32e5m2-r16-s1-post", Tier::integer, "avx512-generic"},
+                            {"k8t32e5m2-v8t32e4m3-r16-s1", Tier::exact, "avx512-generic"},
                             {"k4c32n-v4c32n-r16-s1-post", Tier::exact, vector_kernel}};
   for (const Expected& e : cases) {
     const BasicKVCache cache = make_cache({e.config, 2, 4, 128, 100, 99}, 5);
@@ -509,21 +517,23 @@ TEST(DecodeAttention, HandTunedKernelsSayWhatTheyReadAtSpeed) {
     std::size_t dim;
     bool avx512, avx2;
   };
-  const Expected cases[] = {{"k4c32-v2t32-r16-s1-post", 128, true, true},
-                            {"k4c32-v2t8-r16-s1-post", 128, false, true},   // 16 value groups of 8: AVX2's packed path
-                            {"k4c32-v2t32-r16-s1-post", 96, false, false},  // 3 value groups: no power of two
-                            {"k4c32-v4t8-r16-s1-post", 256, false, false},  // 32 value groups: more than 16
-                            {"k2t32-v2c32-r16-s1-post", 128, false, true},  // values per channel
-                            {"k4c8-v2t32-r16-s1-post", 128, false, true},   // key blocks of 8
-                            {"k3c32-v2t32-r16-s1-post", 128, true, true},   // 3-bit keys against the folded query
-                            {"k3c32-v2t32-r16-s1", 128, true, false},       // 3-bit keys rotated after dequantization
-                            {"k4c32-v3t32-r16-s1-post", 128, true, false},
-                            {"k3c32-v2t32-r16-s1-post", 64, true, true},
-                            {"k5t32-v4t32-r16-s1-post", 128, false, false},
-                            {"k4c32n-v2t32l-r16-s1", 128, true, true},  // tables (which AVX2 refuses in accepts)
-                            {"k3c32l-v2t32l-r16-s1-post", 128, true, true},
-                            {"k1c32-v2t32-r16-s1-post", 128, false, true},
-                            {"k4c32-v4t8n-r16-s1-post", 128, false, true}};
+  const Expected cases[] = {
+      {"k4c32-v2t32-r16-s1-post", 128, true, true},
+      {"k4c32-v2t8-r16-s1-post", 128, false, true},     // 16 value groups of 8: AVX2's packed path
+      {"k4c32-v2t32-r16-s1-post", 96, false, false},    // 3 value groups: no power of two
+      {"k4c32-v4t8-r16-s1-post", 256, false, false},    // 32 value groups: more than 16
+      {"k2t32-v2c32-r16-s1-post", 128, false, true},    // values per channel
+      {"k4c8-v2t32-r16-s1-post", 128, false, true},     // key blocks of 8
+      {"k3c32-v2t32-r16-s1-post", 128, true, true},     // 3-bit keys against the folded query
+      {"k8c32e4m3-v8t32e5m2-r16-s1", 128, true, true},  // fp8 (AVX-512: through f16; AVX2 refuses it)
+      {"k3c32-v2t32-r16-s1", 128, true, false},         // 3-bit keys rotated after dequantization
+      {"k4c32-v3t32-r16-s1-post", 128, true, false},
+      {"k3c32-v2t32-r16-s1-post", 64, true, true},
+      {"k5t32-v4t32-r16-s1-post", 128, false, false},
+      {"k4c32n-v2t32l-r16-s1", 128, true, true},  // tables (which AVX2 refuses in accepts)
+      {"k3c32l-v2t32l-r16-s1-post", 128, true, true},
+      {"k1c32-v2t32-r16-s1-post", 128, false, true},
+      {"k4c32-v4t8n-r16-s1-post", 128, false, true}};
   for (const Expected& e : cases) {
     const BasicKVCache cache = make_cache({e.config, 1, 1, e.dim, 100, 99}, 6);
     const kvq::RopeTable* rope = cache.config().key_rope == kvq::KeyRope::pre ? &cache.rope() : nullptr;

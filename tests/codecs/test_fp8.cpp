@@ -1,12 +1,20 @@
 // FP8 E4M3FN and E5M2: hand-worked conversions (round to nearest even, subnormals, saturation),
-// every one of the 256 codes round-tripping, and the scaled encode/decode.
+// every one of the 256 codes round-tripping, the scaled encode/decode, and the cache's fp8 modes
+// (a scale per group).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <random>
+#include <span>
+#include <string>
 #include <vector>
 
+#include "kvq/cache/kv_cache.hpp"
 #include "kvq/codecs/fp8.hpp"
+#include "kvq/quant/policies.hpp"
 
 namespace {
 
@@ -86,6 +94,43 @@ TEST(Fp8, EveryCodeRoundTripsAndFiniteCodesAreOrdered) {
   }
 }
 
+// float_to_fp8 against the plain definition: the finite code nearest in value (ties to the even
+// code), saturating. Every float whose top 20 bits vary (all exponents and signs, 2^12
+// mantissas each), and each code's neighbours: the midpoints to the next code and a float either side.
+TEST(Fp8, ConversionIsTheNearestCode) {
+  for (const Fp8Format f : {e4, e5}) {
+    std::vector<float> finite;  // positive finite values in code order (codes 0, 1, ...)
+    for (int c = 0; c < 128 && std::isfinite(fp8_to_float(f, std::uint8_t(c))); ++c)
+      finite.push_back(fp8_to_float(f, std::uint8_t(c)));
+    auto nearest = [&](float x) {  // of the two codes around |x|, the nearer (the even on a tie)
+      const double a = std::fabs(double(x));
+      std::size_t c = std::size_t(std::lower_bound(finite.begin(), finite.end(), a) - finite.begin());
+      if (c == finite.size()) {
+        c = finite.size() - 1;
+      } else if (c > 0) {
+        const double below = a - finite[c - 1], above = finite[c] - a;
+        if (below < above || (below == above && (c - 1) % 2 == 0)) --c;
+      }
+      return std::uint8_t((std::signbit(x) ? 0x80 : 0) | c);
+    };
+    std::vector<float> inputs;
+    for (std::uint32_t top = 0; top < (1u << 20); ++top) {
+      const float x = std::bit_cast<float>(top << 12 | (top * 2654435761u >> 20));
+      if (std::isfinite(x)) inputs.push_back(x);
+    }
+    for (std::size_t c = 0; c + 1 < finite.size(); ++c) {
+      const float mid = 0.5f * (finite[c] + finite[c + 1]);
+      for (const float x : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, INFINITY), -mid}) inputs.push_back(x);
+    }
+    std::size_t wrong = 0;
+    for (const float x : inputs)
+      if (float_to_fp8(f, x) != nearest(x) && ++wrong <= 5)
+        ADD_FAILURE() << kvq::name(f) << " " << x << ": got " << int(float_to_fp8(f, x)) << ", nearest "
+                      << int(nearest(x));
+    EXPECT_EQ(wrong, 0u) << kvq::name(f) << " of " << inputs.size();
+  }
+}
+
 TEST(Fp8, ScaledEncodeDecodeAndRefusals) {
   const std::vector<float> x = {1.0f, -3.0f, 1000.0f, 0.01f};
   std::vector<std::uint8_t> codes(4, 0x11);
@@ -105,6 +150,98 @@ TEST(Fp8, ScaledEncodeDecodeAndRefusals) {
   EXPECT_EQ(untouched, std::vector<std::uint8_t>(4, 0x11));
   std::vector<std::uint8_t> three(3);
   EXPECT_THROW(kvq::fp8_encode(e5, x, 1.0f, three), kvq::Error);
+}
+
+// The cache's fp8 modes ("e4m3", "e5m2"): each group stores scale = P(absmax / largest finite)
+// and each value the code float_to_fp8(x / scale) (by the inverse of the stored scale), read back
+// as fp8 value x scale: per token and per channel, every parameter type, a group of zeros, a
+// group whose largest magnitude saturates, tiny values that round to zero or to subnormals.
+TEST(Fp8, CacheModesStoreScaledFp8Codes) {
+  std::mt19937 rng(41);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const std::size_t dim = 64, heads = 2, tokens = 64;
+  std::vector<float> keys(tokens * heads * dim), values(keys.size());
+  for (auto* tensor : {&keys, &values})
+    for (float& x : *tensor) x = normal(rng) * (rng() % 8 == 0 ? 50.0f : 1.0f);
+  std::fill_n(values.begin() + 3 * heads * dim, 32, 0.0f);  // a group of zeros
+  for (std::size_t c = 0; c < 32; ++c)                      // values spanning 1e-6..1e3 in one group
+    values[4 * heads * dim + c] = std::pow(10.0f, float(c % 10) - 6.0f) * (c % 2 == 0 ? 1.0f : -1.0f);
+  for (const Fp8Format format : {e4, e5})
+    for (const char* param : {"", ".bf16", ".f32"})
+      for (const char* axis : {"c", "t"}) {
+        const std::string fmt = format == e4 ? "e4m3" : "e5m2";
+        const std::string config =
+            std::string("k8") + axis + "32" + fmt + param + "-v8t32" + fmt + param + "-r0-s0-post-f32";
+        SCOPED_TRACE(config);
+        const kvq::CacheConfig cfg = kvq::parse_cache_config(config);
+        EXPECT_EQ(kvq::to_string(cfg), config);
+        kvq::BasicKVCache cache(kvq::CacheShape{1, heads, dim, tokens}, cfg);
+        cache.append(0, 0, keys, values);
+        for (const kvq::Tensor tensor : {kvq::Tensor::keys, kvq::Tensor::values}) {
+          const std::vector<float>& input = tensor == kvq::Tensor::keys ? keys : values;
+          const kvq::QuantizerSpec spec = tensor == kvq::Tensor::keys ? cfg.key : cfg.value;
+          for (std::size_t h = 0; h < heads; ++h)
+            for (std::size_t p = 0; p < tokens; ++p) {
+              std::vector<float> row(dim);
+              cache.read_row(tensor, 0, h, p, row.data());
+              for (std::size_t c = 0; c < dim; ++c) {
+                // The group: 32 channels of this token, or this channel in 32 tokens.
+                float absmax = 0.0f;
+                for (std::size_t i = 0; i < 32; ++i) {
+                  const std::size_t gp = spec.axis == kvq::Axis::per_token ? p : p / 32 * 32 + i;
+                  const std::size_t gc = spec.axis == kvq::Axis::per_token ? c / 32 * 32 + i : c;
+                  absmax = std::max(absmax, std::fabs(input[(gp * heads + h) * dim + gc]));
+                }
+                const float scale = kvq::round_to(spec.param, absmax / kvq::fp8_max(format));
+                const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+                const std::uint8_t code = float_to_fp8(format, input[(p * heads + h) * dim + c] * inv);
+                ASSERT_EQ(row[c], fp8_to_float(format, code) * scale)
+                    << kvq::to_string(tensor) << " head " << h << " position " << p << " channel " << c;
+              }
+            }
+        }
+      }
+  // Relative error of a saturating group's largest value: within e4m3's half step (2^-4).
+  kvq::BasicKVCache one(kvq::CacheShape{1, 1, 32, 1}, kvq::parse_cache_config("k8t32e4m3-v8t32e4m3-r0-s0-post-f32"));
+  std::vector<float> x(32, 1.0f);
+  x[7] = -3.0e4f;
+  one.append(0, 0, x, x);
+  std::vector<float> row(32);
+  one.read_row(kvq::Tensor::values, 0, 0, 0, row.data());
+  EXPECT_NEAR(row[7], -3.0e4f, 3.0e4f / 16.0f);
+  EXPECT_NEAR(row[0], 1.0f, 1.0f / 16.0f);
+}
+
+TEST(Fp8, CacheModeStringsPoliciesAndRefusals) {
+  EXPECT_EQ(kvq::parse_quantizer("v8t32e4m3", 'v'), kvq::Fp8E4M3<32>::spec);
+  EXPECT_EQ(kvq::parse_quantizer("k8c64e5m2.bf16", 'k'),
+            (kvq::PerChannel<8, 64, kvq::Mode::fp8_e5m2, kvq::bf16>::spec));
+  EXPECT_EQ(kvq::to_string(kvq::Fp8E5M2<128>::spec, 'v'), "v8t128e5m2");
+  for (const char* bad : {"k4t32e4m3", "k8t32e4m", "k8t32e3m4", "k8t32o1e4m3", "k8t32e4m3s", "k8t32se4m3"})
+    EXPECT_THROW((void)kvq::parse_quantizer(bad, 'k'), kvq::Error) << bad;
+  try {
+    kvq::validate(kvq::QuantizerSpec{4, 32, kvq::Axis::per_token, kvq::Mode::fp8_e5m2}, "values");
+    ADD_FAILURE() << "a 4-bit fp8 spec was accepted";
+  } catch (const kvq::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("values: fp8_e5m2 levels take 8 bits, got 4"), std::string::npos) << e.what();
+  }
+  // An unrepresentable scale (f16 tops out at 65504, so |x| / 448 past it) is an error that
+  // leaves the cache as it was.
+  kvq::BasicKVCache cache(kvq::CacheShape{1, 1, 32, 4}, kvq::parse_cache_config("k8t32e4m3-v8t32e4m3-r0-s0-post-f32"));
+  std::vector<float> x(32, 1.0f);
+  cache.append(0, 0, x, x);
+  std::vector<float> huge = x;
+  huge[3] = 1.0e8f;
+  try {
+    cache.append(0, 1, huge, x);
+    ADD_FAILURE() << "a key of 1e8 was stored with f16 scales";
+  } catch (const kvq::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("needs a scale"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cache.length(0), 1u);
+  huge[3] = 2.0e7f;  // 2e7 / 448 fits f16
+  cache.append(0, 1, huge, x);
+  EXPECT_EQ(cache.length(0), 2u);
 }
 
 }  // namespace

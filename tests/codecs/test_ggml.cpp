@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kvq/cache/kv_cache.hpp"
@@ -366,6 +367,26 @@ TEST(GgmlCodecs, CacheIq4NlLevelsHoldIq4NlBlocks) {
       channels.read_row(kvq::Tensor::keys, 0, 0, p, row.data());
       ASSERT_EQ(row[c], expected[p]) << "channel " << c << " position " << p;
     }
+  }
+  // Past 2^36 ggml's float least-squares sums overflow (a NaN scale): refused, nothing stored,
+  // with every parameter type (f16 refuses far earlier, at 7 absmax / 127 > 65504).
+  for (const char* config : {"k4t32i.f32-v4t32i.f32-r0-s0-post-f32", "k4t32i.bf16-v4t32i.bf16-r0-s0-post-f32"}) {
+    kvq::BasicKVCache cache(kvq::CacheShape{1, 1, 32, 4}, kvq::parse_cache_config(config));
+    std::vector<float> row(32, 1.0f), huge = row;
+    huge[9] = -0x1p37f;
+    cache.append(0, 0, row, row);
+    try {
+      cache.append(0, 1, row, huge);
+      ADD_FAILURE() << config << ": a value of -2^37 was stored";
+    } catch (const kvq::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("overflows iq4_nl's least-squares fit"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(cache.length(0), 1u) << config;
+    huge[9] = -0x1p35f;  // within the bound: stored and read back finite
+    cache.append(0, 1, row, huge);
+    cache.read_row(kvq::Tensor::values, 0, 0, 1, row.data());
+    EXPECT_TRUE(std::isfinite(row[0]) && std::isfinite(row[9])) << config;
+    EXPECT_NEAR(row[9], -0x1p35f, 0x1p35f / 8) << config;
   }
   EXPECT_THROW((void)kvq::parse_quantizer("k3t32i", 'k'), kvq::Error);
   EXPECT_THROW((void)kvq::parse_quantizer("k4t32o1i", 'k'), kvq::Error);

@@ -85,12 +85,12 @@ std::vector<QuantizerSpec> spec_grid() {
   for (int bits = 1; bits <= 8; ++bits)
     for (const Axis axis : {Axis::per_channel, Axis::per_token})
       for (const std::size_t group : {1, 16, 32, 128, 1024, 4096})
-        for (const Mode mode :
-             {Mode::asymmetric, Mode::symmetric, Mode::ggml, Mode::normal_float, Mode::lloyd_max, Mode::iq4_nl})
+        for (const Mode mode : {Mode::asymmetric, Mode::symmetric, Mode::ggml, Mode::normal_float, Mode::lloyd_max,
+                                Mode::iq4_nl, Mode::fp8_e4m3, Mode::fp8_e5m2})
           for (const Scalar param : {Scalar::f16, Scalar::bf16, Scalar::f32}) {
             if ((mode == Mode::normal_float && (bits < 2 || bits > 4)) || (mode == Mode::lloyd_max && bits > 4) ||
-                (mode == Mode::iq4_nl && bits != 4))
-              continue;  // the level tables hold 2..4, 1..4 and 4 bits
+                (kvq::mode_bits(mode) != 0 && bits != kvq::mode_bits(mode)))
+              continue;  // the level tables hold 2..4, 1..4, 4 (iq4_nl) and 8 (fp8) bits
             grid.push_back(QuantizerSpec{bits, group, axis, mode, param});
           }
   return grid;

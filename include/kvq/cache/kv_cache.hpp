@@ -876,7 +876,8 @@ class BasicKVCache {
         throw Error(ErrorCode::unrepresentable,
                     where(t, layer, h, p) + channel_text(t, channel) + ": the group spanning [" + std::to_string(lo) +
                         ", " + std::to_string(hi) + "] needs a scale or zero point beyond " + to_string(spec.param) +
-                        "'s range of " + std::to_string(max_finite(spec.param)));
+                        "'s range of " + std::to_string(max_finite(spec.param)) +
+                        (spec.mode == Mode::iq4_nl ? " (or, past 2^36, overflows iq4_nl's least-squares fit)" : ""));
       };
       if (spec.axis == Axis::per_token) {
         for (std::size_t p = begin; p < end; ++p) {

@@ -1,12 +1,14 @@
 #pragma once
-// The level tables of the cache's non-uniform modes (Mode::normal_float, Mode::lloyd_max), as
+// The level tables of the cache's non-uniform modes (NormalFloat, Lloyd-Max, iq4_nl, fp8), as
 // stored-format constants: a code indexes its table and decodes to scale * level. They are
 // quant/levels.hpp's level sets rounded to float (a test checks each against the computation),
-// fixed here so a cache file decodes alike on every build and libm.
+// fixed here so a cache file decodes alike on every build and libm; fp8's 256 values are
+// codecs/fp8.hpp's.
 
 #include <array>
 #include <cstddef>
 
+#include "kvq/codecs/fp8.hpp"
 #include "kvq/quant/spec.hpp"
 
 namespace kvq::inline v0 {
@@ -34,11 +36,16 @@ inline constexpr std::array<float, 16> iq4_nl = {-127.0f, -104.0f, -83.0f, -65.0
                                                  1.0f,    13.0f,   25.0f,  38.0f,  53.0f,  69.0f,  89.0f,  113.0f};
 }  // namespace detail
 
-/// The 2^bits levels (ascending) a spec's codes index, or null for the affine modes (and for a
-/// width the mode does not take, which validate refuses). A codebook's levels live in the spec:
-/// the pointer is valid while `spec` is.
+/// The fp8 format of an fp8 mode.
+constexpr Fp8Format fp8_format(Mode m) noexcept { return m == Mode::fp8_e5m2 ? Fp8Format::e5m2 : Fp8Format::e4m3fn; }
+constexpr bool is_fp8(Mode m) noexcept { return m == Mode::fp8_e4m3 || m == Mode::fp8_e5m2; }
+
+/// The 2^bits levels a spec's codes index (ascending, but fp8's, which are in code order), or
+/// null for the affine modes (and for a width the mode does not take, which validate refuses). A
+/// codebook's levels live in the spec: the pointer is valid while `spec` is.
 constexpr const float* code_levels(const QuantizerSpec& spec) noexcept {
   if (spec.mode == Mode::codebook) return spec.codebook.data();
+  if (is_fp8(spec.mode)) return spec.bits == 8 ? fp8_table(fp8_format(spec.mode)) : nullptr;
   if (spec.mode == Mode::iq4_nl) return spec.bits == 4 ? detail::iq4_nl.data() : nullptr;
   if (spec.mode == Mode::normal_float)
     return spec.bits == 2   ? detail::nf2.data()

@@ -27,6 +27,7 @@ consteval bool check_quantizer() {
   static_assert(M != Mode::normal_float || (Bits >= 2 && Bits <= 4), "NormalFloat levels take 2..4 bits");
   static_assert(M != Mode::lloyd_max || Bits <= 4, "Lloyd-Max levels take 1..4 bits");
   static_assert(M != Mode::iq4_nl || Bits == 4, "iq4_nl levels take 4 bits");
+  static_assert((M != Mode::fp8_e4m3 && M != Mode::fp8_e5m2) || Bits == 8, "fp8 levels take 8 bits");
   static_assert(M != Mode::codebook,
                 "codebook levels are calibrated data: set QuantizerSpec::codebook in a CacheConfig at run time");
   static_assert(Bits >= 1 && Bits <= 8, "a quantizer's bit width must be between 1 and 8");
@@ -71,5 +72,12 @@ struct PerToken {
 using GgmlQ8_0 = PerToken<8, 32, Mode::ggml>;
 using GgmlQ5_0 = PerToken<5, 32, Mode::ggml>;
 using GgmlQ4_0 = PerToken<4, 32, Mode::ggml>;
+
+/// vLLM's fp8 cache types with a scale per group (of `Group` channels of one token) in place of
+/// one per tensor.
+template <std::size_t Group, class Param = fp16>
+using Fp8E4M3 = PerToken<8, Group, Mode::fp8_e4m3, Param>;
+template <std::size_t Group, class Param = fp16>
+using Fp8E5M2 = PerToken<8, Group, Mode::fp8_e5m2, Param>;
 
 }  // namespace kvq::inline v0

@@ -40,6 +40,11 @@ enum class Mode : std::uint8_t {
   // x = scale * level[code], scale the least-squares fit of ggml's reference quantizer
   // (kernels/quantize/reference.hpp), no zero point.
   iq4_nl,
+  // 8-bit floats (OCP FP8, codecs/fp8.hpp) with a scale per group: x = scale * fp8(code),
+  // scale = absmax / the format's largest finite value (448, 57344), no zero point, 8 bits only.
+  // vLLM's fp8 caches with one scale per group instead of one per tensor.
+  fp8_e4m3,
+  fp8_e5m2,
 };
 
 constexpr const char* to_string(Axis a) noexcept { return a == Axis::per_channel ? "per_channel" : "per_token"; }
@@ -50,7 +55,9 @@ constexpr const char* to_string(Mode m) noexcept {
          : m == Mode::normal_float ? "normal_float"
          : m == Mode::lloyd_max    ? "lloyd_max"
          : m == Mode::codebook     ? "codebook"
-                                   : "iq4_nl";
+         : m == Mode::iq4_nl       ? "iq4_nl"
+         : m == Mode::fp8_e4m3     ? "fp8_e4m3"
+                                   : "fp8_e5m2";
 }
 
 /// Whether a mode is kvq's own min-max levels (asymmetric or symmetric): the only ones that keep
@@ -61,15 +68,22 @@ constexpr bool min_max_levels(Mode m) noexcept { return m == Mode::asymmetric ||
 /// vector kernels, and the AVX-512 ones at 2 and 4 bits).
 constexpr bool affine_levels(Mode m) noexcept { return min_max_levels(m) || m == Mode::ggml; }
 
-/// The suffix naming a mode in a quantizer string ('\0' for the default, asymmetric).
-constexpr char mode_letter(Mode m) noexcept {
-  return m == Mode::symmetric      ? 's'
-         : m == Mode::ggml         ? 'g'
-         : m == Mode::normal_float ? 'n'
-         : m == Mode::lloyd_max    ? 'l'
-         : m == Mode::codebook     ? 'b'
-         : m == Mode::iq4_nl       ? 'i'
-                                   : '\0';
+/// The suffix naming a mode in a quantizer string (empty for the default, asymmetric).
+constexpr std::string_view mode_suffix(Mode m) noexcept {
+  return m == Mode::symmetric      ? "s"
+         : m == Mode::ggml         ? "g"
+         : m == Mode::normal_float ? "n"
+         : m == Mode::lloyd_max    ? "l"
+         : m == Mode::codebook     ? "b"
+         : m == Mode::iq4_nl       ? "i"
+         : m == Mode::fp8_e4m3     ? "e4m3"
+         : m == Mode::fp8_e5m2     ? "e5m2"
+                                   : "";
+}
+
+/// The fixed width of a mode's codes, or 0 where the spec chooses (iq4_nl 4, fp8 8).
+constexpr int mode_bits(Mode m) noexcept {
+  return m == Mode::iq4_nl ? 4 : m == Mode::fp8_e4m3 || m == Mode::fp8_e5m2 ? 8 : 0;
 }
 
 inline constexpr int min_bits = 1;
@@ -138,7 +152,7 @@ inline void validate(const QuantizerSpec& spec, std::string_view what) {
     throw Error(ErrorCode::invalid_argument, prefix + "axis " + std::to_string(int(spec.axis)) + " is not an Axis");
   if (spec.mode != Mode::asymmetric && spec.mode != Mode::symmetric && spec.mode != Mode::ggml &&
       spec.mode != Mode::normal_float && spec.mode != Mode::lloyd_max && spec.mode != Mode::codebook &&
-      spec.mode != Mode::iq4_nl)
+      spec.mode != Mode::iq4_nl && spec.mode != Mode::fp8_e4m3 && spec.mode != Mode::fp8_e5m2)
     throw Error(ErrorCode::invalid_argument, prefix + "mode " + std::to_string(int(spec.mode)) + " is not a Mode");
   if (spec.outliers > 0 && !min_max_levels(spec.mode))
     throw Error(ErrorCode::invalid_argument, prefix + std::string(to_string(spec.mode)) +
@@ -149,8 +163,10 @@ inline void validate(const QuantizerSpec& spec, std::string_view what) {
     throw Error(ErrorCode::invalid_argument, prefix + std::string(to_string(spec.mode)) + " levels take " +
                                                  (spec.mode == Mode::normal_float ? "2" : "1") + "..4 bits, got " +
                                                  std::to_string(spec.bits));
-  if (spec.mode == Mode::iq4_nl && spec.bits != 4)
-    throw Error(ErrorCode::invalid_argument, prefix + "iq4_nl levels take 4 bits, got " + std::to_string(spec.bits));
+  if (mode_bits(spec.mode) != 0 && spec.bits != mode_bits(spec.mode))
+    throw Error(ErrorCode::invalid_argument, prefix + std::string(to_string(spec.mode)) + " levels take " +
+                                                 std::to_string(mode_bits(spec.mode)) + " bits, got " +
+                                                 std::to_string(spec.bits));
   validate_codebook(spec, prefix);
   if (!is_valid(spec.param))
     throw Error(ErrorCode::invalid_argument,
@@ -187,18 +203,18 @@ constexpr std::size_t groups_per_row(const QuantizerSpec& spec, std::size_t head
 }
 
 /// "k4c32": tensor letter, bits, axis letter (c per channel, t per token), group; then optional
-/// "o<n>" for n outliers per group, a mode letter ("s" symmetric; "g" ggml's levels, so "k4t32g"
+/// "o<n>" for n outliers per group, a mode suffix ("s" symmetric; "g" ggml's levels, so "k4t32g"
 /// is llama.cpp's q4_0 and "k8t32g" its q8_0; "n" NormalFloat and "l" Lloyd-Max levels; "i"
-/// llama.cpp's iq4_nl ("k4t32i"); "b" then the codebook's levels as f16 bit patterns, 4 lowercase hex digits each) and
-/// ".bf16" /
-/// ".f32" for the parameter type (default no outliers, asymmetric, f16).
+/// llama.cpp's iq4_nl ("k4t32i"); "b" then the codebook's levels as f16 bit patterns, 4
+/// lowercase hex digits each; "e4m3" / "e5m2" 8-bit floats, "k8t32e4m3") and ".bf16" / ".f32"
+/// for the parameter type (default no outliers, asymmetric, f16).
 inline std::string to_string(const QuantizerSpec& spec, char tensor) {
   std::string s(1, tensor);
   s += std::to_string(spec.bits);
   s += spec.axis == Axis::per_channel ? 'c' : 't';
   s += std::to_string(spec.group);
   if (spec.outliers > 0) s += 'o' + std::to_string(spec.outliers);
-  if (mode_letter(spec.mode) != '\0') s += mode_letter(spec.mode);
+  s += mode_suffix(spec.mode);
   if (spec.mode == Mode::codebook)
     for (int i = 0; i < spec.levels(); ++i) {
       const std::uint16_t bits = to_fp16(spec.codebook[std::size_t(i)]).bits;
@@ -251,15 +267,16 @@ inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
         spec.outliers >= spec.group)
       return fail("outliers per group must be 1.." + std::to_string(max_outliers) + " and fewer than the group");
   }
-  for (const Mode m :
-       {Mode::symmetric, Mode::ggml, Mode::normal_float, Mode::lloyd_max, Mode::codebook, Mode::iq4_nl}) {
-    if (text.empty() || text.front() != mode_letter(m)) continue;
+  for (const Mode m : {Mode::symmetric, Mode::ggml, Mode::normal_float, Mode::lloyd_max, Mode::codebook, Mode::iq4_nl,
+                       Mode::fp8_e4m3, Mode::fp8_e5m2}) {
+    if (!text.starts_with(mode_suffix(m))) continue;
     spec.mode = m;
-    text.remove_prefix(1);
+    text.remove_prefix(mode_suffix(m).size());
     if (spec.outliers > 0 && m != Mode::symmetric) return fail(std::string(to_string(m)) + " levels keep no outliers");
     if (m == Mode::normal_float && (spec.bits < 2 || spec.bits > 4)) return fail("NormalFloat levels take 2..4 bits");
     if (m == Mode::lloyd_max && spec.bits > 4) return fail("Lloyd-Max levels take 1..4 bits");
-    if (m == Mode::iq4_nl && spec.bits != 4) return fail("iq4_nl levels take 4 bits");
+    if (mode_bits(m) != 0 && spec.bits != mode_bits(m))
+      return fail(std::string(to_string(m)) + " levels take " + std::to_string(mode_bits(m)) + " bits");
     if (m == Mode::codebook) {
       if (spec.bits > 4) return fail("codebook levels take 1..4 bits");
       for (int i = 0; i < spec.levels(); ++i) {

@@ -11,8 +11,8 @@
 // sinks and full-precision window around the packed span. In it, packed codes of 2, 4 and 8 bits
 // unpack to bytes in channel order with vpermb + vpmultishiftqb, and rows packed per token
 // (values, and keys in llama.cpp's layout) are dequantized in registers, codes of a level table
-// looked up by vpermps (code_values); other widths and axes read rows through StreamView::read_row
-// (one row on the stack).
+// looked up by vpermps (code_values), fp8 codes converted through f16 (CodeMap); other widths and
+// axes read rows through StreamView::read_row (one row on the stack).
 //
 // Keys, per 16-token sub-tile: each row is produced once in registers and dotted with every
 // query head of the GQA group; the 16 partial vectors per head are reduced together (a
@@ -86,9 +86,9 @@ struct Kernels {
   // (no division per row).
   std::size_t key_groups = 0, value_groups = 0;
   std::uint8_t key_group_of[NV] = {}, value_group_of[NV] = {};
-  // Level tables: the levels the fast codes name (code_values), or null for affine levels.
+  // What the fast codes stand for (CodeMap), and the storage of their level tables.
   alignas(64) float key_levels[16], value_levels[16];
-  const float *key_table = nullptr, *value_table = nullptr;
+  CodeMap key_map, value_map;
 
   KVQ_TARGET_AVX512_ATTENTION explicit Kernels(const DecodeTask& t) noexcept : task(t), k(t.keys), v(t.values) {
     key_fast = detail::fast_codes(k) && k.spec.axis == Axis::per_channel;
@@ -98,14 +98,8 @@ struct Kernels {
     if (value_fast) vu.init(v.spec.bits, v.row_bytes);
     if (key_token_fast) token_groups(k, key_groups, key_group_of);
     if (value_fast) token_groups(v, value_groups, value_group_of);
-    if ((key_fast || key_token_fast) && has_level_table(k)) {
-      code_values(k.spec, key_levels);
-      key_table = key_levels;
-    }
-    if (value_fast && has_level_table(v)) {
-      code_values(v.spec, value_levels);
-      value_table = value_levels;
-    }
+    if (key_fast || key_token_fast) key_map = code_map(k.spec, key_levels);
+    if (value_fast) value_map = code_map(v.spec, value_levels);
   }
 
   static void token_groups(const StreamView& s, std::size_t& groups, std::uint8_t* group_of) noexcept {
@@ -170,7 +164,7 @@ struct Kernels {
       const std::uint8_t* row = p < k.first_quantized ? k.sink_row(p) : k.pending_row(p);
       for (int i = 0; i < NV; ++i) x[i] = load16(k.residual, row, 16 * std::size_t(i));
     } else if (key_token_fast) {
-      for (unsigned u = 0; u < NU; ++u) token_quarter(k, ku, key_groups, key_group_of, key_table, p, u, x + 4 * u);
+      for (unsigned u = 0; u < NU; ++u) token_quarter(k, ku, key_groups, key_group_of, key_map, p, u, x + 4 * u);
     } else {
       alignas(64) float buf[dim];
       k.read_row(p, buf);
@@ -193,13 +187,13 @@ struct Kernels {
     }
   }
 
-  /// Block parameters of the key block holding position a.
+  /// Block parameters of the key block holding position a (scales in key_map's units).
   KVQ_TARGET_AVX512_ATTENTION void load_key_block(std::size_t a) noexcept {
     const std::size_t pi = k.param_index(a);
-    const __m512 implied = _mm512_set1_ps(reference::implied_zero(k.spec));
+    const __m512 implied = _mm512_set1_ps(reference::implied_zero(k.spec)), unit = _mm512_set1_ps(key_map.unit);
     for (int i = 0; i < NV; ++i) {
       const __m512 s = load16(k.spec.param, k.scales, pi + 16 * std::size_t(i));
-      _mm512_store_ps(kscale + 16 * i, s);
+      _mm512_store_ps(kscale + 16 * i, _mm512_mul_ps(s, unit));
       _mm512_store_ps(kzero + 16 * i, k.zeros != nullptr ? load16(k.spec.param, k.zeros, pi + 16 * std::size_t(i))
                                                          : _mm512_mul_ps(s, implied));
     }
@@ -238,19 +232,6 @@ struct Kernels {
     }
   }
 
-  /// 64 byte codes as 4 vectors of floats: the codes, or the levels they name in `table`.
-  KVQ_TARGET_AVX512_ATTENTION static void code_floats(__m512i c, __m512* x, const float* table) noexcept {
-    const __m512i i[4] = {
-        _mm512_cvtepu8_epi32(_mm512_castsi512_si128(c)), _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 1)),
-        _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 2)), _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 3))};
-    if (table == nullptr) {
-      for (int j = 0; j < 4; ++j) x[j] = _mm512_cvtepi32_ps(i[j]);
-      return;
-    }
-    const __m512 levels = _mm512_load_ps(table);
-    for (int j = 0; j < 4; ++j) x[j] = _mm512_permutexvar_ps(i[j], levels);
-  }
-
   /// Scores of tile [a, b) into scores[h][0 .. b - a).
   KVQ_TARGET_AVX512_ATTENTION void key_scores(std::size_t a, std::size_t b) noexcept {
     std::size_t loaded = ~std::size_t(0);  // key block whose parameters are loaded
@@ -285,7 +266,7 @@ struct Kernels {
           }
           continue;
         }
-        for (unsigned u = 0; u < NU; ++u) code_floats(c[u], x + 4 * u, key_table);
+        for (unsigned u = 0; u < NU; ++u) code_floats(c[u], x + 4 * u, key_map);
         if (folded) {
           for (std::size_t h = 0; h < task.group; ++h) {
             __m512 acc = _mm512_mul_ps(x[0], _mm512_load_ps(qt[h]));
@@ -354,22 +335,22 @@ struct Kernels {
       for (unsigned i = 0; i < 4; ++i) x[i] = load16(v.residual, row, 64 * u + 16 * i);
       return;
     }
-    token_quarter(v, vu, value_groups, value_group_of, value_table, p, u, x);
+    token_quarter(v, vu, value_groups, value_group_of, value_map, p, u, x);
   }
 
   /// Channels [64u, 64u + 64) of row p of a stream packed per token in groups of a multiple of 16
-  /// channels (fast codes, unpacked by `un`; token_groups; levels in `table`, if any), dequantized:
-  /// 4 vectors.
+  /// channels (fast codes, unpacked by `un`, standing for what `map` says; token_groups),
+  /// dequantized: 4 vectors.
   KVQ_TARGET_AVX512_ATTENTION static void token_quarter(const StreamView& s, const Unpacker& un, std::size_t groups,
-                                                        const std::uint8_t* group_of, const float* table, std::size_t p,
+                                                        const std::uint8_t* group_of, const CodeMap& map, std::size_t p,
                                                         unsigned u, __m512* x) noexcept {
     const std::uint8_t* row = s.code_row(p);
-    code_floats(un.codes(row, un.load(row), u), x, table);
+    code_floats(un.codes(row, un.load(row), u), x, map);
     // The row's parameters (at most 8 groups: 16 channels or more each) converted at once.
     const std::size_t pi = (p - s.first_quantized) * groups;  // StreamView::param_index, per token
     alignas(64) float scale[16], zero[16];
     const __m512 sv = load_n(s.spec.param, s.scales, pi, groups);
-    _mm512_store_ps(scale, sv);
+    _mm512_store_ps(scale, _mm512_mul_ps(sv, _mm512_set1_ps(map.unit)));
     _mm512_store_ps(zero, s.zeros != nullptr ? load_n(s.spec.param, s.zeros, pi, groups)
                                              : _mm512_mul_ps(sv, _mm512_set1_ps(reference::implied_zero(s.spec))));
     for (unsigned i = 0; i < 4; ++i) {

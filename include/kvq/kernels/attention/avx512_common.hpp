@@ -32,15 +32,19 @@ inline bool supported() noexcept {
   return ok;
 }
 
-inline bool fast_bits(int bits) noexcept { return bits == 2 || bits == 4 || bits == 8; }
+/// Codes the span and integer kernels unpack: 2, 4 or 8 bits, standing for themselves or for one
+/// of at most 16 levels (code_values; fp8's 256 values are read elsewhere).
+inline bool fast_bits(const QuantizerSpec& spec) noexcept {
+  return (spec.bits == 2 || spec.bits == 4 || spec.bits == 8) && (affine_levels(spec.mode) || spec.levels() <= 16);
+}
 
 namespace detail {
 
-/// Codes of one stream the Unpacker turns into bytes in registers: widths 2/4/8, and 3 (eight
-/// codes in three bytes; the generic kernel, whose loops take any width the Unpacker gives), per
+/// Codes of one stream the generic kernel turns into floats in registers: fast_bits, 3 (eight
+/// codes in three bytes; its loops take any width the Unpacker gives) and fp8 (CodeMap), per
 /// channel or in whole 16-channel groups.
 inline bool fast_codes(const StreamView& s) noexcept {
-  return s.quantized && (fast_bits(s.spec.bits) || s.spec.bits == 3) && s.spec.group % 16 == 0;
+  return s.quantized && (fast_bits(s.spec) || s.spec.bits == 3 || is_fp8(s.spec.mode)) && s.spec.group % 16 == 0;
 }
 
 /// Whether the kernels here unpack a stream's codes in registers: unquantized, or fast codes of
@@ -59,6 +63,54 @@ inline void code_values(const QuantizerSpec& spec, float* table) noexcept {
   const float* levels = code_levels(spec);
   const int mask = spec.levels() < 16 ? spec.levels() - 1 : 15;
   for (int j = 0; j < 16; ++j) table[j] = levels != nullptr ? levels[j & mask] : float(j & mask);
+}
+
+/// How the generic kernel turns a stream's byte codes into what they stand for, in units of
+/// `unit` (which its users fold into the scales): the codes themselves (affine levels), a
+/// code_values table (`table`), or fp8 bytes widened to f16 bit patterns (e5m2 is the top byte
+/// of an f16; e4m3fn's sign, exponent and mantissa shift into place, its values 2^8 times the
+/// f16's). Exact for every code encode writes; e4m3fn's NaN codes, which it never writes, read
+/// as 480.
+struct CodeMap {
+  const float* table = nullptr;
+  bool fp8 = false;
+  Fp8Format format = Fp8Format::e4m3fn;
+  float unit = 1.0f;
+};
+
+/// The CodeMap of a stream's spec; `storage` (16 floats) holds its table, if any.
+inline CodeMap code_map(const QuantizerSpec& spec, float* storage) noexcept {
+  if (is_fp8(spec.mode)) return {nullptr, true, fp8_format(spec.mode), spec.mode == Mode::fp8_e4m3 ? 256.0f : 1.0f};
+  if (affine_levels(spec.mode)) return {};
+  code_values(spec, storage);
+  return {storage};
+}
+
+/// 64 byte codes as 4 vectors of floats, as `map` says (in its units).
+KVQ_TARGET_AVX512_ATTENTION inline void code_floats(__m512i c, __m512* x, const CodeMap& map) noexcept {
+  const __m128i bytes[4] = {_mm512_castsi512_si128(c), _mm512_extracti32x4_epi32(c, 1), _mm512_extracti32x4_epi32(c, 2),
+                            _mm512_extracti32x4_epi32(c, 3)};
+  if (map.fp8) {
+    for (int j = 0; j < 4; ++j) {
+      const __m256i w = _mm256_cvtepu8_epi16(bytes[j]);
+      if (map.format == Fp8Format::e5m2) {
+        x[j] = _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+        continue;
+      }
+      const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+      const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
+      x[j] = _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+    }
+    return;
+  }
+  __m512i i[4];
+  for (int j = 0; j < 4; ++j) i[j] = _mm512_cvtepu8_epi32(bytes[j]);
+  if (map.table == nullptr) {
+    for (int j = 0; j < 4; ++j) x[j] = _mm512_cvtepi32_ps(i[j]);
+    return;
+  }
+  const __m512 levels = _mm512_load_ps(map.table);
+  for (int j = 0; j < 4; ++j) x[j] = _mm512_permutexvar_ps(i[j], levels);
 }
 
 }  // namespace detail

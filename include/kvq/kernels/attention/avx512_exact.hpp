@@ -47,10 +47,10 @@ inline bool exact_supported(const DecodeTask& t) noexcept {
   const StreamView &k = t.keys, &v = t.values;
   const std::size_t d = k.head_dim;
   if (t.tier != Tier::exact || (d != 64 && d != 128) || v.head_dim != d) return false;
-  if (!k.quantized || k.spec.axis != Axis::per_channel || !fast_bits(k.spec.bits) || k.spec.group % 16 != 0 ||
+  if (!k.quantized || k.spec.axis != Axis::per_channel || !fast_bits(k.spec) || k.spec.group % 16 != 0 ||
       k.spec.group > max_tile)
     return false;
-  if (!v.quantized || v.spec.axis != Axis::per_token || !fast_bits(v.spec.bits) || v.spec.group != 32) return false;
+  if (!v.quantized || v.spec.axis != Axis::per_token || !fast_bits(v.spec) || v.spec.group != 32) return false;
   return v.first_quantized == k.first_quantized && v.end_quantized >= k.end_quantized;
 }
 

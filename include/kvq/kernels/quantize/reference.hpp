@@ -30,6 +30,10 @@
 //   codebook:   T = spec.codebook (ascending, in [-1, 1]), scale = P((max - min) / 2),
 //               zero = P(min + (max - min) / 2), code = the index of the level nearest to
 //               (x - zero) * inv (halfway: the upper one), x^ = zero + T[code] * scale.
+//   fp8_e4m3, fp8_e5m2: scale = P(absmax / F) with F the format's largest finite value (448,
+//               57344), no zero point, code = float_to_fp8(x * inv) (codecs/fp8.hpp: nearest,
+//               ties to even, saturating; a negative value that rounds to zero keeps its sign),
+//               x^ = fp8(code) * scale.
 //
 // Dense-and-sparse (spec.outliers = n > 0): n values of each group are left out of min and max
 // (n times: asymmetric, the group's current minimum or maximum, whichever leaves the smaller
@@ -123,10 +127,16 @@ inline GroupParams make_params(const QuantizerSpec& spec, float min, float max) 
   if (spec.mode == Mode::iq4_nl) {  // iq4_nl_params sets the scale; this is its largest magnitude
     // The least-squares scale is a weighted mean of x / T[code] over the group, each within
     // (-5, 7) times lead / T[0]: 7 absmax / 127 bounds it (kv_cache's representability check).
-    return {round_to(spec.param, 7.0f * std::max(std::fabs(min), std::fabs(max)) / 127.0f), 0.0f, code_levels(spec)};
+    // Its float sums of x^3 T terms (up to max_group_tokens of them) overflow past 2^36.
+    const float absmax = std::max(std::fabs(min), std::fabs(max));
+    if (absmax > 0x1p36f) return {std::numeric_limits<float>::infinity(), 0.0f, code_levels(spec)};
+    return {round_to(spec.param, 7.0f * absmax / 127.0f), 0.0f, code_levels(spec)};
   }
   if (spec.mode == Mode::codebook)
     return {round_to(spec.param, (max - min) * 0.5f), round_to(spec.param, min + (max - min) * 0.5f),
+            code_levels(spec)};
+  if (is_fp8(spec.mode))
+    return {round_to(spec.param, std::max(std::fabs(min), std::fabs(max)) / fp8_max(fp8_format(spec.mode))), 0.0f,
             code_levels(spec)};
   if (const float* levels = code_levels(spec)) {
     const float outer = std::max(-levels[0], levels[spec.levels() - 1]);
@@ -183,6 +193,7 @@ inline bool representable(const GroupParams& p) noexcept { return std::isfinite(
 inline std::uint8_t encode(const QuantizerSpec& spec, const GroupParams& p, float inv, float x) noexcept {
   if (spec.mode == Mode::ggml) return ggml_encode(spec, inv, x);
   if (spec.mode == Mode::iq4_nl) return inv == 0.0f ? 0 : nearest_iq4_nl(inv * x);
+  if (is_fp8(spec.mode)) return float_to_fp8(fp8_format(spec.mode), x * inv);
   if (p.levels != nullptr) {  // the nearest level; midpoints of two floats are exact in double
     const double v = double((x - p.zero) * inv);
     std::uint8_t code = 0;
