@@ -44,6 +44,15 @@ std::vector<QuantizerSpec> all_specs(Axis axis, std::size_t group) {
   return specs;
 }
 
+// all_specs and the other modes the AVX-512 quantizer writes (fp8).
+std::vector<QuantizerSpec> fast_path_specs(Axis axis, std::size_t group) {
+  std::vector<QuantizerSpec> specs = all_specs(axis, group);
+  for (const Mode mode : {Mode::fp8_e4m3, Mode::fp8_e5m2})
+    for (const Scalar param : {Scalar::f16, Scalar::bf16, Scalar::f32})
+      specs.push_back(QuantizerSpec{8, group, axis, mode, param});
+  return specs;
+}
+
 // Code j of a packed row, read bit by bit from the documented layout.
 unsigned read_code(const std::uint8_t* row, std::size_t j, int bits) {
   unsigned code = 0;
@@ -484,7 +493,7 @@ void run_row_comparison(RowFn fast, bool only_supported, const std::string& what
   for (const std::size_t dim : awkward_dims)
     for (const std::size_t group : {16, 32, 64, 128, 24, 8})
       for (const Pattern pattern : all_patterns)
-        for (const QuantizerSpec& spec : all_specs(Axis::per_token, group)) {
+        for (const QuantizerSpec& spec : fast_path_specs(Axis::per_token, group)) {
           if (only_supported && group % 16 != 0) continue;
           const std::size_t reps = dim >= 128 ? 1 : 3;
           for (std::size_t rep = 0; rep < reps; ++rep) {
@@ -509,7 +518,7 @@ void run_block_comparison(BlockFn fast, const std::string& what) {
       const bool full = rows <= 3 || rows == 16 || rows == 17 || rows == 32 || rows == 33 || rows == 40;
       for (const Pattern pattern : all_patterns) {
         if (!full && pattern != all_patterns[rows % std::size(all_patterns)]) continue;
-        const std::vector<QuantizerSpec> specs = all_specs(Axis::per_channel, 32);
+        const std::vector<QuantizerSpec> specs = fast_path_specs(Axis::per_channel, 32);
         for (std::size_t s = 0; s < specs.size(); ++s) {
           if (!full && s % 5 != rows % 5) continue;
           const QuantizerSpec& spec = specs[s];
@@ -539,6 +548,8 @@ TEST(GroupQuantizerFastPath, Avx512PerTokenMatchesReferenceByteForByte) {
   EXPECT_TRUE(kvq::kernels::avx512::supports(QuantizerSpec{4, 32, Axis::per_token}));
   EXPECT_FALSE(kvq::kernels::avx512::supports(QuantizerSpec{4, 24, Axis::per_token}));
   EXPECT_TRUE(kvq::kernels::avx512::supports(QuantizerSpec{4, 24, Axis::per_channel}));
+  EXPECT_TRUE(kvq::kernels::avx512::supports(QuantizerSpec{8, 32, Axis::per_token, Mode::fp8_e5m2}));
+  EXPECT_FALSE(kvq::kernels::avx512::supports(QuantizerSpec{4, 32, Axis::per_token, Mode::iq4_nl}));
   run_row_comparison(&kvq::kernels::avx512::quantize_row_per_token, true, "avx512");
 }
 
@@ -579,7 +590,7 @@ TEST(GroupQuantizerFastPath, DispatchedRowsPerTokenMatchReferenceByteForByte) {
   for (const std::size_t dim : awkward_dims)
     for (const std::size_t group : {16, 32, 64, 128, 48, 24})
       for (const Pattern pattern : all_patterns)
-        for (const QuantizerSpec& spec : all_specs(Axis::per_token, group))
+        for (const QuantizerSpec& spec : fast_path_specs(Axis::per_token, group))
           for (const Scalar in : {Scalar::f32, Scalar::f16, Scalar::bf16}) {
             // Row counts around the 16-group batches: 1, 4, 5 and 8 heads, and a rotating odd count.
             const std::size_t rows = row_counts[turn++ % std::size(row_counts)];
@@ -599,7 +610,7 @@ TEST(GroupQuantizerFastPath, DispatchedBlockFromStoredRowsMatchesReferenceByteFo
   for (const std::size_t dim : awkward_dims)
     for (const std::size_t rows : {1, 7, 32})
       for (const Pattern pattern : all_patterns)
-        for (const QuantizerSpec& spec : all_specs(Axis::per_channel, rows))
+        for (const QuantizerSpec& spec : fast_path_specs(Axis::per_channel, rows))
           for (const Scalar in : {Scalar::f32, Scalar::f16, Scalar::bf16}) {
             if (dim >= 1024 && rows > 7) continue;
             std::vector<float> x = make_data(pattern, spec, rows * dim, rng);

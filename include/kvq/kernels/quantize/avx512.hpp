@@ -29,10 +29,11 @@
 
 namespace kvq::inline v0::kernels::avx512 {
 
-/// Per-token groups must be whole vectors, and the levels kvq's own (ggml's and the level tables
-/// take the reference); everything else is handled here.
+/// Per-token groups must be whole vectors, and the levels kvq's own or fp8 (ggml's and the level
+/// tables take the reference); everything else is handled here.
 inline bool supports(const QuantizerSpec& spec) noexcept {
-  return spec.outliers == 0 && min_max_levels(spec.mode) && (spec.axis == Axis::per_channel || spec.group % 16 == 0);
+  return spec.outliers == 0 && (min_max_levels(spec.mode) || is_fp8(spec.mode)) &&
+         (spec.axis == Axis::per_channel || spec.group % 16 == 0);
 }
 
 KVQ_QUANT_INLINE inline __m512 round_to(Scalar s, __m512 v) noexcept {
@@ -71,6 +72,10 @@ KVQ_QUANT_INLINE inline Params16 compute_params(const QuantizerSpec& spec, __m51
   if (spec.mode == Mode::asymmetric) {
     p.scale = round_to(spec.param, _mm512_div_ps(_mm512_sub_ps(hi, lo), top));
     p.zero = round_to(spec.param, lo);
+  } else if (is_fp8(spec.mode)) {
+    const __m512 absmax = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+    p.scale = round_to(spec.param, _mm512_div_ps(absmax, _mm512_set1_ps(fp8_max(fp8_format(spec.mode)))));
+    p.zero = _mm512_setzero_ps();
   } else {
     const __m512 absmax = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
     p.scale = round_to(spec.param, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(2.0f), absmax), top));

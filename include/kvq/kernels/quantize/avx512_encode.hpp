@@ -1,5 +1,6 @@
 #pragma once
-// AVX-512 codes 64 at a time: load (f32, f16 or bf16 rows), encode as reference::encode does,
+// AVX-512 codes 64 at a time: load (f32, f16 or bf16 rows), encode as reference::encode does
+// (kvq's affine levels and fp8),
 // narrow to bytes in registers, and pack from there for 2, 4 and 8 bits (pack_row otherwise).
 
 #include <immintrin.h>
@@ -49,6 +50,26 @@ KVQ_QUANT_INLINE inline __m512i encode32(__m512 x, __m512 zero, __m512 inv, __m5
   return _mm512_cvt_roundps_epi32(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+/// 16 fp8 codes as int32: float_to_fp8(x * inv) (saturating; x * inv is never NaN), its bit
+/// arithmetic lane by lane.
+KVQ_QUANT_INLINE inline __m512i encode_fp8(__m512 x, __m512 inv, Fp8Format f) noexcept {
+  const kvq::detail::Fp8Layout l = kvq::detail::fp8_layout(f);
+  const __m512 y = _mm512_mul_ps(x, inv);
+  const __m512i sign = _mm512_srli_epi32(_mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(INT32_MIN)), 24);
+  const __m512 a = _mm512_abs_ps(y);
+  const __m512i subnormal = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(l.per_quantum)),
+                                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const int drop = 23 - l.mantissa_bits;
+  __m512i u = _mm512_castps_si512(a);
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, unsigned(drop)), _mm512_set1_epi32(1)),
+                                           _mm512_set1_epi32((1 << (drop - 1)) - 1)));
+  __m512i code =
+      _mm512_sub_epi32(_mm512_srli_epi32(u, unsigned(drop)), _mm512_set1_epi32((127 - l.bias) << l.mantissa_bits));
+  code = _mm512_min_epu32(code, _mm512_set1_epi32(f == Fp8Format::e4m3fn ? 0x7E : 0x7B));
+  code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(a, _mm512_set1_ps(l.min_normal), _CMP_LT_OQ), subnormal);
+  return _mm512_or_si512(code, sign);
+}
+
 /// 4 x 16 int32 codes -> 64 bytes in channel order, saturating to [0, 255].
 KVQ_QUANT_INLINE inline __m512i narrow64(__m512i a, __m512i b, __m512i c, __m512i d) noexcept {
   // The packs work within 128-bit lanes: dword 4i + j ends up holding codes 4i..4i+3 of input j.
@@ -77,6 +98,8 @@ template <Scalar In, class ParamsOf>
 KVQ_TARGET_AVX512 inline void encode_row(const QuantizerSpec& spec, const void* row, std::size_t dim,
                                          ParamsOf params_of, std::uint8_t* out) noexcept {
   const __m512 top = _mm512_set1_ps(float(spec.levels() - 1));
+  const bool fp8 = is_fp8(spec.mode);
+  const Fp8Format format = fp8_format(spec.mode);
   const bool packs_in_register = spec.bits == 2 || spec.bits == 4 || spec.bits == 8;
   alignas(64) std::uint8_t codes[max_head_dim + 64];
   std::size_t buffered_from = dim;  // codes from here on go through the buffer and pack_row
@@ -91,7 +114,7 @@ KVQ_TARGET_AVX512 inline void encode_row(const QuantizerSpec& spec, const void* 
       }
       const Params16 p = params_of(ch);
       const __m512 x = full || dim - ch >= 16 ? load16<In>(row, ch) : load16<In>(row, ch, tail_mask(dim - ch));
-      q[v] = encode32(x, p.zero, p.inv, top);
+      q[v] = fp8 ? encode_fp8(x, p.inv, format) : encode32(x, p.zero, p.inv, top);
     }
     const __m512i bytes = narrow64(q[0], q[1], q[2], q[3]);
     if (packs_in_register && full) {
