@@ -152,7 +152,7 @@ TEST(Fp8, ScaledEncodeDecodeAndRefusals) {
   EXPECT_THROW(kvq::fp8_encode(e5, x, 1.0f, three), kvq::Error);
 }
 
-// The cache's fp8 modes ("e4m3", "e5m2"): each group stores scale = P(absmax / largest finite)
+// The cache's fp8 modes ("e4m3", "e5m2"): each group stores scale = P+(absmax / largest finite)
 // and each value the code float_to_fp8(x / scale) (by the inverse of the stored scale), read back
 // as fp8 value x scale: per token and per channel, every parameter type, a group of zeros, a
 // group whose largest magnitude saturates, tiny values that round to zero or to subnormals.
@@ -166,6 +166,8 @@ TEST(Fp8, CacheModesStoreScaledFp8Codes) {
   std::fill_n(values.begin() + 3 * heads * dim, 32, 0.0f);  // a group of zeros
   for (std::size_t c = 0; c < 32; ++c)                      // values spanning 1e-6..1e3 in one group
     values[4 * heads * dim + c] = std::pow(10.0f, float(c % 10) - 6.0f) * (c % 2 == 0 ? 1.0f : -1.0f);
+  for (std::size_t c = 0; c < 32; ++c)  // small values: an f16 scale below the normal range
+    values[5 * heads * dim + c] = normal(rng) * 1e-3f;
   for (const Fp8Format format : {e4, e5})
     for (const char* param : {"", ".bf16", ".f32"})
       for (const char* axis : {"c", "t"}) {
@@ -192,7 +194,7 @@ TEST(Fp8, CacheModesStoreScaledFp8Codes) {
                   const std::size_t gc = spec.axis == kvq::Axis::per_token ? c / 32 * 32 + i : c;
                   absmax = std::max(absmax, std::fabs(input[(gp * heads + h) * dim + gc]));
                 }
-                const float scale = kvq::round_to(spec.param, absmax / kvq::fp8_max(format));
+                const float scale = kvq::round_up_to(spec.param, absmax / kvq::fp8_max(format));
                 const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
                 const std::uint8_t code = float_to_fp8(format, input[(p * heads + h) * dim + c] * inv);
                 ASSERT_EQ(row[c], fp8_to_float(format, code) * scale)
@@ -210,6 +212,22 @@ TEST(Fp8, CacheModesStoreScaledFp8Codes) {
   one.read_row(kvq::Tensor::values, 0, 0, 0, row.data());
   EXPECT_NEAR(row[7], -3.0e4f, 3.0e4f / 16.0f);
   EXPECT_NEAR(row[0], 1.0f, 1.0f / 16.0f);
+  // Small groups with f16 scales: e5m2's scale absmax / 57344 is an f16 subnormal below absmax
+  // 3.5 and under its least step below 3.4e-3. Rounded up, it clips nothing and is never 0:
+  // every value comes back within the format's half step (2^-3 for e5m2, 2^-4 for e4m3).
+  for (const char* config : {"k8t32e5m2-v8t32e5m2-r0-s0-post-f32", "k8t32e4m3-v8t32e4m3-r0-s0-post-f32"})
+    for (const float magnitude : {2.0f, 4e-3f, 1e-3f, 1e-5f}) {
+      kvq::BasicKVCache small(kvq::CacheShape{1, 1, 32, 1}, kvq::parse_cache_config(config));
+      std::vector<float> y(32);
+      for (std::size_t i = 0; i < 32; ++i)
+        y[i] = magnitude * (0.25f + 0.75f * float(i) / 31.0f) * (i % 2 ? -1.0f : 1.0f);
+      small.append(0, 0, y, y);
+      small.read_row(kvq::Tensor::values, 0, 0, 0, row.data());
+      const float half_step = config[6] == '5' ? 0.125f : 0.0625f;  // k8t32e5m2: the exponent width
+      for (std::size_t i = 0; i < 32; ++i)
+        ASSERT_LE(std::fabs(row[i] - y[i]), half_step * std::fabs(y[i]) * 1.0001f)
+            << config << " magnitude " << magnitude << " value " << i << ": " << y[i] << " read as " << row[i];
+    }
 }
 
 TEST(Fp8, CacheModeStringsPoliciesAndRefusals) {

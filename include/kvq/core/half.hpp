@@ -102,6 +102,15 @@ constexpr float round_to(Scalar s, float value) noexcept {
   return s == Scalar::f32 ? value : s == Scalar::f16 ? to_float(to_fp16(value)) : to_float(to_bf16(value));
 }
 
+/// The least value of type `s` not below `value` (finite, >= 0; infinity past the type's range):
+/// a scale rounded so that nothing it divides lands beyond its target, and never to 0.
+inline float round_up_to(Scalar s, float value) noexcept {
+  const float r = round_to(s, value);
+  if (s == Scalar::f32 || !(r < value)) return r;
+  return s == Scalar::f16 ? to_float(fp16{std::uint16_t(to_fp16(r).bits + 1)})
+                          : to_float(bf16{std::uint16_t(to_bf16(r).bits + 1)});
+}
+
 /// Store / load one value in a raw buffer of Scalar type `s`.
 inline void store_scalar(Scalar s, void* base, std::size_t index, float value) noexcept {
   switch (s) {

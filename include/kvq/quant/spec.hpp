@@ -41,7 +41,8 @@ enum class Mode : std::uint8_t {
   // (kernels/quantize/reference.hpp), no zero point.
   iq4_nl,
   // 8-bit floats (OCP FP8, codecs/fp8.hpp) with a scale per group: x = scale * fp8(code),
-  // scale = absmax / the format's largest finite value (448, 57344), no zero point, 8 bits only.
+  // scale = absmax / the format's largest finite value (448, 57344), rounded up to the parameter
+  // type, no zero point, 8 bits only.
   // vLLM's fp8 caches with one scale per group instead of one per tensor.
   fp8_e4m3,
   fp8_e5m2,

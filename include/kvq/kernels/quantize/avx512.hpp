@@ -47,6 +47,16 @@ KVQ_QUANT_INLINE inline __m512 round_to(Scalar s, __m512 v) noexcept {
   return v;
 }
 
+/// The least values of type s not below v (>= 0), as half.hpp's round_up_to.
+KVQ_QUANT_INLINE inline __m512 round_up_to(Scalar s, __m512 v) noexcept {
+  if (s == Scalar::f16) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC));
+  if (s == Scalar::bf16) {  // a positive value's upper 16 bits, plus one where any lower bit is set
+    const __m512i x = _mm512_add_epi32(_mm512_castps_si512(v), _mm512_set1_epi32(0xffff));
+    return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int(0xffff0000u))));
+  }
+  return v;
+}
+
 KVQ_QUANT_INLINE inline void store_params(Scalar s, void* base, std::size_t index, __m512 v, __mmask16 m) noexcept {
   if (s == Scalar::f32) {
     _mm512_mask_storeu_ps(static_cast<float*>(base) + index, m, v);
@@ -74,7 +84,7 @@ KVQ_QUANT_INLINE inline Params16 compute_params(const QuantizerSpec& spec, __m51
     p.zero = round_to(spec.param, lo);
   } else if (is_fp8(spec.mode)) {
     const __m512 absmax = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
-    p.scale = round_to(spec.param, _mm512_div_ps(absmax, _mm512_set1_ps(fp8_max(fp8_format(spec.mode)))));
+    p.scale = round_up_to(spec.param, _mm512_div_ps(absmax, _mm512_set1_ps(fp8_max(fp8_format(spec.mode)))));
     p.zero = _mm512_setzero_ps();
   } else {
     const __m512 absmax = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));

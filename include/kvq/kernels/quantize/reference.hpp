@@ -30,10 +30,12 @@
 //   codebook:   T = spec.codebook (ascending, in [-1, 1]), scale = P((max - min) / 2),
 //               zero = P(min + (max - min) / 2), code = the index of the level nearest to
 //               (x - zero) * inv (halfway: the upper one), x^ = zero + T[code] * scale.
-//   fp8_e4m3, fp8_e5m2: scale = P(absmax / F) with F the format's largest finite value (448,
-//               57344), no zero point, code = float_to_fp8(x * inv) (codecs/fp8.hpp: nearest,
-//               ties to even, saturating; a negative value that rounds to zero keeps its sign),
-//               x^ = fp8(code) * scale.
+//   fp8_e4m3, fp8_e5m2: scale = P+(absmax / F) with F the format's largest finite value (448,
+//               57344) and P+ rounding up to the parameter type (a scale that is an f16
+//               subnormal, as e5m2's are below absmax 3.5, may neither clip the group's largest
+//               value nor be 0), no zero point, code = float_to_fp8(x * inv) (codecs/fp8.hpp:
+//               nearest, ties to even, saturating; a negative value that rounds to zero keeps
+//               its sign), x^ = fp8(code) * scale.
 //
 // Dense-and-sparse (spec.outliers = n > 0): n values of each group are left out of min and max
 // (n times: asymmetric, the group's current minimum or maximum, whichever leaves the smaller
@@ -136,7 +138,7 @@ inline GroupParams make_params(const QuantizerSpec& spec, float min, float max) 
     return {round_to(spec.param, (max - min) * 0.5f), round_to(spec.param, min + (max - min) * 0.5f),
             code_levels(spec)};
   if (is_fp8(spec.mode))
-    return {round_to(spec.param, std::max(std::fabs(min), std::fabs(max)) / fp8_max(fp8_format(spec.mode))), 0.0f,
+    return {round_up_to(spec.param, std::max(std::fabs(min), std::fabs(max)) / fp8_max(fp8_format(spec.mode))), 0.0f,
             code_levels(spec)};
   if (const float* levels = code_levels(spec)) {
     const float outer = std::max(-levels[0], levels[spec.levels() - 1]);
