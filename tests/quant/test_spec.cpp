@@ -123,6 +123,30 @@ TEST(Spec, QuantizerStringRoundTrip) {
     EXPECT_THROW((void)kvq::parse_quantizer(bad, 'k'), kvq::Error) << bad;
   EXPECT_THROW(kvq::validate(QuantizerSpec{5, 32, Axis::per_token, Mode::lloyd_max}, "keys"), kvq::Error);
   EXPECT_THROW(kvq::validate(QuantizerSpec{1, 32, Axis::per_token, Mode::normal_float}, "keys"), kvq::Error);
+  // One table names every mode: the parser and validate give the same width message.
+  const auto message = [](auto&& call) {
+    try {
+      call();
+    } catch (const kvq::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(
+      message([] { (void)kvq::parse_quantizer("k5t32n", 'k'); }).find("normal_float levels take 2..4 bits, got 5"),
+      std::string::npos);
+  EXPECT_NE(message([] {
+              kvq::validate(QuantizerSpec{3, 32, Axis::per_token, Mode::iq4_nl}, "keys");
+            }).find("keys: iq4_nl levels take 4 bits, got 3"),
+            std::string::npos);
+  EXPECT_NE(message([] {
+              kvq::validate(QuantizerSpec{4, 32, Axis::per_token, Mode(9)}, "keys");
+            }).find("mode 9 is not a Mode"),
+            std::string::npos);
+  EXPECT_STREQ(kvq::to_string(Mode(9)), "unknown");
+  EXPECT_STREQ(kvq::to_string(Mode::fp8_e5m2), "fp8_e5m2");
+  EXPECT_EQ(kvq::mode_suffix(Mode::fp8_e4m3), "e4m3");
+  EXPECT_EQ(kvq::mode_bits(Mode::lloyd_max), 0);
 }
 
 TEST(Spec, CacheConfigStringRoundTrip) {

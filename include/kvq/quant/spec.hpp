@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <string>
 #include <string_view>
 
@@ -49,16 +50,42 @@ enum class Mode : std::uint8_t {
 };
 
 constexpr const char* to_string(Axis a) noexcept { return a == Axis::per_channel ? "per_channel" : "per_token"; }
+
+namespace detail {
+/// What names and validation know of a mode, one entry per Mode in the enum's order.
+struct ModeTraits {
+  Mode mode;
+  const char* name;         // to_string
+  std::string_view suffix;  // after the group in a quantizer string (none for the default)
+  int min_bits, max_bits;   // the code widths the mode takes
+};
+inline constexpr ModeTraits mode_traits[] = {
+    {Mode::asymmetric, "asymmetric", "", 1, 8},
+    {Mode::symmetric, "symmetric", "s", 1, 8},
+    {Mode::ggml, "ggml", "g", 1, 8},
+    {Mode::normal_float, "normal_float", "n", 2, 4},
+    {Mode::lloyd_max, "lloyd_max", "l", 1, 4},
+    {Mode::codebook, "codebook", "b", 1, 4},
+    {Mode::iq4_nl, "iq4_nl", "i", 4, 4},
+    {Mode::fp8_e4m3, "fp8_e4m3", "e4m3", 8, 8},
+    {Mode::fp8_e5m2, "fp8_e5m2", "e5m2", 8, 8},
+};
+consteval bool mode_traits_in_enum_order() {
+  for (std::size_t i = 0; i < std::size(mode_traits); ++i)
+    if (std::size_t(mode_traits[i].mode) != i) return false;
+  return true;
+}
+static_assert(mode_traits_in_enum_order());
+
+/// The traits of m, or null for a value that names no Mode.
+constexpr const ModeTraits* traits(Mode m) noexcept {
+  return std::size_t(m) < std::size(mode_traits) ? &mode_traits[std::size_t(m)] : nullptr;
+}
+}  // namespace detail
+
 constexpr const char* to_string(Mode m) noexcept {
-  return m == Mode::asymmetric     ? "asymmetric"
-         : m == Mode::symmetric    ? "symmetric"
-         : m == Mode::ggml         ? "ggml"
-         : m == Mode::normal_float ? "normal_float"
-         : m == Mode::lloyd_max    ? "lloyd_max"
-         : m == Mode::codebook     ? "codebook"
-         : m == Mode::iq4_nl       ? "iq4_nl"
-         : m == Mode::fp8_e4m3     ? "fp8_e4m3"
-                                   : "fp8_e5m2";
+  const detail::ModeTraits* t = detail::traits(m);
+  return t != nullptr ? t->name : "unknown";
 }
 
 /// Whether a mode is kvq's own min-max levels (asymmetric or symmetric): the only ones that keep
@@ -71,20 +98,24 @@ constexpr bool affine_levels(Mode m) noexcept { return min_max_levels(m) || m ==
 
 /// The suffix naming a mode in a quantizer string (empty for the default, asymmetric).
 constexpr std::string_view mode_suffix(Mode m) noexcept {
-  return m == Mode::symmetric      ? "s"
-         : m == Mode::ggml         ? "g"
-         : m == Mode::normal_float ? "n"
-         : m == Mode::lloyd_max    ? "l"
-         : m == Mode::codebook     ? "b"
-         : m == Mode::iq4_nl       ? "i"
-         : m == Mode::fp8_e4m3     ? "e4m3"
-         : m == Mode::fp8_e5m2     ? "e5m2"
-                                   : "";
+  const detail::ModeTraits* t = detail::traits(m);
+  return t != nullptr ? t->suffix : "";
 }
 
 /// The fixed width of a mode's codes, or 0 where the spec chooses (iq4_nl 4, fp8 8).
 constexpr int mode_bits(Mode m) noexcept {
-  return m == Mode::iq4_nl ? 4 : m == Mode::fp8_e4m3 || m == Mode::fp8_e5m2 ? 8 : 0;
+  const detail::ModeTraits* t = detail::traits(m);
+  return t != nullptr && t->min_bits == t->max_bits ? t->min_bits : 0;
+}
+
+/// "normal_float levels take 2..4 bits" or "iq4_nl levels take 4 bits" when `bits` is not a
+/// width mode m takes (a Mode), else empty.
+inline std::string mode_width_error(Mode m, int bits) {
+  const detail::ModeTraits& t = *detail::traits(m);
+  if (bits >= t.min_bits && bits <= t.max_bits) return {};
+  const std::string widths = t.min_bits == t.max_bits ? std::to_string(t.min_bits)
+                                                      : std::to_string(t.min_bits) + ".." + std::to_string(t.max_bits);
+  return std::string(t.name) + " levels take " + widths + " bits, got " + std::to_string(bits);
 }
 
 inline constexpr int min_bits = 1;
@@ -151,23 +182,14 @@ inline void validate(const QuantizerSpec& spec, std::string_view what) {
     throw Error(ErrorCode::invalid_argument, prefix + "bits must be in 1..8, got " + std::to_string(spec.bits));
   if (spec.axis != Axis::per_channel && spec.axis != Axis::per_token)
     throw Error(ErrorCode::invalid_argument, prefix + "axis " + std::to_string(int(spec.axis)) + " is not an Axis");
-  if (spec.mode != Mode::asymmetric && spec.mode != Mode::symmetric && spec.mode != Mode::ggml &&
-      spec.mode != Mode::normal_float && spec.mode != Mode::lloyd_max && spec.mode != Mode::codebook &&
-      spec.mode != Mode::iq4_nl && spec.mode != Mode::fp8_e4m3 && spec.mode != Mode::fp8_e5m2)
+  if (detail::traits(spec.mode) == nullptr)
     throw Error(ErrorCode::invalid_argument, prefix + "mode " + std::to_string(int(spec.mode)) + " is not a Mode");
   if (spec.outliers > 0 && !min_max_levels(spec.mode))
     throw Error(ErrorCode::invalid_argument, prefix + std::string(to_string(spec.mode)) +
                                                  " levels keep no outliers (got " + std::to_string(spec.outliers) +
                                                  " per group)");
-  if ((spec.mode == Mode::normal_float && (spec.bits < 2 || spec.bits > 4)) ||
-      ((spec.mode == Mode::lloyd_max || spec.mode == Mode::codebook) && spec.bits > 4))
-    throw Error(ErrorCode::invalid_argument, prefix + std::string(to_string(spec.mode)) + " levels take " +
-                                                 (spec.mode == Mode::normal_float ? "2" : "1") + "..4 bits, got " +
-                                                 std::to_string(spec.bits));
-  if (mode_bits(spec.mode) != 0 && spec.bits != mode_bits(spec.mode))
-    throw Error(ErrorCode::invalid_argument, prefix + std::string(to_string(spec.mode)) + " levels take " +
-                                                 std::to_string(mode_bits(spec.mode)) + " bits, got " +
-                                                 std::to_string(spec.bits));
+  if (const std::string wrong_width = mode_width_error(spec.mode, spec.bits); !wrong_width.empty())
+    throw Error(ErrorCode::invalid_argument, prefix + wrong_width);
   validate_codebook(spec, prefix);
   if (!is_valid(spec.param))
     throw Error(ErrorCode::invalid_argument,
@@ -268,18 +290,14 @@ inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
         spec.outliers >= spec.group)
       return fail("outliers per group must be 1.." + std::to_string(max_outliers) + " and fewer than the group");
   }
-  for (const Mode m : {Mode::symmetric, Mode::ggml, Mode::normal_float, Mode::lloyd_max, Mode::codebook, Mode::iq4_nl,
-                       Mode::fp8_e4m3, Mode::fp8_e5m2}) {
-    if (!text.starts_with(mode_suffix(m))) continue;
+  for (const detail::ModeTraits& t : detail::mode_traits) {
+    if (t.suffix.empty() || !text.starts_with(t.suffix)) continue;
+    const Mode m = t.mode;
     spec.mode = m;
-    text.remove_prefix(mode_suffix(m).size());
-    if (spec.outliers > 0 && m != Mode::symmetric) return fail(std::string(to_string(m)) + " levels keep no outliers");
-    if (m == Mode::normal_float && (spec.bits < 2 || spec.bits > 4)) return fail("NormalFloat levels take 2..4 bits");
-    if (m == Mode::lloyd_max && spec.bits > 4) return fail("Lloyd-Max levels take 1..4 bits");
-    if (mode_bits(m) != 0 && spec.bits != mode_bits(m))
-      return fail(std::string(to_string(m)) + " levels take " + std::to_string(mode_bits(m)) + " bits");
+    text.remove_prefix(t.suffix.size());
+    if (spec.outliers > 0 && m != Mode::symmetric) return fail(std::string(t.name) + " levels keep no outliers");
+    if (const std::string wrong_width = mode_width_error(m, spec.bits); !wrong_width.empty()) return fail(wrong_width);
     if (m == Mode::codebook) {
-      if (spec.bits > 4) return fail("codebook levels take 1..4 bits");
       for (int i = 0; i < spec.levels(); ++i) {
         std::uint16_t half_bits = 0;
         for (int digit = 0; digit < 4; ++digit, text.remove_prefix(1)) {
