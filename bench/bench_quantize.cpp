@@ -114,13 +114,22 @@ BENCHMARK(keys_per_channel<true>)->Name("quantize_keys_per_channel/reference")->
 BENCHMARK(keys_per_channel<false>)->Name("quantize_keys_per_channel/dispatched")->Arg(2)->Arg(4)->Arg(8);
 BENCHMARK(values_per_token<true>)->Name("quantize_values_per_token/reference")->Arg(2)->Arg(4)->Arg(8);
 BENCHMARK(values_per_token<false>)->Name("quantize_values_per_token/dispatched")->Arg(2)->Arg(4)->Arg(8);
-// 8-bit codes of other modes: ggml's q8_0 (the scalar reference quantizes it), fp8 (AVX-512 and
-// the scalar reference)
-BENCHMARK(values_per_token<false, kvq::Mode::ggml>)->Name("quantize_values_per_token/q8_0")->Arg(8);
+// Other modes, AVX-512 and the scalar reference: ggml's q4_0 and q8_0, fp8
+BENCHMARK(values_per_token<false, kvq::Mode::ggml>)->Name("quantize_values_per_token/ggml/dispatched")->Arg(4)->Arg(8);
+BENCHMARK(values_per_token<true, kvq::Mode::ggml>)->Name("quantize_values_per_token/ggml/reference")->Arg(4)->Arg(8);
 BENCHMARK(values_per_token<false, kvq::Mode::fp8_e4m3>)->Name("quantize_values_per_token/e4m3/dispatched")->Arg(8);
 BENCHMARK(values_per_token<false, kvq::Mode::fp8_e5m2>)->Name("quantize_values_per_token/e5m2/dispatched")->Arg(8);
 BENCHMARK(values_per_token<true, kvq::Mode::fp8_e4m3>)->Name("quantize_values_per_token/e4m3/reference")->Arg(8);
 BENCHMARK(values_per_token<true, kvq::Mode::fp8_e5m2>)->Name("quantize_values_per_token/e5m2/reference")->Arg(8);
+// Level tables (codes by search among the levels): Lloyd-Max and NormalFloat, AVX-512 and the
+// scalar reference
+BENCHMARK(values_per_token<false, kvq::Mode::lloyd_max>)
+    ->Name("quantize_values_per_token/lm/dispatched")
+    ->Arg(2)
+    ->Arg(4);
+BENCHMARK(values_per_token<true, kvq::Mode::lloyd_max>)->Name("quantize_values_per_token/lm/reference")->Arg(2)->Arg(4);
+BENCHMARK(values_per_token<false, kvq::Mode::normal_float>)->Name("quantize_values_per_token/nf/dispatched")->Arg(4);
+BENCHMARK(values_per_token<true, kvq::Mode::normal_float>)->Name("quantize_values_per_token/nf/reference")->Arg(4);
 BENCHMARK(values_per_token_heads<kvq::Scalar::f32>)
     ->Name("quantize_values_per_token/8_heads_f32")
     ->Arg(2)

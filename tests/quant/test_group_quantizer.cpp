@@ -44,9 +44,36 @@ std::vector<QuantizerSpec> all_specs(Axis axis, std::size_t group) {
   return specs;
 }
 
-// all_specs and the other modes the AVX-512 quantizer writes (fp8).
+// A codebook of 2^bits ascending f16 levels: -1, 2^-24, then up to 1. The midpoint of the first
+// two, -0.5 + 2^-25, is no float (encoders must compare as the reference does in double).
+QuantizerSpec codebook_spec(int bits, std::size_t group, Axis axis, Scalar param) {
+  QuantizerSpec spec{bits, group, axis, Mode::codebook, param};
+  const std::size_t n = std::size_t(1) << bits;
+  spec.codebook[0] = -1.0f;
+  spec.codebook[1] = 0x1p-24f;
+  for (std::size_t i = 2; i < n; ++i) spec.codebook[i] = kvq::round_to(Scalar::f16, float(i - 1) / float(n - 2));
+  return spec;
+}
+
+// The level-table specs the AVX-512 quantizer searches: NormalFloat, Lloyd-Max, codebooks.
+std::vector<QuantizerSpec> searched_level_specs(Axis axis, std::size_t group) {
+  std::vector<QuantizerSpec> specs;
+  for (const Scalar param : {Scalar::f16, Scalar::bf16, Scalar::f32})
+    for (int bits = 1; bits <= 4; ++bits) {
+      if (bits >= 2) specs.push_back(QuantizerSpec{bits, group, axis, Mode::normal_float, param});
+      specs.push_back(QuantizerSpec{bits, group, axis, Mode::lloyd_max, param});
+      specs.push_back(codebook_spec(bits, group, axis, param));
+    }
+  return specs;
+}
+
+// all_specs and the other modes the AVX-512 quantizer writes (ggml's, level tables, fp8).
 std::vector<QuantizerSpec> fast_path_specs(Axis axis, std::size_t group) {
   std::vector<QuantizerSpec> specs = all_specs(axis, group);
+  for (const int bits : {4, 5, 8})
+    for (const Scalar param : {Scalar::f16, Scalar::bf16, Scalar::f32})
+      specs.push_back(QuantizerSpec{bits, group, axis, Mode::ggml, param});
+  for (const QuantizerSpec& spec : searched_level_specs(axis, group)) specs.push_back(spec);
   for (const Mode mode : {Mode::fp8_e4m3, Mode::fp8_e5m2})
     for (const Scalar param : {Scalar::f16, Scalar::bf16, Scalar::f32})
       specs.push_back(QuantizerSpec{8, group, axis, mode, param});
@@ -430,16 +457,18 @@ std::vector<float> make_data(Pattern pattern, const QuantizerSpec& spec, std::si
   std::uniform_int_distribution<int> half_steps(0, 2 * top);
   std::uniform_int_distribution<int> coin(0, 2);
   const float huge = spec.param == Scalar::f16 ? 30000.0f : 1e30f;
+  const bool centred = spec.mode == Mode::symmetric || spec.mode == Mode::ggml;
   for (std::size_t i = 0; i < n; ++i) {
     switch (pattern) {
       case Pattern::normal:
         v[i] = normal(rng) * 2.0f + 0.5f;
         break;
-      // Half-integer steps of a unit scale: (x - zero) * inv lands exactly on k + 0.5.
+      // Half-integer steps of a unit scale: (x - zero) * inv lands exactly on k + 0.5. Centred
+      // modes get both ends +-top/2, either first (ggml's lead is the first of them).
       case Pattern::ties:
-        v[i] = float(half_steps(rng)) * 0.5f - (spec.mode == Mode::symmetric ? float(top) * 0.5f : 0.0f);
-        if (i % 7 == 0) v[i] = spec.mode == Mode::symmetric ? float(top) * 0.5f : float(top);
-        if (i % 7 == 1) v[i] = spec.mode == Mode::symmetric ? -float(top) * 0.5f : 0.0f;
+        v[i] = float(half_steps(rng)) * 0.5f - (centred ? float(top) * 0.5f : 0.0f);
+        if (i % 7 == 0) v[i] = centred ? float(top) * 0.5f : float(top);
+        if (i % 7 == 1) v[i] = centred ? -float(top) * 0.5f : 0.0f;
         break;
       case Pattern::constant:
         v[i] = 1.75f;
@@ -550,6 +579,9 @@ TEST(GroupQuantizerFastPath, Avx512PerTokenMatchesReferenceByteForByte) {
   EXPECT_TRUE(kvq::kernels::avx512::supports(QuantizerSpec{4, 24, Axis::per_channel}));
   EXPECT_TRUE(kvq::kernels::avx512::supports(QuantizerSpec{8, 32, Axis::per_token, Mode::fp8_e5m2}));
   EXPECT_FALSE(kvq::kernels::avx512::supports(QuantizerSpec{4, 32, Axis::per_token, Mode::iq4_nl}));
+  EXPECT_TRUE(kvq::kernels::avx512::supports(QuantizerSpec{4, 32, Axis::per_token, Mode::ggml}));
+  EXPECT_TRUE(kvq::kernels::avx512::supports(QuantizerSpec{3, 32, Axis::per_token, Mode::lloyd_max}));
+  EXPECT_TRUE(kvq::kernels::avx512::supports(codebook_spec(2, 32, Axis::per_channel, Scalar::f16)));
   run_row_comparison(&kvq::kernels::avx512::quantize_row_per_token, true, "avx512");
 }
 
@@ -558,6 +590,55 @@ TEST(GroupQuantizerFastPath, Avx512PerChannelMatchesReferenceByteForByte) {
   run_block_comparison(&kvq::kernels::avx512::quantize_block_per_channel, "avx512");
 }
 #endif
+
+// Values at and beside every midpoint of neighbouring levels, in groups whose scale is exactly 1
+// (each holds the levels' outer ends): every path codes them as the reference, whose comparison in
+// double the fast paths make in float.
+TEST(GroupQuantizerFastPath, LevelTableMidpointsCodeAsTheReference) {
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  for (const QuantizerSpec& table : searched_level_specs(Axis::per_token, 16)) {
+    const float* levels = kvq::code_levels(table);
+    const std::size_t n = std::size_t(table.levels());
+    const float low = table.mode == Mode::codebook ? -1.0f : -std::max(-levels[0], levels[n - 1]);
+    std::vector<float> probes;
+    for (std::size_t i = 0; i + 1 < n; ++i) {
+      const double midpoint = 0.5 * (double(levels[i]) + double(levels[i + 1]));
+      const float below = float(midpoint) <= midpoint ? float(midpoint) : std::nextafter(float(midpoint), -inf);
+      const float above = std::nextafter(below, inf);
+      for (const float v : {std::nextafter(below, -inf), below, above, std::nextafter(above, inf)}) probes.push_back(v);
+      // The reference moves up a level between `below` and `above` (or at `below`, an exact midpoint).
+      EXPECT_LE(ref::encode(table, {1.0f, 0.0f, levels}, 1.0f, std::nextafter(below, -inf)), i);
+      EXPECT_EQ(ref::encode(table, {1.0f, 0.0f, levels}, 1.0f, above), i + 1);
+    }
+    // Groups of 16: the two ends, then 14 probes (the last group padded with the low end).
+    std::vector<float> x;
+    for (std::size_t p = 0; p < probes.size(); p += 14) {
+      x.push_back(low);
+      x.push_back(-low);
+      for (std::size_t k = p; k < p + 14; ++k) x.push_back(k < probes.size() ? probes[k] : low);
+    }
+    const std::size_t groups = x.size() / 16;
+    Buffers unit(groups, kvq::packed_bytes(x.size(), table.bits));
+    ref::quantize_row_per_token(table, x.data(), x.size(), unit.scales.data(), unit.zeros.data(), unit.codes.data());
+    for (std::size_t g = 0; g < groups; ++g)
+      ASSERT_EQ(ref::load_params(table, unit.scales.data(), unit.zeros.data(), g).scale, 1.0f) << describe(table);
+    for (const Axis axis : {Axis::per_token, Axis::per_channel}) {
+      QuantizerSpec spec = table;
+      spec.axis = axis;
+      SCOPED_TRACE(describe(spec));
+      if (axis == Axis::per_token) {
+        compare_row(&kvq::kernels::quantize_row_per_token, spec, x, "midpoints");
+      } else {  // channel g holds group g down its 16 rows
+        std::vector<float> block(16 * groups);
+        for (std::size_t g = 0; g < groups; ++g)
+          for (std::size_t r = 0; r < 16; ++r) block[r * groups + g] = x[g * 16 + r];
+        spec.group = 16;
+        compare_block(&kvq::kernels::quantize_block_per_channel, spec, block, 16, groups, groups, "midpoints");
+      }
+      if (HasFatalFailure()) return;
+    }
+  }
+}
 
 // Several rows per call (the cache's KV heads), stored as f32, f16 or bf16 and read in place, with
 // gaps between rows, parameter sets and code rows that must stay untouched.

@@ -6,6 +6,8 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -29,11 +31,39 @@
 
 namespace kvq::inline v0::kernels::avx512 {
 
-/// Per-token groups must be whole vectors, and the levels kvq's own or fp8 (ggml's and the level
-/// tables take the reference); everything else is handled here.
+/// The modes whose codes the AVX-512 quantizer finds by searching their level table (NormalFloat,
+/// Lloyd-Max, codebooks); iq4_nl's least-squares scale takes the reference.
+constexpr bool searched_levels(Mode m) noexcept {
+  return m == Mode::normal_float || m == Mode::lloyd_max || m == Mode::codebook;
+}
+
+/// Per-token groups must be whole vectors, and the levels kvq's own, ggml's, a searched table or
+/// fp8; everything else is handled here.
 inline bool supports(const QuantizerSpec& spec) noexcept {
-  return spec.outliers == 0 && (min_max_levels(spec.mode) || is_fp8(spec.mode)) &&
+  return spec.outliers == 0 && (affine_levels(spec.mode) || searched_levels(spec.mode) || is_fp8(spec.mode)) &&
          (spec.axis == Axis::per_channel || spec.group % 16 == 0);
+}
+
+/// A level table as encode_levels searches it. reference::encode compares a float v with the
+/// midpoints of neighbouring levels in double; v is at or above a midpoint exactly when it is at
+/// or above the least float not below it, so that is what lane i holds (the midpoint of levels i
+/// and i + 1; +inf past the last).
+struct LevelSearch {
+  __m512 midpoints;
+  int first_step;  // half the levels: the binary search's first probe (0: not a searched mode)
+};
+
+KVQ_TARGET_AVX512 inline LevelSearch level_search(const QuantizerSpec& spec) noexcept {
+  alignas(64) float midpoints[16];
+  std::fill_n(midpoints, 16, std::numeric_limits<float>::infinity());
+  if (!searched_levels(spec.mode)) return {_mm512_load_ps(midpoints), 0};
+  const float* levels = code_levels(spec);
+  for (int i = 0; i + 1 < spec.levels(); ++i) {
+    const double exact = 0.5 * (double(levels[i]) + double(levels[i + 1]));
+    const float rounded = float(exact);
+    midpoints[i] = double(rounded) < exact ? std::nextafter(rounded, std::numeric_limits<float>::infinity()) : rounded;
+  }
+  return {_mm512_load_ps(midpoints), spec.levels() / 2};
 }
 
 KVQ_QUANT_INLINE inline __m512 round_to(Scalar s, __m512 v) noexcept {
@@ -82,6 +112,16 @@ KVQ_QUANT_INLINE inline Params16 compute_params(const QuantizerSpec& spec, __m51
   if (spec.mode == Mode::asymmetric) {
     p.scale = round_to(spec.param, _mm512_div_ps(_mm512_sub_ps(hi, lo), top));
     p.zero = round_to(spec.param, lo);
+  } else if (spec.mode == Mode::codebook) {  // scalef halves exactly, as a product would, but never fuses
+    const __m512 half = _mm512_scalef_ps(_mm512_sub_ps(hi, lo), _mm512_set1_ps(-1.0f));
+    p.scale = round_to(spec.param, half);
+    p.zero = round_to(spec.param, _mm512_add_ps(lo, half));
+  } else if (searched_levels(spec.mode)) {
+    const float* levels = code_levels(spec);
+    const float outer = std::max(-levels[0], levels[spec.levels() - 1]);
+    const __m512 absmax = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+    p.scale = round_to(spec.param, _mm512_div_ps(absmax, _mm512_set1_ps(outer)));
+    p.zero = _mm512_setzero_ps();
   } else if (is_fp8(spec.mode)) {
     const __m512 absmax = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
     p.scale = round_up_to(spec.param, _mm512_div_ps(absmax, _mm512_set1_ps(fp8_max(fp8_format(spec.mode)))));
@@ -96,11 +136,40 @@ KVQ_QUANT_INLINE inline Params16 compute_params(const QuantizerSpec& spec, __m51
   return p;
 }
 
+/// ggml blocks: the parameters of 16 groups from their leads (each group's value of largest
+/// magnitude, the first on a tie), with inv = 1 / the unrounded step, 0 where that is not finite
+/// (reference::ggml_params).
+KVQ_QUANT_INLINE inline Params16 ggml_params(const QuantizerSpec& spec, __m512 lead) noexcept {
+  const float mid = reference::mid_code(spec);
+  const __m512 d = spec.bits == 8 ? _mm512_div_ps(_mm512_abs_ps(lead), _mm512_set1_ps(127.0f))
+                                  : _mm512_div_ps(lead, _mm512_set1_ps(-mid));
+  Params16 p;
+  p.scale = round_to(spec.param, d);
+  p.zero = _mm512_mul_ps(_mm512_set1_ps(-mid), p.scale);
+  const __m512 inv =
+      _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_UQ), _mm512_set1_ps(1.0f), d);
+  const __mmask16 finite =
+      _mm512_cmp_ps_mask(_mm512_abs_ps(inv), _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_LT_OQ);
+  p.inv = _mm512_maskz_mov_ps(finite, inv);
+  return p;
+}
+
+/// ggml's lead of 16 groups from their ranges: the end of larger magnitude. Where the two ends
+/// have one magnitude and differ (lo = -hi), the first of them in the group leads: those lanes
+/// are set in `tie` for the caller to resolve.
+KVQ_QUANT_INLINE inline __m512 lead_of_range(__m512 lo, __m512 hi, __mmask16& tie) noexcept {
+  lo = _mm512_add_ps(lo, _mm512_setzero_ps());  // -0 -> +0: a group of zeros leads with +0
+  hi = _mm512_add_ps(hi, _mm512_setzero_ps());
+  const __m512 low_magnitude = _mm512_abs_ps(lo), high_magnitude = _mm512_abs_ps(hi);
+  tie = _mm512_cmp_ps_mask(low_magnitude, high_magnitude, _CMP_EQ_OQ) & _mm512_cmp_ps_mask(lo, hi, _CMP_NEQ_OQ);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(low_magnitude, high_magnitude, _CMP_GT_OQ), hi, lo);
+}
+
 /// Stores the lanes in m of scale (and zero, when the mode keeps one) at element `index`.
 KVQ_QUANT_INLINE inline void store_params(const QuantizerSpec& spec, void* scales, void* zeros, std::size_t index,
                                           __m512 scale, __m512 zero, __mmask16 m) noexcept {
   store_params(spec.param, scales, index, scale, m);
-  if (spec.mode == Mode::asymmetric) store_params(spec.param, zeros, index, zero, m);
+  if (spec.has_zero_point()) store_params(spec.param, zeros, index, zero, m);
 }
 
 /// Parameters of 16 groups from their ranges, rounded as stored, and stored.

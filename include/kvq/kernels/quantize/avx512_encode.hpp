@@ -1,6 +1,6 @@
 #pragma once
 // AVX-512 codes 64 at a time: load (f32, f16 or bf16 rows), encode as reference::encode does
-// (kvq's affine levels and fp8),
+// (kvq's affine levels, ggml's, searched level tables and fp8),
 // narrow to bytes in registers, and pack from there for 2, 4 and 8 bits (pack_row otherwise).
 
 #include <immintrin.h>
@@ -70,6 +70,42 @@ KVQ_QUANT_INLINE inline __m512i encode_fp8(__m512 x, __m512 inv, Fp8Format f) no
   return _mm512_or_si512(code, sign);
 }
 
+/// 16 codes of a searched level table as int32: the index of the level nearest to
+/// (x - zero) * inv, halfway the upper one (reference::encode), by binary search over the
+/// midpoints; NaN compares below every midpoint and gets code 0, as there.
+KVQ_QUANT_INLINE inline __m512i encode_levels(__m512 x, __m512 zero, __m512 inv, const LevelSearch& search) noexcept {
+  const __m512 v = _mm512_mul_ps(_mm512_sub_ps(x, zero), inv);
+  __m512i code = _mm512_setzero_si512();
+  for (int step = search.first_step; step > 0; step /= 2) {
+    // moving up to code + step takes v at or above the midpoint just below that level
+    const __m512 midpoint =
+        _mm512_permutexvar_ps(_mm512_add_epi32(code, _mm512_set1_epi32(step - 1)), search.midpoints);
+    code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(v, midpoint, _CMP_GE_OQ), code, _mm512_set1_epi32(step));
+  }
+  return code;
+}
+
+/// 16 ggml codes as int32 from inv (1 / the unrounded step), operation by operation as
+/// reference::ggml_encode: 8 bits round(x * inv) + 128 (half away from zero) within [1, 255],
+/// fewer trunc(x * inv + mid + 0.5) within [0, top]. The product has its own rounding step
+/// (the _round_ form), so no compiler fuses it into the next addition.
+KVQ_QUANT_INLINE inline __m512i encode_ggml(__m512 x, __m512 inv, int bits) noexcept {
+  const __m512 y = _mm512_mul_round_ps(x, inv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 code;
+  if (bits == 8) {
+    const __m512 whole = _mm512_roundscale_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __mmask16 away = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(y, whole)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    const __m512 step = _mm512_or_ps(_mm512_set1_ps(1.0f), _mm512_and_ps(y, _mm512_set1_ps(-0.0f)));  // +-1 as y
+    code = _mm512_add_ps(_mm512_mask_add_ps(whole, away, whole, step), _mm512_set1_ps(128.0f));
+    code = _mm512_min_ps(_mm512_max_ps(code, _mm512_set1_ps(1.0f)), _mm512_set1_ps(255.0f));
+  } else {
+    const float mid = float(1 << (bits - 1));
+    code = _mm512_roundscale_ps(_mm512_add_ps(y, _mm512_set1_ps(mid + 0.5f)), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    code = _mm512_min_ps(_mm512_max_ps(code, _mm512_setzero_ps()), _mm512_set1_ps(float((1 << bits) - 1)));
+  }
+  return _mm512_cvttps_epi32(code);
+}
+
 /// 4 x 16 int32 codes -> 64 bytes in channel order, saturating to [0, 255].
 KVQ_QUANT_INLINE inline __m512i narrow64(__m512i a, __m512i b, __m512i c, __m512i d) noexcept {
   // The packs work within 128-bit lanes: dword 4i + j ends up holding codes 4i..4i+3 of input j.
@@ -93,12 +129,12 @@ KVQ_QUANT_INLINE inline void pack64(__m512i codes, int bits, std::uint8_t* out) 
 }
 
 /// One row's codes, packed at out; params_of(c) gives the zero points and inverses of the 16
-/// channels from c (never straddling a group).
+/// channels from c (never straddling a group), search is level_search(spec).
 template <Scalar In, class ParamsOf>
-KVQ_TARGET_AVX512 inline void encode_row(const QuantizerSpec& spec, const void* row, std::size_t dim,
-                                         ParamsOf params_of, std::uint8_t* out) noexcept {
+KVQ_TARGET_AVX512 inline void encode_row(const QuantizerSpec& spec, const LevelSearch& search, const void* row,
+                                         std::size_t dim, ParamsOf params_of, std::uint8_t* out) noexcept {
   const __m512 top = _mm512_set1_ps(float(spec.levels() - 1));
-  const bool fp8 = is_fp8(spec.mode);
+  const bool fp8 = is_fp8(spec.mode), searched = search.first_step != 0, ggml = spec.mode == Mode::ggml;
   const Fp8Format format = fp8_format(spec.mode);
   const bool packs_in_register = spec.bits == 2 || spec.bits == 4 || spec.bits == 8;
   alignas(64) std::uint8_t codes[max_head_dim + 64];
@@ -114,7 +150,10 @@ KVQ_TARGET_AVX512 inline void encode_row(const QuantizerSpec& spec, const void* 
       }
       const Params16 p = params_of(ch);
       const __m512 x = full || dim - ch >= 16 ? load16<In>(row, ch) : load16<In>(row, ch, tail_mask(dim - ch));
-      q[v] = fp8 ? encode_fp8(x, p.inv, format) : encode32(x, p.zero, p.inv, top);
+      q[v] = fp8        ? encode_fp8(x, p.inv, format)
+             : searched ? encode_levels(x, p.zero, p.inv, search)
+             : ggml     ? encode_ggml(x, p.inv, spec.bits)
+                        : encode32(x, p.zero, p.inv, top);
     }
     const __m512i bytes = narrow64(q[0], q[1], q[2], q[3]);
     if (packs_in_register && full) {

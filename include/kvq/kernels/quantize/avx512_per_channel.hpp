@@ -32,6 +32,18 @@ KVQ_TARGET_AVX512 inline void quantize_block_per_channel(const QuantizerSpec& sp
   Params16 params[max_head_dim / 16];
   for (std::size_t c = 0, v = 0; c < dim; c += 16, ++v) {
     const __mmask16 m = tail_mask(dim - c);
+    if (spec.mode == Mode::ggml) {  // each channel's lead: the first value of largest magnitude
+      __m512 most = _mm512_setzero_ps(), lead = _mm512_setzero_ps();
+      for (std::size_t r = 0; r < rows; ++r) {
+        const __m512 value = load16<In>(row_at(r), c, m), magnitude = _mm512_abs_ps(value);
+        const __mmask16 larger = _mm512_cmp_ps_mask(magnitude, most, _CMP_GT_OQ);
+        most = _mm512_mask_mov_ps(most, larger, magnitude);
+        lead = _mm512_mask_mov_ps(lead, larger, value);
+      }
+      params[v] = ggml_params(spec, lead);
+      store_params(spec, scales, zeros, c, params[v].scale, params[v].zero, m);
+      continue;
+    }
     __m512 lo = load16<In>(row_at(0), c, m), hi = lo;
     for (std::size_t r = 1; r < rows; ++r) {
       const __m512 value = load16<In>(row_at(r), c, m);
@@ -40,9 +52,11 @@ KVQ_TARGET_AVX512 inline void quantize_block_per_channel(const QuantizerSpec& sp
     }
     params[v] = make_params(spec, lo, hi, scales, zeros, c, m);
   }
+  const LevelSearch search = level_search(spec);
   for (std::size_t r = 0; r < rows; ++r)
     encode_row<In>(
-        spec, row_at(r), dim, [&](std::size_t c) KVQ_TARGET_AVX512 { return params[c / 16]; }, out + r * row_bytes);
+        spec, search, row_at(r), dim, [&](std::size_t c) KVQ_TARGET_AVX512 { return params[c / 16]; },
+        out + r * row_bytes);
 }
 
 /// The same with the storage type chosen at run time.

@@ -23,6 +23,34 @@
 
 namespace kvq::inline v0::kernels::avx512 {
 
+/// ggml's leads of the n groups from g0 of rows whose first is at `rows` (x_stride bytes apart,
+/// per_row groups each), given their ranges: lead_of_range, and where the ends tie, the first value
+/// of that magnitude in the group.
+template <Scalar In>
+KVQ_TARGET_AVX512 inline __m512 ggml_lead(const QuantizerSpec& spec, __m512 lo, __m512 hi, std::size_t g0,
+                                          std::size_t n, const std::uint8_t* rows, std::size_t x_stride,
+                                          std::size_t per_row, std::size_t dim) noexcept {
+  __mmask16 tie;
+  const __m512 lead = lead_of_range(lo, hi, tie);
+  tie &= tail_mask(n);
+  if (tie == 0) return lead;
+  alignas(64) float leads[16];
+  _mm512_store_ps(leads, lead);
+  for (; tie != 0; tie &= tie - 1) {
+    const std::size_t i = std::size_t(__builtin_ctz(tie)), group = g0 + i;
+    const void* row = rows + group / per_row * x_stride;
+    const std::size_t begin = group % per_row * spec.group, end = std::min(dim, begin + spec.group);
+    for (std::size_t c = begin; c < end; ++c) {
+      const float value = load_scalar(In, row, c);
+      if (std::fabs(value) == std::fabs(leads[i])) {
+        leads[i] = value;
+        break;
+      }
+    }
+  }
+  return _mm512_load_ps(leads);
+}
+
 /// `rows` rows of dim values of type In, row r at x + r * x_stride bytes -> for row r,
 /// groups_per_row(spec, dim) parameter pairs at scales / zeros + r * param_stride bytes and
 /// packed codes at out + r * out_stride. Requires supports(spec); K > 0 requires group = 16 K
@@ -38,6 +66,7 @@ KVQ_TARGET_AVX512 inline void quantize_rows_per_token(const QuantizerSpec& spec,
   const std::size_t chunk_rows = per_row >= 16 ? 1 : 16 / per_row;
   constexpr std::size_t max_chunk_groups = max_head_dim / 16 > 16 ? max_head_dim / 16 : 16;
   alignas(64) float zero[max_chunk_groups], inv[max_chunk_groups];
+  const LevelSearch search = level_search(spec);
   const auto row_at = [&](std::size_t r) { return static_cast<const std::uint8_t*>(x) + r * x_stride; };
   for (std::size_t row0 = 0; row0 < rows; row0 += chunk_rows) {
     const std::size_t n_rows = rows - row0 < chunk_rows ? rows - row0 : chunk_rows, n_groups = n_rows * per_row;
@@ -73,7 +102,10 @@ KVQ_TARGET_AVX512 inline void quantize_rows_per_token(const QuantizerSpec& spec,
         reduce_ranges4(lo, hi, min16, max16);
       else
         reduce_ranges16(lo, hi, min16, max16);
-      const Params16 p = compute_params(spec, min16, max16);
+      const Params16 p =
+          spec.mode == Mode::ggml
+              ? ggml_params(spec, ggml_lead<In>(spec, min16, max16, g0, n, row_at(row0), x_stride, per_row, dim))
+              : compute_params(spec, min16, max16);
       _mm512_store_ps(zero + g0, p.zero);
       _mm512_store_ps(inv + g0, p.inv);
       // Store each row's share of the 16 lanes at its own parameter address.
@@ -97,7 +129,7 @@ KVQ_TARGET_AVX512 inline void quantize_rows_per_token(const QuantizerSpec& spec,
     for (std::size_t i = 0; i < n_rows; ++i) {
       const float *row_zero = zero + i * per_row, *row_inv = inv + i * per_row;
       encode_row<In>(
-          spec, row_at(row0 + i), dim,
+          spec, search, row_at(row0 + i), dim,
           [&](std::size_t c) KVQ_TARGET_AVX512 {
             const std::size_t g = K > 0 ? c / (16 * (K > 0 ? K : 1)) : std::uint32_t(c) / std::uint32_t(group);
             return Params16{_mm512_set1_ps(row_zero[g]), _mm512_set1_ps(row_inv[g]), _mm512_setzero_ps()};

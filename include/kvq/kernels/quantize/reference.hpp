@@ -134,8 +134,8 @@ inline GroupParams make_params(const QuantizerSpec& spec, float min, float max) 
     if (absmax > 0x1p36f) return {std::numeric_limits<float>::infinity(), 0.0f, code_levels(spec)};
     return {round_to(spec.param, 7.0f * absmax / 127.0f), 0.0f, code_levels(spec)};
   }
-  if (spec.mode == Mode::codebook)
-    return {round_to(spec.param, (max - min) * 0.5f), round_to(spec.param, min + (max - min) * 0.5f),
+  if (spec.mode == Mode::codebook)  // halving rounds below FLT_MIN only; a fused sum would skip that
+    return {round_to(spec.param, (max - min) * 0.5f), round_to(spec.param, min + unfused_product(max - min, 0.5f)),
             code_levels(spec)};
   if (is_fp8(spec.mode))
     return {round_up_to(spec.param, std::max(std::fabs(min), std::fabs(max)) / fp8_max(fp8_format(spec.mode))), 0.0f,
