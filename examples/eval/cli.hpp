@@ -50,7 +50,8 @@ usage: kvq-eval [options]
   --tokens PATH        token ids instead of text, separated by white space, cut into
                        sequences of --context ids (no BOS is added; no tokenizer is needed)
   --set NAME           configuration set: default, axes, full, engines (default: default);
-                       engines = the default set plus every engine format below
+                       engines = the default set plus every engine format below, and
+                       kvq caches in the engines' layouts (fp8, TurboQuant-style, HF)
   --configs A,B,...    explicit configurations, e.g. k4c32-v2t8-r0-s0,ggml-q4_0 (overrides --set);
                        a quantizer ending in a bare 'b' (k3c32b-v4t8-r0-s0) gets codebook levels
                        fitted to the model's own greedy text from BOS (pre-RoPE keys, values;
@@ -102,6 +103,10 @@ stores it; attention reads them in fp32; bits/value counts the format's scales):
                        Lloyd-Max levels (int8 at 8 bits), one fp16 scale per head vector
   hf-int4, hf-int2     Hugging Face's QuantizedCache defaults: post-RoPE K and V per 64 values
                        of a head vector, affine; the newest rows exact until 128 gather
+The same layouts as kvq caches (in --set engines; <d> = head_dim):
+  k8t<d>e4m3-v8t<d>e4m3-r0-s0-post and e5m2      vLLM's fp8 with a scale per head vector
+  k<K>t<d>l-v<V>t<d>l-r0-s0-post-hsk-hsv          TurboQuant's layout (int8 symmetric at 8 bits)
+  k<B>t64-v<B>t64-r128-s0-post                    HF's, the newest 128 tokens always exact
 )";
 
 struct EvalOptions {
@@ -263,9 +268,23 @@ inline std::vector<Candidate> config_set(const std::string& set, std::size_t hea
   }
   if (set == "engines") {
     for (const std::string& n : engine_format_names()) names.push_back(n);
-    // vLLM's fp8 formats as kvq caches: a scale per token's head vector instead of per tensor
-    for (const char* f : {"e4m3", "e5m2"})
-      names.push_back("k8t" + std::to_string(head_dim) + f + "-v8t" + std::to_string(head_dim) + f + "-r0-s0-post");
+    // The engines' layouts as kvq caches, with kvq's own scale rules. vLLM's fp8: a scale per
+    // token's head vector instead of per tensor.
+    const std::string h = std::to_string(head_dim);
+    for (const char* f : {"e4m3", "e5m2"}) names.push_back("k8t" + h + f + "-v8t" + h + f + "-r0-s0-post");
+    // TurboQuant-style: each head rotated (Hadamard with random signs) and coded per head vector,
+    // Lloyd-Max levels scaled by the absmax (the simulated rows scale by the RMS), int8 symmetric.
+    const auto turbo = [&](char tensor, int bits) {
+      return tensor + std::to_string(bits) + "t" + h + (bits == 8 ? "s" : "l");
+    };
+    for (const auto& [k, v] : turbo_bit_pairs)
+      names.push_back(turbo('k', k) + "-" + turbo('v', v) + "-r0-s0-post-hsk-hsv");
+    // Hugging Face's QuantizedCache: groups of 64 channels (the head where it is shorter), the
+    // newest 128 tokens exact (always 128 here; HF holds 0 to 127 between its flushes).
+    const std::string hf = "t" + std::to_string(EngineFormat::hf_group_of(head_dim));
+    for (const char* b : {"4", "2"})
+      names.push_back(std::string("k") + b + hf + "-v" + b + hf + "-r" + std::to_string(EngineFormat::hf_residual) +
+                      "-s0-post");
   }
   std::vector<Candidate> configs;
   for (const std::string& n : names) configs.push_back(parse_candidate(n));
