@@ -234,9 +234,10 @@ TEST_F(EvalModel, EngineFormatsRankAsTheirBitsSay) {
   EXPECT_LT(c5.mean_kl, e5m2.mean_kl);
   EXPECT_LT(c4.mean_kl, c5.mean_kl);
   EXPECT_DOUBLE_EQ(c4.bits_per_value, 8.0 + 2.0);  // an fp16 scale per 8 values
-  // TurboQuant's layout as a kvq cache (the engines set's rows): the same rotation, bits and
-  // scale per head vector, but Lloyd-Max levels scaled by the absmax instead of the RMS, which
-  // clips nothing (12 stories: KL 0.0023 against 0.0038 for k8v4, 0.52 against 0.87 for k4v2).
+  // TurboQuant's layout as a kvq cache (the engines set's rows): a random-sign rotation (the
+  // cache's signs), the same bits and a scale per head vector, but Lloyd-Max levels scaled by the
+  // absmax instead of the RMS, which clips nothing (12 stories: KL 0.0023 against 0.0038 for
+  // k8v4, 0.52 against 0.87 for k4v2).
   const auto k84 = engine("k8t8s-v4t8l-r0-s0-post-hsk-hsv"), k42 = engine("k4t8l-v2t8l-r0-s0-post-hsk-hsv");
   EXPECT_LT(k84.mean_kl, t84.mean_kl);
   EXPECT_LT(k42.mean_kl, t42.mean_kl);

@@ -44,14 +44,15 @@ std::vector<QuantizerSpec> all_specs(Axis axis, std::size_t group) {
   return specs;
 }
 
-// A codebook of 2^bits ascending f16 levels: -1, 2^-24, then up to 1. The midpoint of the first
-// two, -0.5 + 2^-25, is no float (encoders must compare as the reference does in double).
+// A codebook of 2^bits ascending f16 levels ending in 2^-24 and 1, whose midpoint 0.5 + 2^-25 is
+// no float (encoders must compare as the reference does in double); below them, from -1 up.
 QuantizerSpec codebook_spec(int bits, std::size_t group, Axis axis, Scalar param) {
   QuantizerSpec spec{bits, group, axis, Mode::codebook, param};
   const std::size_t n = std::size_t(1) << bits;
-  spec.codebook[0] = -1.0f;
-  spec.codebook[1] = 0x1p-24f;
-  for (std::size_t i = 2; i < n; ++i) spec.codebook[i] = kvq::round_to(Scalar::f16, float(i - 1) / float(n - 2));
+  for (std::size_t i = 0; i + 2 < n; ++i)
+    spec.codebook[i] = kvq::round_to(Scalar::f16, -1.0f + float(i) / float(n - 2));
+  spec.codebook[n - 2] = 0x1p-24f;
+  spec.codebook[n - 1] = 1.0f;
   return spec;
 }
 
@@ -70,7 +71,7 @@ std::vector<QuantizerSpec> searched_level_specs(Axis axis, std::size_t group) {
 // all_specs and the other modes the AVX-512 quantizer writes (ggml's, level tables, fp8).
 std::vector<QuantizerSpec> fast_path_specs(Axis axis, std::size_t group) {
   std::vector<QuantizerSpec> specs = all_specs(axis, group);
-  for (const int bits : {4, 5, 8})
+  for (int bits = 1; bits <= 8; ++bits)
     for (const Scalar param : {Scalar::f16, Scalar::bf16, Scalar::f32})
       specs.push_back(QuantizerSpec{bits, group, axis, Mode::ggml, param});
   for (const QuantizerSpec& spec : searched_level_specs(axis, group)) specs.push_back(spec);
@@ -458,17 +459,21 @@ std::vector<float> make_data(Pattern pattern, const QuantizerSpec& spec, std::si
   std::uniform_int_distribution<int> coin(0, 2);
   const float huge = spec.param == Scalar::f16 ? 30000.0f : 1e30f;
   const bool centred = spec.mode == Mode::symmetric || spec.mode == Mode::ggml;
+  const float end = spec.mode == Mode::ggml ? (spec.bits == 8 ? 127.0f : float(spec.levels() / 2))
+                    : centred               ? float(top) * 0.5f
+                                            : float(top);
   for (std::size_t i = 0; i < n; ++i) {
     switch (pattern) {
       case Pattern::normal:
         v[i] = normal(rng) * 2.0f + 0.5f;
         break;
       // Half-integer steps of a unit scale: (x - zero) * inv lands exactly on k + 0.5. Centred
-      // modes get both ends +-top/2, either first (ggml's lead is the first of them).
+      // modes get both ends, either first (ggml's lead is the first of them); ggml's ends, 127
+      // at 8 bits and 2^(b-1) below, make its step 1 (or -1).
       case Pattern::ties:
-        v[i] = float(half_steps(rng)) * 0.5f - (centred ? float(top) * 0.5f : 0.0f);
-        if (i % 7 == 0) v[i] = centred ? float(top) * 0.5f : float(top);
-        if (i % 7 == 1) v[i] = centred ? -float(top) * 0.5f : 0.0f;
+        v[i] = std::clamp(float(half_steps(rng)) * 0.5f - (centred ? float(top) * 0.5f : 0.0f), -end, end);
+        if (i % 7 == 0) v[i] = end;
+        if (i % 7 == 1) v[i] = centred ? -end : 0.0f;
         break;
       case Pattern::constant:
         v[i] = 1.75f;

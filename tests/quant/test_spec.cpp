@@ -144,6 +144,8 @@ TEST(Spec, QuantizerStringRoundTrip) {
             }).find("mode 9 is not a Mode"),
             std::string::npos);
   EXPECT_STREQ(kvq::to_string(Mode(9)), "unknown");
+  EXPECT_EQ(kvq::mode_width_error(Mode(9), 4), "mode 9 is not a Mode");
+  EXPECT_EQ(kvq::mode_width_error(Mode::lloyd_max, 4), "");
   EXPECT_STREQ(kvq::to_string(Mode::fp8_e5m2), "fp8_e5m2");
   EXPECT_EQ(kvq::mode_suffix(Mode::fp8_e4m3), "e4m3");
   EXPECT_EQ(kvq::mode_bits(Mode::lloyd_max), 0);

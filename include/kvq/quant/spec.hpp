@@ -89,7 +89,7 @@ constexpr const char* to_string(Mode m) noexcept {
 }
 
 /// Whether a mode is kvq's own min-max levels (asymmetric or symmetric): the only ones that keep
-/// outliers, that the integer tier reads and that the vector quantizer writes.
+/// outliers and that the integer tier reads.
 constexpr bool min_max_levels(Mode m) noexcept { return m == Mode::asymmetric || m == Mode::symmetric; }
 
 /// Whether a mode decodes as zero + scale * code (every kernel reads these; level tables the
@@ -108,10 +108,12 @@ constexpr int mode_bits(Mode m) noexcept {
   return t != nullptr && t->min_bits == t->max_bits ? t->min_bits : 0;
 }
 
-/// "normal_float levels take 2..4 bits" or "iq4_nl levels take 4 bits" when `bits` is not a
-/// width mode m takes (a Mode), else empty.
+/// "normal_float levels take 2..4 bits, got 5" or "iq4_nl levels take 4 bits, got 3" when `bits`
+/// is not a width mode m takes, "mode 9 is not a Mode" for no Mode, else empty.
 inline std::string mode_width_error(Mode m, int bits) {
-  const detail::ModeTraits& t = *detail::traits(m);
+  const detail::ModeTraits* found = detail::traits(m);
+  if (found == nullptr) return "mode " + std::to_string(int(m)) + " is not a Mode";
+  const detail::ModeTraits& t = *found;
   if (bits >= t.min_bits && bits <= t.max_bits) return {};
   const std::string widths = t.min_bits == t.max_bits ? std::to_string(t.min_bits)
                                                       : std::to_string(t.min_bits) + ".." + std::to_string(t.max_bits);
