@@ -184,14 +184,12 @@ inline void validate(const QuantizerSpec& spec, std::string_view what) {
     throw Error(ErrorCode::invalid_argument, prefix + "bits must be in 1..8, got " + std::to_string(spec.bits));
   if (spec.axis != Axis::per_channel && spec.axis != Axis::per_token)
     throw Error(ErrorCode::invalid_argument, prefix + "axis " + std::to_string(int(spec.axis)) + " is not an Axis");
-  if (detail::traits(spec.mode) == nullptr)
-    throw Error(ErrorCode::invalid_argument, prefix + "mode " + std::to_string(int(spec.mode)) + " is not a Mode");
+  if (const std::string wrong_width = mode_width_error(spec.mode, spec.bits); !wrong_width.empty())
+    throw Error(ErrorCode::invalid_argument, prefix + wrong_width);  // also a value that names no Mode
   if (spec.outliers > 0 && !min_max_levels(spec.mode))
     throw Error(ErrorCode::invalid_argument, prefix + std::string(to_string(spec.mode)) +
                                                  " levels keep no outliers (got " + std::to_string(spec.outliers) +
                                                  " per group)");
-  if (const std::string wrong_width = mode_width_error(spec.mode, spec.bits); !wrong_width.empty())
-    throw Error(ErrorCode::invalid_argument, prefix + wrong_width);
   validate_codebook(spec, prefix);
   if (!is_valid(spec.param))
     throw Error(ErrorCode::invalid_argument,

@@ -54,9 +54,9 @@ struct LevelSearch {
 };
 
 KVQ_TARGET_AVX512 inline LevelSearch level_search(const QuantizerSpec& spec) noexcept {
+  if (!searched_levels(spec.mode)) return {_mm512_set1_ps(std::numeric_limits<float>::infinity()), 0};
   alignas(64) float midpoints[16];
   std::fill_n(midpoints, 16, std::numeric_limits<float>::infinity());
-  if (!searched_levels(spec.mode)) return {_mm512_load_ps(midpoints), 0};
   const float* levels = code_levels(spec);
   for (int i = 0; i + 1 < spec.levels(); ++i) {
     const double exact = 0.5 * (double(levels[i]) + double(levels[i + 1]));

@@ -128,13 +128,23 @@ KVQ_QUANT_INLINE inline void pack64(__m512i codes, int bits, std::uint8_t* out) 
   }
 }
 
-/// One row's codes, packed at out; params_of(c) gives the zero points and inverses of the 16
-/// channels from c (never straddling a group), search is level_search(spec).
-template <Scalar In, class ParamsOf>
-KVQ_TARGET_AVX512 inline void encode_row(const QuantizerSpec& spec, const LevelSearch& search, const void* row,
-                                         std::size_t dim, ParamsOf params_of, std::uint8_t* out) noexcept {
+/// How a mode turns a value into a code; encode_row is compiled once per rule, so its inner loop
+/// carries no test of the mode.
+enum class CodeRule { affine, fp8, searched_levels, ggml };
+
+inline CodeRule code_rule(const QuantizerSpec& spec) noexcept {
+  return is_fp8(spec.mode)            ? CodeRule::fp8
+         : searched_levels(spec.mode) ? CodeRule::searched_levels
+         : spec.mode == Mode::ggml    ? CodeRule::ggml
+                                      : CodeRule::affine;
+}
+
+/// One row's codes by rule Rule, packed at out; params_of(c) gives the zero points and inverses of
+/// the 16 channels from c (never straddling a group), search is level_search(spec).
+template <Scalar In, CodeRule Rule, class ParamsOf>
+KVQ_TARGET_AVX512 inline void encode_row_by(const QuantizerSpec& spec, const LevelSearch& search, const void* row,
+                                            std::size_t dim, ParamsOf params_of, std::uint8_t* out) noexcept {
   const __m512 top = _mm512_set1_ps(float(spec.levels() - 1));
-  const bool fp8 = is_fp8(spec.mode), searched = search.first_step != 0, ggml = spec.mode == Mode::ggml;
   const Fp8Format format = fp8_format(spec.mode);
   const bool packs_in_register = spec.bits == 2 || spec.bits == 4 || spec.bits == 8;
   alignas(64) std::uint8_t codes[max_head_dim + 64];
@@ -150,10 +160,14 @@ KVQ_TARGET_AVX512 inline void encode_row(const QuantizerSpec& spec, const LevelS
       }
       const Params16 p = params_of(ch);
       const __m512 x = full || dim - ch >= 16 ? load16<In>(row, ch) : load16<In>(row, ch, tail_mask(dim - ch));
-      q[v] = fp8        ? encode_fp8(x, p.inv, format)
-             : searched ? encode_levels(x, p.zero, p.inv, search)
-             : ggml     ? encode_ggml(x, p.inv, spec.bits)
-                        : encode32(x, p.zero, p.inv, top);
+      if constexpr (Rule == CodeRule::fp8)
+        q[v] = encode_fp8(x, p.inv, format);
+      else if constexpr (Rule == CodeRule::searched_levels)
+        q[v] = encode_levels(x, p.zero, p.inv, search);
+      else if constexpr (Rule == CodeRule::ggml)
+        q[v] = encode_ggml(x, p.inv, spec.bits);
+      else
+        q[v] = encode32(x, p.zero, p.inv, top);
     }
     const __m512i bytes = narrow64(q[0], q[1], q[2], q[3]);
     if (packs_in_register && full) {
@@ -165,6 +179,23 @@ KVQ_TARGET_AVX512 inline void encode_row(const QuantizerSpec& spec, const LevelS
   }
   if (buffered_from < dim)
     pack_row(codes + buffered_from, dim - buffered_from, spec.bits, out + buffered_from * std::size_t(spec.bits) / 8);
+}
+
+/// encode_row_by the rule of spec's mode.
+template <Scalar In, class ParamsOf>
+KVQ_TARGET_AVX512 inline void encode_row(const QuantizerSpec& spec, const LevelSearch& search, const void* row,
+                                         std::size_t dim, ParamsOf params_of, std::uint8_t* out) noexcept {
+  switch (code_rule(spec)) {
+    case CodeRule::fp8:
+      return encode_row_by<In, CodeRule::fp8>(spec, search, row, dim, params_of, out);
+    case CodeRule::searched_levels:
+      return encode_row_by<In, CodeRule::searched_levels>(spec, search, row, dim, params_of, out);
+    case CodeRule::ggml:
+      return encode_row_by<In, CodeRule::ggml>(spec, search, row, dim, params_of, out);
+    case CodeRule::affine:
+      break;
+  }
+  encode_row_by<In, CodeRule::affine>(spec, search, row, dim, params_of, out);
 }
 
 }  // namespace kvq::inline v0::kernels::avx512
