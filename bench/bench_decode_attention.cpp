@@ -250,6 +250,7 @@ int main(int argc, char** argv) {
       {"K4V2n-pre", "k4c32n-v2t32n-r128-s0"},
       {"K3V2-post", "k3c32-v2t32-r128-s0-post"},
       {"K3V2l-post", "k3c32l-v2t32l-r128-s0-post"},
+      {"K3V2-pre", "k3c32-v2t32-r128-s0"},
       // llama.cpp's iq4_nl and q4_0 per token (its layout), iq4_nl keys per channel
       {"K4V4i-tok-post", "k4t32i-v4t32i-r128-s0-post"},
       {"K4V4g-tok-post", "k4t32g-v4t32g-r128-s0-post"},
@@ -260,6 +261,7 @@ int main(int argc, char** argv) {
       {"K4V2b-pre",
        "k4c32bbc00ba00b880b700b500b200ae00a8002800300034003600380039003a803c00-v2t32bbc00b50034003c00-r128-s0"},
       {"K3V2b-post", "k3c32bbc00b800b400ac003000360039003c00-v2t32bbc00b50034003c00-r128-s0-post"},
+      {"K3V2b-pre", "k3c32bbc00b800b400ac003000360039003c00-v2t32bbc00b50034003c00-r128-s0"},
       // 8-bit floats with a scale per group (vLLM's fp8 caches) beside 8-bit affine codes and fp16
       {"fp16-post", "k16-v16-r0-s0-post"},
       {"K8V8-post", "k8c32-v8t32-r128-s0-post"},

@@ -158,7 +158,11 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
         "k8c32e4m3-v8t32e5m2-r16-s1", "k8t32e5m2-v8t64e4m3-r8-s0-post-hk-hv", "k8c64e4m3-v2t32-r16-s1-post",
         // a table beside affine levels: each stream's zero point and lookup its own
         "k4c32-v4t32n-r16-s1-post", "k4c32s-v4t32n-r16-s1-post", "k4c32n-v2t32s-r16-s1", "k4c32g-v2t32n-r16-s1-post",
-        "k4c32n-v4t32-r16-s1-post"}) {
+        "k4c32n-v4t32-r16-s1-post",
+        // 3-bit keys per channel on the exact span kernel (fields crossing dwords), before and
+        // after RoPE, key blocks of 16, 48 and 64, affine and level tables, beside 2/4/8-bit values
+        "k3c32-v2t32-r16-s1-post", "k3c32-v4t32-r40-s1", "k3c48l-v8t32-r8-s0-post", "k3c16n-v2t32-r16-s2",
+        "k3c64s-v2t32n-r16-s1-post", "k3c32l-v4t32-r16-s0"}) {
     for (const auto& [kv, group] : {std::pair<std::size_t, std::size_t>{2, 1}, {1, 4}, {2, 8}}) {
       for (const std::size_t dim : {64, 128}) {
         check_case({config, kv, group, dim, 301, 300}, seed++);
@@ -171,8 +175,9 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
 TEST(DecodeAttention, CodebooksMatchReference) {
   // Calibrated levels (Mode::codebook) within each group's range: a stored zero point (the
   // midpoint) beside a level lookup, so a kernel that drops either fails. 1-4 bits: the AVX-512
-  // exact span kernel before and after RoPE (2- and 4-bit), the generic kernel (per-token keys,
-  // rotations), the vector kernels (3 and 1 bits), a codebook beside NormalFloat and affine levels.
+  // exact span kernel before and after RoPE (2-, 3- and 4-bit keys), the generic kernel (per-token
+  // keys, rotations), the vector kernels (3-bit values, 1 bit), a codebook beside NormalFloat and
+  // affine levels.
   const std::string b1 = "bba003800", b2 = "bbc00b50034003c00", b3 = "bbc00b800b400ac003000360039003c00",
                     b4 = "bbc00ba00b880b700b500b200ae00a8002800300034003600380039003a803c00";
   unsigned seed = 700;
@@ -180,7 +185,8 @@ TEST(DecodeAttention, CodebooksMatchReference) {
        {"k4c32" + b4 + "-v2t32" + b2 + "-r16-s1", "k2c32" + b2 + "-v4t32" + b4 + "-r16-s1-post",
         "k3c16" + b3 + "-v3t16" + b3 + "-r8-s2-hsk", "k4t32" + b4 + "-v4t32-r16-s1-post-hk-hv",
         "k4c64" + b4 + "-v1t32" + b1 + "-r8-s0-post", "k4c32" + b4 + "-v4t32n-r16-s1-post",
-        "k4c32-v4t16" + b4 + "-r40-s1", "k2t16" + b2 + "-v2t32" + b2 + "-r16-s0-hk"}) {
+        "k4c32-v4t16" + b4 + "-r40-s1", "k2t16" + b2 + "-v2t32" + b2 + "-r16-s0-hk",
+        "k3c32" + b3 + "-v2t32" + b2 + "-r16-s1-post", "k3c16" + b3 + "-v4t32-r8-s0"}) {
     for (const auto& [kv, group] : {std::pair<std::size_t, std::size_t>{2, 1}, {1, 4}, {2, 8}}) {
       for (const std::size_t dim : {64, 128}) {
         check_case({config, kv, group, dim, 301, 300}, seed++);
@@ -193,7 +199,7 @@ TEST(DecodeAttention, CodebooksMatchReference) {
 TEST(DecodeAttention, HalfSplitRopeShortContextsAndOddDims) {
   unsigned seed = 100;
   for (const char* config : {"k4c32-v2t32-r16-s1", "k8c32-v4t32-r16-s2", "k2c32-v2t32-r16-s0-post",
-                             "k4t16-v4t16-r16-s0-post-hk-hsv", "k4t16-v4t16-r16-s1-hsk"}) {
+                             "k4t16-v4t16-r16-s0-post-hk-hsv", "k4t16-v4t16-r16-s1-hsk", "k3c32-v2t32-r16-s1"}) {
     check_case({config, 2, 4, 128, 200, 199, kvq::RopeStyle::half_split}, seed++);
     check_case({config, 2, 4, 64, 3, 0}, seed++);      // one token, maybe a sink
     check_case({config, 2, 4, 128, 17, 16}, seed++);   // nothing quantized yet
@@ -210,8 +216,8 @@ TEST(DecodeAttention, PreRopeKeysAtLongPositions) {
   // still agree with the reference's rotation by the table row of each position.
   unsigned seed = 300;
   for (const auto style : {kvq::RopeStyle::adjacent_pairs, kvq::RopeStyle::half_split})
-    for (const char* config :
-         {"k4c32-v2t32-r128-s1", "k2c64-v4t32-r32-s0", "k8c16-v8t32-r16-s4", "k4c32-v2t32-r64-s1-hsk"})
+    for (const char* config : {"k4c32-v2t32-r128-s1", "k2c64-v4t32-r32-s0", "k8c16-v8t32-r16-s4",
+                               "k4c32-v2t32-r64-s1-hsk", "k3c32-v2t32-r128-s1"})
       check_case({config, 1, 4, 128, 6000, 5999, style}, seed++);
 }
 
@@ -468,8 +474,11 @@ TEST(DecodeAttention, KernelSelection) {
                             // in groups of 8, values per channel
                             {"k4c32-v2t8-r16-s1-post", Tier::exact, "avx2"},
                             {"k4t32-v4c32-r16-s1", Tier::integer, "avx2"},
-                            // 3-bit codes: unpacked by the generic AVX-512 kernel
-                            {"k3c32-v2t32-r16-s1-post", Tier::exact, "avx512-generic"},
+                            // 3-bit keys per channel: the exact span kernel, before and after
+                            // RoPE; 3-bit values and the integer tier: the generic kernel
+                            {"k3c32-v2t32-r16-s1-post", Tier::exact, "avx512-exact"},
+                            {"k3c32-v4t32-r16-s1", Tier::exact, "avx512-exact"},
+                            {"k3c32-v2t32-r16-s1-post", Tier::integer, "avx512-generic"},
                             {"k4c32-v3t32-r16-s1-post", Tier::exact, "avx512-generic"},
                             {"k3c32-v3t32-r16-s1", Tier::integer, "avx512-generic"},
                             // row by row on both: pre-RoPE 5-bit keys
@@ -486,7 +495,8 @@ TEST(DecodeAttention, KernelSelection) {
                             {"k4c32n-v2t32l-r16-s1-post", Tier::integer, "avx512-exact"},
                             {"k2c32l-v4t32n-r16-s1", Tier::exact, "avx512-exact"},
                             {"k4t32n-v4t32n-r16-s1-post", Tier::exact, "avx512-generic"},
-                            {"k3c32l-v2t32l-r16-s1-post", Tier::exact, "avx512-generic"},
+                            {"k3c32l-v2t32l-r16-s1-post", Tier::exact, "avx512-exact"},
+                            {"k3t32l-v2t32l-r16-s1-post", Tier::exact, "avx512-generic"},
                             {"k4c32i-v4t32i-r16-s1", Tier::exact, "avx512-exact"},
                             {"k1t32l-v4t32-r16-s1-post", Tier::exact, vector_kernel},
                             // fp8 codes: converted through f16 on the generic kernel (the span

@@ -1,10 +1,11 @@
 #pragma once
 // AVX-512 exact-tier kernel for the packed span of a task (keys quantized per channel, pre-RoPE
 // keys through avx512_rope.hpp,
-// 2/4/8 bits, blocks of a multiple of 16; values per token, 2/4/8 bits, groups of 32; head_dim
+// 2/3/4/8 bits, blocks of a multiple of 16; values per token, 2/4/8 bits, groups of 32; head_dim
 // 64 or 128): the structure of the integer kernel (avx512_int.hpp) with fp32 arithmetic.
 //   keys: the transposed codes (one row per lane) are converted field by field to fp32 (a shift
-//         and a vpermps table lookup for 2 and 4 bits, mask and convert for 8; the table holds
+//         and a vpermps table lookup for 2, 3 and 4 bits, where 3-bit fields crossing a dword
+//         take a second shift; mask and convert for 8; the table holds
 //         the codes, or the levels of a level table, whose zero is 0: code_values) and
 //         multiplied with the block-folded query q~ = q * scale broadcast per channel, so the 16
 //         scores of a head accumulate in one vector (two, alternating); bias q.zero per block
@@ -43,11 +44,15 @@ inline ExactState& exact_state() noexcept {
   return state;
 }
 
+/// Key codes the exact kernel unpacks: fast_bits, and 3 bits (eight codes in three bytes, read
+/// in channel order; the integer kernel's byte fields need widths that divide 8).
+inline bool exact_key_bits(const QuantizerSpec& spec) noexcept { return fast_bits(spec) || spec.bits == 3; }
+
 inline bool exact_supported(const DecodeTask& t) noexcept {
   const StreamView &k = t.keys, &v = t.values;
   const std::size_t d = k.head_dim;
   if (t.tier != Tier::exact || (d != 64 && d != 128) || v.head_dim != d) return false;
-  if (!k.quantized || k.spec.axis != Axis::per_channel || !fast_bits(k.spec) || k.spec.group % 16 != 0 ||
+  if (!k.quantized || k.spec.axis != Axis::per_channel || !exact_key_bits(k.spec) || k.spec.group % 16 != 0 ||
       k.spec.group > max_tile)
     return false;
   if (!v.quantized || v.spec.axis != Axis::per_token || !fast_bits(v.spec) || v.spec.group != 32) return false;
@@ -127,7 +132,18 @@ KVQ_EXACT_INLINE inline void exact_keys16(IntState& S, const ExactState& E, std:
           acc[i % 2][h]);                                                                                        \
     }                                                                                                            \
   }
-  if constexpr (ND <= 8) {
+  if constexpr (KB == 3) {  // channel order (key_channel); a field may cross into the next dword
+    __m512i z[16];
+    transposed_dwords<R>(rows, 0, z);
+#pragma GCC unroll 128
+    for (int c = 0; c < 16 * NV; ++c) {
+      const __m512 x = _mm512_permutexvar_ps(code_field<3>(z, std::size_t(c)), table);
+#pragma GCC unroll 4
+      for (int h = 0; h < NH; ++h)
+        acc[c % 2][h] =
+            _mm512_fmadd_ps(x, _mm512_set1_ps(qbase[max_head_dim * std::size_t(h) + std::size_t(c)]), acc[c % 2][h]);
+    }
+  } else if constexpr (ND <= 8) {
     __m512i z[8];
     transposed_dwords<R>(rows, 0, z);
     for (int j = 0; j < ND; ++j) KVQ_EXACT_DOTS(z[j], j)
@@ -254,6 +270,7 @@ KVQ_TARGET_AVX512_ATTENTION void exact_tiles(IntState& S, ExactState& E, std::si
 /// The exact kernel accumulates in the task's output directly.
 template <int NV, int KB, int VB>
 struct ExactSpan {
+  static constexpr bool three_bit_keys = true;
   KVQ_TARGET_AVX512_ATTENTION static void load(IntState&) noexcept {}
   KVQ_TARGET_AVX512_ATTENTION static void store(IntState&) noexcept {}
   template <int NH>

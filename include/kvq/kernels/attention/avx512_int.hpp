@@ -151,11 +151,17 @@ KVQ_INT_INLINE inline void transpose8x2(__m512i* z) noexcept {
 }
 
 /// 16 rows of R bytes from `rows`, as dwords transposed: out[j] lane t = dword (16 * half + j) of
-/// row t, for j < 16 (rows of at least 64 bytes, in halves of 64) or j < R / 4 (shorter rows, half 0).
+/// row t, for j < 16 (rows of more than 32 bytes, in halves of 64; lanes past a row's end are 0) or
+/// j < R / 4 (shorter rows, half 0).
 template <int R>
 KVQ_INT_INLINE inline void transposed_dwords(const std::uint8_t* rows, int half, __m512i* out) noexcept {
   constexpr int ND = R / 4;
-  if constexpr (ND <= 8) {
+  static_assert(R % 4 == 0, "rows of whole dwords");
+  if constexpr (ND % 16 != 0 && ND > 8) {  // 3-bit codes of 128 channels: 12 dwords, one masked half
+    const __mmask16 m = __mmask16((1u << (ND % 16)) - 1u);
+    for (int t = 0; t < 16; ++t) out[t] = _mm512_maskz_loadu_epi32(m, rows + R * t);
+    transpose16(out);
+  } else if constexpr (ND <= 8) {
     const __mmask8 m = __mmask8((1u << ND) - 1u);
     for (int t = 0; t < 4; ++t) {
       out[t] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi32(m, rows + R * t)),
@@ -170,8 +176,22 @@ KVQ_INT_INLINE inline void transposed_dwords(const std::uint8_t* rows, int half,
   }
 }
 
-/// Channel of byte k of the permuted query (key fields of `bits`): k = 4m + i, m = jF + f.
+/// Channel c's codes in 16 transposed rows (z[j] lane t = dword j of row t) at the low bits of
+/// each lane: one shift, or two and an or where the field crosses into the next dword (3 bits).
+/// Bits above the field are the next fields' (masked, or ignored by a vpermps lookup).
+template <int KB>
+KVQ_INT_INLINE inline __m512i code_field(const __m512i* z, std::size_t c) noexcept {
+  const std::size_t bit = std::size_t(KB) * c, j = bit / 32, shift = bit % 32;
+  if (shift == 0) return z[j];
+  const __m512i low = _mm512_srli_epi32(z[j], unsigned(shift));
+  if (shift + KB <= 32) return low;
+  return _mm512_or_si512(low, _mm512_slli_epi32(z[j + 1], unsigned(32 - shift)));
+}
+
+/// Channel of byte k of the permuted query (key fields of `bits`): k = 4m + i, m = jF + f. Codes
+/// of widths that do not divide 8 (3 bits, the exact kernels only) are read in channel order.
 inline std::size_t key_channel(std::size_t k, int bits) noexcept {
+  if (8 % bits != 0) return k;
   const std::size_t F = std::size_t(8 / bits), m = k / 4, i = k % 4, j = m / F, f = m % F;
   return 4 * j * F + i * F + f;
 }
@@ -667,9 +687,9 @@ KVQ_TARGET_AVX512_ATTENTION void head_passes(IntState& S, std::size_t a0, std::s
   }
 }
 
-/// Runs head_passes<Span<NV, KB, VB>> for the task's key and value widths (2, 4 or 8 each): the
-/// packed-span kernels are compiled per width pair so that fields, masks and shifts are constants.
-/// Shared by the integer and exact kernels.
+/// Runs head_passes<Span<NV, KB, VB>> for the task's key and value widths (2, 4 or 8 each; keys of
+/// 3 bits where the Span takes them): the packed-span kernels are compiled per width pair so that
+/// fields, masks and shifts are constants. Shared by the integer and exact kernels.
 template <template <int, int, int> class Span, int NV, int KB>
 KVQ_TARGET_AVX512_ATTENTION void run_span_kb(IntState& S, std::size_t a0, std::size_t a1) noexcept {
   switch (S.vbits) {
@@ -696,6 +716,9 @@ KVQ_TARGET_AVX512_ATTENTION void run_span(const DecodeTask& t, std::size_t a0, s
   switch (S.kbits) {
     case 2:
       return run_span_kb<Span, NV, 2>(S, a0, a1);
+    case 3:
+      if constexpr (Span<NV, 3, 2>::three_bit_keys) return run_span_kb<Span, NV, 3>(S, a0, a1);
+      return;
     case 4:
       return run_span_kb<Span, NV, 4>(S, a0, a1);
     default:
@@ -707,6 +730,7 @@ KVQ_TARGET_AVX512_ATTENTION void run_span(const DecodeTask& t, std::size_t a0, s
 /// Moved with gathers and scatters: a task crossing many blocks moves them once per block.
 template <int NV, int KB, int VB>
 struct IntSpan {
+  static constexpr bool three_bit_keys = false;  // int_supported refuses them
   KVQ_TARGET_AVX512_ATTENTION static void load(IntState& S) noexcept {
     for (std::size_t h = 0; h < S.nh; ++h) {
       const float* acc = S.task->acc + (S.h0 + h) * S.dim;

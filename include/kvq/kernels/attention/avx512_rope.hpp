@@ -1,5 +1,5 @@
 #pragma once
-// AVX-512 key scores for keys stored before RoPE, quantized per channel (2, 4 or 8 bits, blocks of
+// AVX-512 key scores for keys stored before RoPE, quantized per channel (2, 3, 4 or 8 bits, blocks of
 // a multiple of 16 positions, head_dim 64 or 128, every channel rotated): the key stage of the
 // integer and exact kernels when the cache rotates keys after dequantization.
 //
@@ -9,11 +9,12 @@
 // each key is rotated by its step t from RopeTable::step_cos/step_sin, 16 KB that stay in L1.
 // The rotation of a key is shared by every query head of the GQA group.
 //
-// Codes: 16 rows transposed as dwords (one row per lane, avx512_int.hpp). A 2/4-bit field
-// dequantizes with one shift and one vpermps from a per-channel table of zero + scale * code
-// (scale * level for a level table; vpermps reads the low 4 bits of each lane, so 2-bit tables
-// repeat with period 4 and no mask is needed); 8-bit fields convert and multiply-add. Each rotated pair multiplies into
-// the 16 scores of every head (fp32 FMAs, the query channel broadcast from memory).
+// Codes: 16 rows transposed as dwords (one row per lane, avx512_int.hpp). A 2/3/4-bit field
+// dequantizes with one shift (two and an or where a 3-bit field crosses a dword) and one vpermps
+// from a per-channel table of zero + scale * code (scale * level for a level table; vpermps reads
+// the low 4 bits of each lane, so narrower tables repeat with period 2^bits and no mask is
+// needed); 8-bit fields convert and multiply-add. Each rotated pair multiplies into the 16 scores
+// of every head (fp32 FMAs, the query channel broadcast from memory).
 //
 // Both tiers take these fp32 scores (reference.hpp: the integer tier quantizes post-RoPE keys
 // only). Rounding the rotated keys to int8 for vpdpbusd was measured at 3% faster on Zen 4 and
@@ -40,7 +41,7 @@ static_assert(RopeTable::steps >= 32, "rotation units of 32 positions need 32 st
 
 /// Per-task scratch of the pre-RoPE key stage.
 struct RopeKeyState {
-  alignas(64) float lut[max_head_dim][16];  // zero + scale * code per channel (2/4 bits)
+  alignas(64) float lut[max_head_dim][16];  // zero + scale * code per channel (2/3/4 bits)
   alignas(64) float scale[max_head_dim], zero[max_head_dim];
   alignas(64) float qr[int_heads][max_head_dim];          // query heads rotated back to the unit's start
   alignas(64) std::uint32_t codes[max_head_dim / 4][16];  // transposed dwords of 16 rows
@@ -106,14 +107,11 @@ KVQ_ROPE_INLINE inline void rope_rotate_queries_back(const IntState& S, RopeKeyS
 /// Channel c of the 16 transposed rows, dequantized (one lane per row).
 template <int KB>
 KVQ_ROPE_INLINE inline __m512 rope_key_channel(const RopeKeyState& P, std::size_t c) noexcept {
-  constexpr std::size_t per_dword = 32 / KB;
-  const unsigned shift = unsigned(KB * (c % per_dword));
-  const __m512i d = _mm512_load_si512(P.codes[c / per_dword]);
-  const __m512i v = shift == 0 ? d : _mm512_srli_epi32(d, shift);
+  const __m512i v = code_field<KB>(reinterpret_cast<const __m512i*>(P.codes), c);
   if constexpr (KB < 8) {
     return _mm512_permutexvar_ps(v, _mm512_load_ps(P.lut[c]));
   } else {
-    const __m512i code = shift == 24 ? v : _mm512_and_si512(v, _mm512_set1_epi32(0xFF));
+    const __m512i code = c % 4 == 3 ? v : _mm512_and_si512(v, _mm512_set1_epi32(0xFF));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), _mm512_set1_ps(P.scale[c]), _mm512_set1_ps(P.zero[c]));
   }
 }
@@ -150,11 +148,12 @@ template <int NV, int KB, int NH, bool HalfSplit>
 KVQ_ROPE_INLINE inline void rope_keys16(IntState& S, const RopeKeyState& P, const RopeTable& rope, std::size_t t0,
                                         std::size_t off) noexcept {
   constexpr std::size_t dim = 16 * NV, pairs = 8 * NV;
-  constexpr std::size_t per_step = HalfSplit ? 32 / KB : 16 / KB;  // pairs per dword: shifts stay immediates
+  // Pairs per dword (3 bits: per 3 dwords), so that the shifts stay immediates.
+  constexpr std::size_t per_step = KB == 3 ? (HalfSplit ? 32 : 16) : HalfSplit ? 32 / KB : 16 / KB;
   __m512 acc[NH];
   for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
   for (std::size_t i0 = 0; i0 < pairs; i0 += per_step) {
-#pragma GCC unroll 16
+#pragma GCC unroll 32
     for (std::size_t u = 0; u < per_step; ++u) {
       const std::size_t i = i0 + u, c0 = HalfSplit ? i : 2 * i, c1 = HalfSplit ? i + dim / 2 : 2 * i + 1;
       __m512 y0, y1;
