@@ -2,6 +2,7 @@
 // must throw kvq::Error and leave the target as it was.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -14,6 +15,7 @@
 
 #include "kvq/kvq.hpp"
 #include "support/cache_state.hpp"
+#include "support/file_sections.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -281,6 +283,78 @@ TEST(CacheFile, SizeFollowsTheTokensHeldNotTheCapacity) {
                   dim, tokens, size, per_token);
     }
     previous = size;
+  }
+}
+
+// Contents no cache writes, in files whose CRCs are right (written by something else): the
+// kernels would trust them (an outlier slot indexes their memory), so load names them and
+// changes nothing.
+TEST(CacheFile, ForgedContentsWithValidCrcsAreRejected) {
+  using Access = kvq::detail::CacheAccess;
+  using Piece = Access::Piece;
+  struct Forgery {
+    const char* config;
+    Piece piece;
+    Tensor tensor;
+    std::size_t at;                  // byte of the piece's first run
+    std::vector<std::uint8_t> with;  // the bytes written there
+    const char* needle;
+  };
+  const std::vector<std::uint8_t> f16_nan{0x00, 0x7E}, f16_inf{0x00, 0x7C}, bf16_inf{0x80, 0x7F},
+      f32_nan{0x00, 0x00, 0xC0, 0x7F};
+  const Forgery forgeries[] = {
+      {"k4c8-v2t8-r4-s1", Piece::scales, Tensor::keys, 6, f16_nan, "key, byte"},
+      {"k4c8-v2t8-r4-s1", Piece::scales, Tensor::values, 0, f16_inf, "scale 0 of a run"},
+      {"k4c8-v2t8-r4-s1", Piece::zero_points, Tensor::keys, 2, f16_inf, "zero point 1 of a run"},
+      {"k4c8-v2t8-r4-s1", Piece::rows, Tensor::keys, 4, f16_nan, "full-precision value 2"},
+      {"k4c8s.f32-v2t8s.bf16-r4-s1", Piece::scales, Tensor::keys, 4, f32_nan, "scale 1 of a run"},
+      {"k4c8s.f32-v2t8s.bf16-r4-s1", Piece::scales, Tensor::values, 0, bf16_inf, "scale 0 of a run"},
+      {"k4c8-v2t8-r4-s1-f32", Piece::rows, Tensor::values, 0, f32_nan, "full-precision value 0"},
+      {"k4c8o1-v2t8-r4-s1",
+       Piece::outlier_slots,
+       Tensor::keys,
+       2,
+       {8, 0},
+       "slot 8 (entry 1 of a run) is outside its group of 8"},
+      {"k4c8o1-v2t8-r4-s1", Piece::outlier_corrections, Tensor::keys, 0, f16_nan, "outlier correction 0"},
+      {"k4c8-v2t8o2-r4-s1", Piece::outlier_slots, Tensor::values, 2, {0, 0}, "not above the one before it"},
+      {"k4c8-v2t8o1-r4-s1", Piece::outlier_slots, Tensor::values, 2, {8, 0}, "outside its group of 8"},
+      {"k8c8e4m3-v8t8e4m3-r4-s1", Piece::codes, Tensor::values, 3, {0xFF}, "code 3 of a run is an e4m3 NaN"},
+      {"k8c8e4m3-v8t8e4m3-r4-s1", Piece::codes, Tensor::keys, 0, {0x7F}, "e4m3 NaN"}};
+  const CacheShape shape{2, 1, 16, 48};
+  for (const Forgery& f : forgeries) {
+    const std::string what = std::string(f.config) + ": " + f.needle;
+    const CacheConfig config = config_of(f.config);
+    const BasicKVCache source = sample_cache(shape, config, 30, 21);
+    const std::string file = saved(source);
+    // The first piece of that kind in layer 0's section (the third: header, table, layer 0).
+    std::size_t offset = 0, found = SIZE_MAX;
+    Access::visit_pieces(source, 0, Access::state(source, 0), [&](Piece piece, Tensor t, std::size_t n, auto) {
+      if (found == SIZE_MAX && piece == f.piece && t == f.tensor && n >= f.at + f.with.size()) found = offset;
+      offset += n;
+    });
+    ASSERT_NE(found, SIZE_MAX) << what;
+    const auto sections = kvq::test::file_sections(file);
+    ASSERT_EQ(sections.size(), 4u) << what;
+    std::string bytes = file;
+    std::memcpy(bytes.data() + sections[2].first + 12 + found + f.at, f.with.data(), f.with.size());
+    ASSERT_NE(bytes, file) << what;
+    kvq::test::reseal(bytes, sections[2].first, sections[2].second);
+
+    BasicKVCache target(shape, config);
+    append_random(target, 13, 77);
+    const auto before = snapshot(target);
+    try {
+      load_text(target, bytes);
+      ADD_FAILURE() << what << ": no error";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::io) << what << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find("section 'layer 0'"), std::string::npos) << what << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find(f.needle), std::string::npos) << what << ": " << e.what();
+    }
+    EXPECT_TRUE(snapshot(target) == before) << what;
+    load_text(target, file);  // the file as saved loads
+    EXPECT_TRUE(snapshot(target) == snapshot(source)) << what;
   }
 }
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -22,6 +23,7 @@
 #include "kvq/kvq.hpp"
 #include "support/cache_state.hpp"
 #include "support/compare.hpp"
+#include "support/file_sections.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -600,6 +602,52 @@ TEST(KVPool, PoolFileKeepsScaledRope) {
 // Damage anywhere (every truncation, a flipped bit in every byte, random mutations): a named io
 // error, or for the rare mutation that leaves a sound file a load, and after a failed load an
 // empty pool with every block returned.
+// A block or a sequence's own rows holding what no cache writes, under right CRCs: the pool
+// refuses the file by name and takes nothing (the same checks as a cache file's layers).
+TEST(KVPool, ForgedPoolContentsWithValidCrcsAreRefused) {
+  PoolShape shape = small_pool(64);
+  shape.kv_heads = 1, shape.head_dim = 16, shape.max_tokens = 256;
+  const CacheConfig config = config_of("k4c8o1-v2t8-r4-s1-d6");
+  KVPool pool(shape, config);
+  Tokens base;
+  const SequenceId a = add_tokens(pool, base, 70, 9);
+  (void)pool.fork(a, 66);
+  const std::string file = saved_pool(pool);
+  struct Forgery {
+    std::uint32_t tag;  // the first section of this tag is forged
+    std::uint8_t fill;  // every byte of its payload
+    const char* needle;
+  };
+  const Forgery forgeries[] = {{0x4B4F4C42, 0xFF, "NaN or infinite"},  // "BLOK": codes, then NaN scales
+                               {0x524E574F, 0x7F, "NaN or infinite"},  // "OWNR": NaN rows
+                               {0x4B4F4C42, 0x3C, "outlier slot"}};    // slots of 0x3C3C, scales of 1.06
+  for (const Forgery& f : forgeries) {
+    std::string bytes = file;
+    bool forged = false;
+    for (const auto& [start, size] : kvq::test::file_sections(bytes))
+      if (!forged && kvq::test::section_tag(bytes, start) == f.tag) {
+        std::memset(bytes.data() + start + 12, f.fill, size);
+        kvq::test::reseal(bytes, start, size);
+        forged = true;
+      }
+    ASSERT_TRUE(forged) << f.needle;
+    KVPool target(shape, config);
+    try {
+      load_pool(target, bytes);
+      ADD_FAILURE() << f.needle << ": no error";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::io) << e.what();
+      EXPECT_NE(std::string(e.what()).find(f.needle), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("kvq pool file, section 'sequence "), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(target.sequence_count(), 0u) << f.needle;
+    EXPECT_EQ(target.blocks().counts().in_use, 0u) << f.needle;
+  }
+  KVPool target(shape, config);
+  load_pool(target, file);  // the file as saved loads
+  EXPECT_EQ(target.sequence_count(), 2u);
+}
+
 TEST(KVPool, DamagedPoolFileThrowsIoAndChangesNothing) {
   PoolShape shape = small_pool(64);
   shape.kv_heads = 1, shape.head_dim = 16, shape.max_tokens = 256;

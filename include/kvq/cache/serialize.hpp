@@ -44,6 +44,7 @@
 #include <string>
 #include <system_error>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -79,6 +80,31 @@ inline std::string hex(std::uint32_t x) {
   std::string s = "0x";
   for (int shift = 28; shift >= 0; shift -= 4) s += digits[(x >> shift) & 0xF];
   return s;
+}
+
+/// Index of the first NaN or infinite value among the `count` values of `type` at p, or count.
+/// Runs of 256 are tested with a flag first, a loop compilers vectorize: loading a file stays
+/// bound by reading it.
+inline std::size_t first_non_finite(Scalar type, const std::uint8_t* p, std::size_t count) noexcept {
+  auto scan = [&]<class Word>(Word exponent) {  // all exponent bits set: infinity or NaN
+    constexpr std::size_t run = 256;
+    for (std::size_t i = 0; i < count; i += run) {
+      const std::size_t n = std::min(run, count - i);
+      auto at = [&](std::size_t j) {
+        Word w;
+        std::memcpy(&w, p + (i + j) * sizeof(Word), sizeof(Word));
+        return Word(w & exponent) == exponent;
+      };
+      unsigned any = 0;
+      for (std::size_t j = 0; j < n; ++j) any |= unsigned(at(j));
+      if (any != 0)
+        for (std::size_t j = 0;; ++j)
+          if (at(j)) return i + j;
+    }
+    return count;
+  };
+  if (type == Scalar::f32) return scan(std::uint32_t(0x7F800000u));
+  return scan(std::uint16_t(type == Scalar::f16 ? 0x7C00 : 0x7F80));
 }
 
 /// The state behind a cache's public view: what a file holds of it, and restoring it.
@@ -208,12 +234,16 @@ struct CacheAccess {
     return {};
   }
 
-  /// Calls visit(pointer, bytes) for every piece of one layer section, in file order: the
-  /// pieces of `c` (const to save, mutable to restore) in state `s`.
-  /// Packed rows [0, packed) of one stream are in blocks: the file holds all their codes, then all
-  /// scales, then all zero points, then the outliers' slots and corrections, each visited by runs
-  /// within one block. Pieces::own skips
-  /// whatever lives in blocks (those and the rows of an unquantized stream).
+  /// What a piece of a layer section holds.
+  enum class Piece { rows, codes, scales, zero_points, outlier_slots, outlier_corrections };
+
+  /// Calls visit(piece, tensor, bytes, at) for every piece of one layer section, in file order,
+  /// where at() is the piece's place in `c` (const to save, mutable to restore) in state `s`:
+  /// computed only when called, so a walk over a section not restored yet (check_section)
+  /// touches no block. Packed rows [0, packed) of one stream are in blocks: the file holds all
+  /// their codes, then all scales, then all zero points, then the outliers' slots and
+  /// corrections, each visited by runs within one block. Pieces::own skips whatever lives in
+  /// blocks (those and the rows of an unquantized stream).
   template <class Cache, class Visit>
   static void visit_pieces(Cache& c, std::size_t layer, const LayerState& s, Visit&& visit,
                            Pieces pieces = Pieces::all) {
@@ -226,33 +256,106 @@ struct CacheAccess {
         const StreamState& st = s.streams[BasicKVCache::index(t)];
         const std::size_t r = row(lay), end = std::size_t(st.quantized_end), packed = end - lay.sinks;
         const std::size_t length = std::size_t(s.length), first = first_in_ring(lay, length);
-        visit(static_cast<Byte*>(cache.own_base(t, layer, h)) + lay.sink_offset, std::min(lay.sinks, length) * r);
+        visit(Piece::rows, t, std::min(lay.sinks, length) * r,
+              [&] { return static_cast<Byte*>(cache.own_base(t, layer, h)) + lay.sink_offset; });
         if (pieces == Pieces::all || lay.quantized)
-          for (std::size_t p = first; p < length; ++p) visit(static_cast<Byte*>(cache.ring_row(t, layer, h, p)), r);
-        for (const int part : {0, 1, 2, 3, 4}) {  // codes, scales, zero points, outlier slots and corrections
+          for (std::size_t p = first; p < length; ++p)
+            visit(Piece::rows, t, r, [&] { return static_cast<Byte*>(cache.ring_row(t, layer, h, p)); });
+        for (const Piece part :
+             {Piece::codes, Piece::scales, Piece::zero_points, Piece::outlier_slots, Piece::outlier_corrections}) {
           if (pieces == Pieces::own) break;
-          if ((part == 2 && !lay.spec.has_zero_point()) || (part >= 3 && lay.spec.outliers == 0)) continue;
+          if ((part == Piece::zero_points && !lay.spec.has_zero_point()) ||
+              (part >= Piece::outlier_slots && lay.spec.outliers == 0))
+            continue;
           for (std::size_t a = 0; a < packed;) {
             const std::size_t n = std::min(packed - a, block - a % block);
             const std::size_t entries = params(lay, n) / size_of(lay.spec.param) * lay.spec.outliers;
-            if (part == 0) {
-              visit(static_cast<Byte*>(cache.code_row(t, layer, h, a)), n * lay.row_bytes);
-            } else if (part <= 2) {
-              const auto [scales, zeros] = cache.params_of(t, layer, h, a);
-              visit(static_cast<Byte*>(part == 1 ? scales : zeros), params(lay, n));
+            if (part == Piece::codes) {
+              visit(part, t, n * lay.row_bytes, [&] { return static_cast<Byte*>(cache.code_row(t, layer, h, a)); });
+            } else if (part == Piece::scales || part == Piece::zero_points) {
+              visit(part, t, params(lay, n), [&] {
+                const auto [scales, zeros] = cache.params_of(t, layer, h, a);
+                return static_cast<Byte*>(part == Piece::scales ? scales : zeros);
+              });
+            } else if (part == Piece::outlier_slots) {
+              visit(part, t, entries * 2,
+                    [&] { return reinterpret_cast<Byte*>(cache.outliers_of(t, layer, h, a).slots); });
             } else {
-              const auto o = cache.outliers_of(t, layer, h, a);
-              if (part == 3)
-                visit(reinterpret_cast<Byte*>(o.slots), entries * 2);
-              else
-                visit(static_cast<Byte*>(o.corrections), entries * size_of(lay.spec.param));
+              visit(part, t, entries * size_of(lay.spec.param),
+                    [&] { return static_cast<Byte*>(cache.outliers_of(t, layer, h, a).corrections); });
             }
             a += n;
           }
         }
         for (std::size_t p = std::size_t(st.kept_from); p < end; ++p)
-          visit(static_cast<Byte*>(cache.history_row(t, layer, h, p)), r);
+          visit(Piece::rows, t, r, [&] { return static_cast<Byte*>(cache.history_row(t, layer, h, p)); });
       }
+  }
+
+  /// Why the n bytes of a piece at `p` are no contents a cache writes (empty when they are): a
+  /// full-precision value or parameter that is NaN or infinite, an outlier slot outside its group
+  /// or out of order, an e4m3 NaN code. A CRC catches damage; this catches a file written by
+  /// something else, whose bytes the kernels would trust (an outlier slot indexes their memory).
+  static std::string check_piece(const StreamLayout& lay, Piece piece, const std::uint8_t* p, std::size_t n) {
+    const QuantizerSpec& spec = lay.spec;
+    switch (piece) {
+      case Piece::rows:
+      case Piece::scales:
+      case Piece::zero_points:
+      case Piece::outlier_corrections: {
+        const Scalar type = piece == Piece::rows ? lay.residual : spec.param;
+        const std::size_t count = n / size_of(type), i = first_non_finite(type, p, count);
+        if (i == count) return {};
+        const char* what = piece == Piece::rows          ? "full-precision value"
+                           : piece == Piece::scales      ? "scale"
+                           : piece == Piece::zero_points ? "zero point"
+                                                         : "outlier correction";
+        return std::string(what) + " " + std::to_string(i) + " of a run of " + std::to_string(count) +
+               " is NaN or infinite";
+      }
+      case Piece::codes:
+        if (spec.mode == Mode::fp8_e4m3)
+          for (std::size_t i = 0; i < n; ++i)
+            if ((p[i] & 0x7F) == 0x7F) return "code " + std::to_string(i) + " of a run is an e4m3 NaN";
+        return {};
+      case Piece::outlier_slots: {
+        // Every group holds `group` values: per token, outliers take only groups that divide head_dim.
+        const std::size_t k = std::size_t(spec.outliers), size = spec.group;
+        for (std::size_t e = 0; e < n / 2; ++e) {
+          std::uint16_t slot, before = 0;
+          std::memcpy(&slot, p + 2 * e, 2);
+          if (e % k != 0) std::memcpy(&before, p + 2 * (e - 1), 2);
+          if (slot >= size || (e % k != 0 && slot <= before))
+            return "outlier slot " + std::to_string(slot) + " (entry " + std::to_string(e) + " of a run) is " +
+                   (slot >= size ? "outside its group of " + std::to_string(size) : "not above the one before it");
+        }
+        return {};
+      }
+    }
+    return {};
+  }
+
+  /// The first problem check_piece finds in one layer section of `c` in state `s`, as its tensor
+  /// and where: read from `bytes` (a section in file order, not restored yet) or, when null, from
+  /// the cache itself, skipping the pieces of blocks already in `checked` (blocks sequences share)
+  /// and adding the others.
+  static std::string check_section(const BasicKVCache& c, std::size_t layer, const LayerState& s,
+                                   const std::uint8_t* bytes,
+                                   std::unordered_set<const std::uint8_t*>* checked = nullptr) {
+    std::string why;
+    std::size_t offset = 0;
+    visit_pieces(c, layer, s, [&](Piece piece, Tensor t, std::size_t n, auto at) {
+      if (why.empty() && n != 0) {
+        const std::uint8_t* p = bytes != nullptr ? bytes + offset : at();
+        if (checked == nullptr || piece == Piece::rows || checked->insert(p).second)
+          why = check_piece(layout(c, t), piece, p, n);
+        if (!why.empty())
+          why = std::string(to_string(t)) +
+                (bytes != nullptr ? ", byte " + std::to_string(offset) + " of the payload" : "") + ": " + why;
+      }
+      offset += n;
+    });
+    return why;
   }
 
   /// Fresh zeroed blocks for the layer states (before restore, which cannot fail). Throws
@@ -287,8 +390,8 @@ struct CacheAccess {
       const std::uint8_t* in = payloads[l].data();
       visit_pieces(
           c, l, s,
-          [&](std::uint8_t* dest, std::size_t n) {
-            if (n != 0) std::memcpy(dest, in, n);
+          [&](Piece, Tensor, std::size_t n, auto at) {
+            if (n != 0) std::memcpy(at(), in, n);
             in += n;
           },
           pieces);
@@ -654,8 +757,13 @@ inline void read_body(FileReader& file, BasicKVCache& target) {
     if (!why.empty()) file.fail("table", table_start, "layer " + std::to_string(l) + ": " + why);
   }
   std::vector<std::vector<std::uint8_t>> payloads(layers);
-  for (std::size_t l = 0; l < layers; ++l)
-    payloads[l] = file.section(tag_layer, CacheAccess::layer_bytes(target, states[l]), "layer " + std::to_string(l));
+  for (std::size_t l = 0; l < layers; ++l) {
+    const std::string name = "layer " + std::to_string(l);
+    const std::uint64_t start = file.offset();
+    payloads[l] = file.section(tag_layer, CacheAccess::layer_bytes(target, states[l]), name);
+    if (const std::string why = CacheAccess::check_section(target, l, states[l], payloads[l].data()); !why.empty())
+      file.fail(name, start, why);
+  }
   file.expect_end();
   CacheAccess::restore(target, states, payloads, CacheAccess::fresh_blocks(target, states));
 }
@@ -676,7 +784,7 @@ inline void save(const BasicKVCache& cache, std::ostream& out) {
   for (std::size_t l = 0; l < s.layers; ++l) {
     detail::SectionWriter w(out, detail::tag_layer, CacheAccess::layer_bytes(cache, CacheAccess::state(cache, l)));
     CacheAccess::visit_pieces(cache, l, CacheAccess::state(cache, l),
-                              [&](const void* data, std::size_t n) { w.put(data, n); });
+                              [&](CacheAccess::Piece, Tensor, std::size_t n, auto at) { w.put(at(), n); });
     w.finish();
   }
   if (!out) throw Error(ErrorCode::io, "saving a kvq cache: the output stream failed");

@@ -584,7 +584,8 @@ class KVPool {
         const Access::LayerState st = Access::state(*cache, at);
         detail::SectionWriter w(out, detail::tag_own, Access::layer_bytes(*cache, st, Access::Pieces::own));
         Access::visit_pieces(
-            *cache, at, st, [&](const void* data, std::size_t n) { w.put(data, n); }, Access::Pieces::own);
+            *cache, at, st, [&](Access::Piece, Tensor, std::size_t n, auto where) { w.put(where(), n); },
+            Access::Pieces::own);
         w.finish();
       }
     if (!out) throw Error(ErrorCode::io, "saving a kvq pool: the output stream failed");
@@ -698,6 +699,7 @@ class KVPool {
     }
     LoadedPool loaded{next_id, {}};
     loaded.sequences.reserve(saved.size());
+    std::unordered_set<const std::uint8_t*> checked;  // pieces of blocks checked (check_section)
     for (const Saved& q : saved) {
       Sequence seq;
       for (std::size_t g = 0; g < groups_.size(); ++g)
@@ -722,6 +724,14 @@ class KVPool {
           }
         }
         Access::restore(*seq[g], states, group_payloads, std::move(tables), Access::Pieces::own);
+      }
+      // The contents the kernels will trust, now in place (blocks, each once, and own rows): a
+      // sequence that does not join the pool lets go of them.
+      for (std::size_t l = 0; l < shape_.layers; ++l) {
+        const auto [cache, at] = layer_of(seq, l);
+        if (const std::string why = Access::check_section(*cache, at, q.states[l], nullptr, &checked); !why.empty())
+          file.fail("sequence " + std::to_string(q.id) + " layer " + std::to_string(l), file.offset(),
+                    why + " (in its blocks or its own rows)");
       }
       loaded.sequences.emplace_back(q.id, std::move(seq));
     }
