@@ -160,9 +160,10 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
         "k4c32-v4t32n-r16-s1-post", "k4c32s-v4t32n-r16-s1-post", "k4c32n-v2t32s-r16-s1", "k4c32g-v2t32n-r16-s1-post",
         "k4c32n-v4t32-r16-s1-post",
         // 3-bit keys per channel on the exact span kernel (fields crossing dwords), before and
-        // after RoPE, key blocks of 16, 48 and 64, affine and level tables, beside 2/4/8-bit values
+        // after RoPE, key blocks of 16, 48 and 64, affine, ggml's and table levels, beside 2/4/8-bit
+        // values
         "k3c32-v2t32-r16-s1-post", "k3c32-v4t32-r40-s1", "k3c48l-v8t32-r8-s0-post", "k3c16n-v2t32-r16-s2",
-        "k3c64s-v2t32n-r16-s1-post", "k3c32l-v4t32-r16-s0"}) {
+        "k3c64s-v2t32n-r16-s1-post", "k3c32l-v4t32-r16-s0", "k3c32g-v2t32-r16-s1-post", "k3c16g-v8t32g-r8-s1"}) {
     for (const auto& [kv, group] : {std::pair<std::size_t, std::size_t>{2, 1}, {1, 4}, {2, 8}}) {
       for (const std::size_t dim : {64, 128}) {
         check_case({config, kv, group, dim, 301, 300}, seed++);

@@ -320,7 +320,9 @@ TEST(CacheFile, ForgedContentsWithValidCrcsAreRejected) {
       {"k4c8-v2t8o2-r4-s1", Piece::outlier_slots, Tensor::values, 2, {0, 0}, "not above the one before it"},
       {"k4c8-v2t8o1-r4-s1", Piece::outlier_slots, Tensor::values, 2, {8, 0}, "outside its group of 8"},
       {"k8c8e4m3-v8t8e4m3-r4-s1", Piece::codes, Tensor::values, 3, {0xFF}, "code 3 of a run is an e4m3 NaN"},
-      {"k8c8e4m3-v8t8e4m3-r4-s1", Piece::codes, Tensor::keys, 0, {0x7F}, "e4m3 NaN"}};
+      {"k8c8e4m3-v8t8e4m3-r4-s1", Piece::codes, Tensor::keys, 0, {0x7F}, "e4m3 NaN"},
+      {"k8c8e5m2-v8t8e5m2-r4-s1", Piece::codes, Tensor::keys, 1, {0x7C}, "code 1 of a run is an e5m2 infinity"},
+      {"k8c8e5m2-v8t8e5m2-r4-s1", Piece::codes, Tensor::values, 0, {0xFE}, "e5m2 infinity or NaN"}};
   const CacheShape shape{2, 1, 16, 48};
   for (const Forgery& f : forgeries) {
     const std::string what = std::string(f.config) + ": " + f.needle;
@@ -356,6 +358,29 @@ TEST(CacheFile, ForgedContentsWithValidCrcsAreRejected) {
     load_text(target, file);  // the file as saved loads
     EXPECT_TRUE(snapshot(target) == snapshot(source)) << what;
   }
+}
+
+// A pool file checks a block that sequences share once, for the longest extent any of them uses:
+// a piece checked in part before (a shorter sequence first) is checked again in full.
+TEST(CacheFile, SharedPiecesAreCheckedForTheirLongestExtent) {
+  using Access = kvq::detail::CacheAccess;
+  BasicKVCache cache = sample_cache(CacheShape{2, 1, 16, 48}, config_of("k4c8-v2t8o1-r4-s1"), 30, 5);
+  const Access::LayerState state = Access::state(cache, 0);
+  std::uint8_t* slots = nullptr;
+  std::size_t bytes = 0;
+  Access::visit_pieces(cache, 0, state, [&](Access::Piece piece, Tensor t, std::size_t n, auto at) {
+    if (slots == nullptr && piece == Access::Piece::outlier_slots && t == Tensor::values && n >= 8)
+      slots = at(), bytes = n;
+  });
+  ASSERT_NE(slots, nullptr);
+  EXPECT_EQ(Access::check_section(cache, 0, state, nullptr), "");
+  const std::uint16_t outside = 8;
+  std::memcpy(slots + bytes - 2, &outside, 2);  // the run's last entry: outside its group of 8
+  Access::CheckedPieces checked{{slots, bytes - 2}};
+  EXPECT_NE(Access::check_section(cache, 0, state, nullptr, &checked).find("slot 8"), std::string::npos);
+  EXPECT_EQ(checked[slots], bytes);
+  EXPECT_EQ(Access::check_section(cache, 0, state, nullptr, &checked), "");  // checked in full: skipped
+  EXPECT_NE(Access::check_section(cache, 0, state, nullptr).find("outside its group of 8"), std::string::npos);
 }
 
 class DamagedFile : public ::testing::Test {

@@ -44,7 +44,7 @@
 #include <string>
 #include <system_error>
 #include <type_traits>
-#include <unordered_set>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -313,10 +313,13 @@ struct CacheAccess {
         return std::string(what) + " " + std::to_string(i) + " of a run of " + std::to_string(count) +
                " is NaN or infinite";
       }
-      case Piece::codes:
+      case Piece::codes:  // fp8: the encoder saturates, so no code is NaN (or infinite, e5m2)
         if (spec.mode == Mode::fp8_e4m3)
           for (std::size_t i = 0; i < n; ++i)
             if ((p[i] & 0x7F) == 0x7F) return "code " + std::to_string(i) + " of a run is an e4m3 NaN";
+        if (spec.mode == Mode::fp8_e5m2)
+          for (std::size_t i = 0; i < n; ++i)
+            if ((p[i] & 0x7F) >= 0x7C) return "code " + std::to_string(i) + " of a run is an e5m2 infinity or NaN";
         return {};
       case Piece::outlier_slots: {
         // Every group holds `group` values: per token, outliers take only groups that divide head_dim.
@@ -335,20 +338,25 @@ struct CacheAccess {
     return {};
   }
 
+  /// Bytes checked from each place a piece starts: a block shared by sequences is checked once for
+  /// the longest extent any of them uses (a forged file may give them different ones).
+  using CheckedPieces = std::unordered_map<const std::uint8_t*, std::size_t>;
+
   /// The first problem check_piece finds in one layer section of `c` in state `s`, as its tensor
   /// and where: read from `bytes` (a section in file order, not restored yet) or, when null, from
-  /// the cache itself, skipping the pieces of blocks already in `checked` (blocks sequences share)
-  /// and adding the others.
+  /// the cache itself, skipping what `checked` says was checked and adding the rest.
   static std::string check_section(const BasicKVCache& c, std::size_t layer, const LayerState& s,
-                                   const std::uint8_t* bytes,
-                                   std::unordered_set<const std::uint8_t*>* checked = nullptr) {
+                                   const std::uint8_t* bytes, CheckedPieces* checked = nullptr) {
     std::string why;
     std::size_t offset = 0;
     visit_pieces(c, layer, s, [&](Piece piece, Tensor t, std::size_t n, auto at) {
       if (why.empty() && n != 0) {
         const std::uint8_t* p = bytes != nullptr ? bytes + offset : at();
-        if (checked == nullptr || piece == Piece::rows || checked->insert(p).second)
-          why = check_piece(layout(c, t), piece, p, n);
+        // A quantized stream's rows are its own; the rest may live in shared blocks.
+        const bool own = piece == Piece::rows && layout(c, t).quantized;
+        std::size_t* done = checked != nullptr && !own ? &(*checked)[p] : nullptr;
+        if (done == nullptr || *done < n) why = check_piece(layout(c, t), piece, p, n);
+        if (done != nullptr) *done = std::max(*done, n);
         if (!why.empty())
           why = std::string(to_string(t)) +
                 (bytes != nullptr ? ", byte " + std::to_string(offset) + " of the payload" : "") + ": " + why;

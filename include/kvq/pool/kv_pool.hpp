@@ -699,7 +699,7 @@ class KVPool {
     }
     LoadedPool loaded{next_id, {}};
     loaded.sequences.reserve(saved.size());
-    std::unordered_set<const std::uint8_t*> checked;  // pieces of blocks checked (check_section)
+    Access::CheckedPieces checked;  // what check_section has read of the blocks
     for (const Saved& q : saved) {
       Sequence seq;
       for (std::size_t g = 0; g < groups_.size(); ++g)
@@ -725,8 +725,8 @@ class KVPool {
         }
         Access::restore(*seq[g], states, group_payloads, std::move(tables), Access::Pieces::own);
       }
-      // The contents the kernels will trust, now in place (blocks, each once, and own rows): a
-      // sequence that does not join the pool lets go of them.
+      // The contents the kernels will trust, now in place (blocks, each piece once for its longest
+      // use, and own rows): a sequence that does not join the pool lets go of them.
       for (std::size_t l = 0; l < shape_.layers; ++l) {
         const auto [cache, at] = layer_of(seq, l);
         if (const std::string why = Access::check_section(*cache, at, q.states[l], nullptr, &checked); !why.empty())

@@ -5,10 +5,10 @@
 // Specialised kernels take whole tasks or their packed span (kernel_for picks):
 //   avx512_dense.hpp  unquantized fp16/fp32 caches (the baselines), post-RoPE;
 //   avx512_int.hpp    integer tier, keys per channel and values per token, 2/4/8 bits;
-//   avx512_exact.hpp  exact tier, same layouts;
+//   avx512_exact.hpp  exact tier, same layouts and 3-bit keys;
 //   avx512_rope.hpp   the key scores of both when keys are stored pre-RoPE.
 // The generic kernel below (Kernels<NV>) handles everything else (other widths and axes) and the
-// sinks and full-precision window around the packed span. In it, packed codes of 2, 4 and 8 bits
+// sinks and full-precision window around the packed span. In it, packed codes of 2, 3, 4 and 8 bits
 // unpack to bytes in channel order with vpermb + vpmultishiftqb, and rows packed per token
 // (values, and keys in llama.cpp's layout) are dequantized in registers, codes of a level table
 // looked up by vpermps (code_values), fp8 codes converted through f16 (CodeMap); other widths and

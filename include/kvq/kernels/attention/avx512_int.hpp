@@ -73,7 +73,7 @@ struct IntState {
   alignas(64) std::int8_t qb[max_tile / 16][int_heads][max_head_dim];
   alignas(64) float fold[max_tile / 16][2][16];   // [slot][alpha, bias][4 * head]
   alignas(64) float qt[int_heads][max_head_dim];  // q * scale of the block being folded
-  alignas(64) float kcode[16];                    // what 2/4-bit key codes stand for (code_values)
+  alignas(64) float kcode[16];                    // what 2/3/4-bit key codes stand for (code_values)
 
   // values
   alignas(64) std::uint8_t vidx[8][64];          // vpermt2b indices per byte vector (rows of <= 32 bytes)
@@ -716,9 +716,9 @@ KVQ_TARGET_AVX512_ATTENTION void run_span(const DecodeTask& t, std::size_t a0, s
   switch (S.kbits) {
     case 2:
       return run_span_kb<Span, NV, 2>(S, a0, a1);
-    case 3:
+    case 3:  // only spans that take them see 3-bit keys (int_supported refuses them)
       if constexpr (Span<NV, 3, 2>::three_bit_keys) return run_span_kb<Span, NV, 3>(S, a0, a1);
-      return;
+      __builtin_trap();
     case 4:
       return run_span_kb<Span, NV, 4>(S, a0, a1);
     default:

@@ -107,11 +107,19 @@ KVQ_ROPE_INLINE inline void rope_rotate_queries_back(const IntState& S, RopeKeyS
 /// Channel c of the 16 transposed rows, dequantized (one lane per row).
 template <int KB>
 KVQ_ROPE_INLINE inline __m512 rope_key_channel(const RopeKeyState& P, std::size_t c) noexcept {
-  const __m512i v = code_field<KB>(reinterpret_cast<const __m512i*>(P.codes), c);
+  __m512i v;
+  if constexpr (KB == 3) {  // a field may cross into the next dword
+    v = code_field<3>(reinterpret_cast<const __m512i*>(P.codes), c);
+  } else {
+    constexpr std::size_t per_dword = 32 / KB;
+    const unsigned shift = unsigned(KB * (c % per_dword));
+    const __m512i d = _mm512_load_si512(P.codes[c / per_dword]);
+    v = shift == 0 ? d : _mm512_srli_epi32(d, shift);
+  }
   if constexpr (KB < 8) {
     return _mm512_permutexvar_ps(v, _mm512_load_ps(P.lut[c]));
   } else {
-    const __m512i code = c % 4 == 3 ? v : _mm512_and_si512(v, _mm512_set1_epi32(0xFF));
+    const __m512i code = c % 4 == 3 ? v : _mm512_and_si512(v, _mm512_set1_epi32(0xFF));  // the top byte: no mask
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), _mm512_set1_ps(P.scale[c]), _mm512_set1_ps(P.zero[c]));
   }
 }
