@@ -294,8 +294,9 @@ struct CacheAccess {
 
   /// Why the n bytes of a piece at `p` are no contents a cache writes (empty when they are): a
   /// full-precision value or parameter that is NaN or infinite, an outlier slot outside its group
-  /// or out of order, an e4m3 NaN code. A CRC catches damage; this catches a file written by
-  /// something else, whose bytes the kernels would trust (an outlier slot indexes their memory).
+  /// or out of order, an fp8 code the encoder never writes. A CRC catches damage; this catches a
+  /// file written by something else, whose bytes the kernels would trust (an outlier slot indexes
+  /// their memory).
   static std::string check_piece(const StreamLayout& lay, Piece piece, const std::uint8_t* p, std::size_t n) {
     const QuantizerSpec& spec = lay.spec;
     switch (piece) {
