@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -45,6 +46,25 @@ std::string saved(const BasicKVCache& cache) {
 void load_text(BasicKVCache& cache, const std::string& bytes) {
   std::istringstream in(bytes, std::ios::binary);
   kvq::load(cache, in);
+}
+
+// Loading `bytes` into `target` throws kvq::Error with `code`, naming each of `needles`, and
+// leaves the target as it was.
+void expect_load_refused(BasicKVCache& target, const std::string& bytes, kvq::ErrorCode code,
+                         std::initializer_list<std::string> needles, const std::string& what) {
+  const auto before = snapshot(target);
+  std::vector<std::size_t> lengths;
+  for (std::size_t l = 0; l < target.shape().layers; ++l) lengths.push_back(target.length(l));
+  try {
+    load_text(target, bytes);
+    ADD_FAILURE() << what << ": no error";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), code) << what << ": " << e.what();
+    for (const std::string& needle : needles)
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << what << ": " << e.what();
+  }
+  EXPECT_TRUE(snapshot(target) == before) << what;
+  for (std::size_t l = 0; l < target.shape().layers; ++l) EXPECT_EQ(target.length(l), lengths[l]) << what;
 }
 
 void expect_same_rollback_reach(const BasicKVCache& a, const BasicKVCache& b) {
@@ -345,16 +365,7 @@ TEST(CacheFile, ForgedContentsWithValidCrcsAreRejected) {
 
     BasicKVCache target(shape, config);
     append_random(target, 13, 77);
-    const auto before = snapshot(target);
-    try {
-      load_text(target, bytes);
-      ADD_FAILURE() << what << ": no error";
-    } catch (const kvq::Error& e) {
-      EXPECT_EQ(e.code(), kvq::ErrorCode::io) << what << ": " << e.what();
-      EXPECT_NE(std::string(e.what()).find("section 'layer 0'"), std::string::npos) << what << ": " << e.what();
-      EXPECT_NE(std::string(e.what()).find(f.needle), std::string::npos) << what << ": " << e.what();
-    }
-    EXPECT_TRUE(snapshot(target) == before) << what;
+    expect_load_refused(target, bytes, kvq::ErrorCode::io, {"section 'layer 0'", f.needle}, what);
     load_text(target, file);  // the file as saved loads
     EXPECT_TRUE(snapshot(target) == snapshot(source)) << what;
   }
@@ -398,18 +409,7 @@ class DamagedFile : public ::testing::Test {
   // Loading `bytes` throws kvq::Error with `code` (mentioning `needle`) and leaves the target as it was.
   void expect_rejected(const std::string& bytes, kvq::ErrorCode code, const std::string& needle,
                        const std::string& what) {
-    const auto before = snapshot(target);
-    const std::size_t l0 = target.length(0), l1 = target.length(1);
-    try {
-      load_text(target, bytes);
-      ADD_FAILURE() << what << ": no error";
-    } catch (const kvq::Error& e) {
-      EXPECT_EQ(e.code(), code) << what << ": " << e.what();
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << what << ": " << e.what();
-    }
-    EXPECT_TRUE(snapshot(target) == before) << what;
-    EXPECT_EQ(target.length(0), l0) << what;
-    EXPECT_EQ(target.length(1), l1) << what;
+    expect_load_refused(target, bytes, code, {needle}, what);
     std::istringstream in(bytes, std::ios::binary);
     EXPECT_THROW((void)kvq::load(in), kvq::Error) << what;
   }
@@ -490,15 +490,7 @@ TEST_F(DamagedFile, AnotherShapeOrConfigIsAShapeMismatch) {
   auto expect_mismatch = [&](const CacheShape& s, const CacheConfig& c, const std::string& needle) {
     BasicKVCache other(s, c);
     append_random(other, 9, 5);
-    const auto before = snapshot(other);
-    try {
-      load_text(other, file);
-      ADD_FAILURE() << needle << ": no error";
-    } catch (const kvq::Error& e) {
-      EXPECT_EQ(e.code(), kvq::ErrorCode::shape_mismatch) << e.what();
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-    EXPECT_TRUE(snapshot(other) == before) << needle;
+    expect_load_refused(other, file, kvq::ErrorCode::shape_mismatch, {needle}, needle);
   };
   expect_mismatch(CacheShape{3, 1, 16, 48}, config, "3 layers");
   expect_mismatch(CacheShape{2, 2, 16, 48}, config, "2 KV heads");
