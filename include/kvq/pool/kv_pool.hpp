@@ -705,10 +705,13 @@ class KVPool {
       for (std::size_t g = 0; g < groups_.size(); ++g)
         seq.push_back(std::make_unique<BasicKVCache>(group_shape(g), groups_[g].config, groups_[g].store, rope_));
       std::vector<std::vector<std::uint8_t>> payloads(shape_.layers);
-      for (std::size_t l = 0; l < shape_.layers; ++l)
+      std::vector<std::uint64_t> section_at(shape_.layers);  // where each layer's own section starts
+      for (std::size_t l = 0; l < shape_.layers; ++l) {
+        section_at[l] = file.offset();
         payloads[l] =
             file.section(detail::tag_own, Access::layer_bytes(*seq[where_[l].group], q.states[l], Access::Pieces::own),
                          "sequence " + std::to_string(q.id) + " layer " + std::to_string(l));
+      }
       for (std::size_t g = 0; g < groups_.size(); ++g) {
         std::vector<Access::LayerState> states;
         std::vector<std::vector<std::uint8_t>> group_payloads;
@@ -730,7 +733,7 @@ class KVPool {
       for (std::size_t l = 0; l < shape_.layers; ++l) {
         const auto [cache, at] = layer_of(seq, l);
         if (const std::string why = Access::check_section(*cache, at, q.states[l], nullptr, &checked); !why.empty())
-          file.fail("sequence " + std::to_string(q.id) + " layer " + std::to_string(l), file.offset(),
+          file.fail("sequence " + std::to_string(q.id) + " layer " + std::to_string(l), section_at[l],
                     why + " (in its blocks or its own rows)");
       }
       loaded.sequences.emplace_back(q.id, std::move(seq));
