@@ -219,7 +219,9 @@ int main(int argc, char** argv) {
   //   same caches unrotated: plain K4V2 and llama.cpp's layout, keys and values per token;
   // - pre-RoPE keys rotated (each key row rotated back before RoPE, on the generic AVX-512 kernel
   //   or the vector kernels), beside the same caches unrotated (on the specialised kernels, and
-  //   below on those that run the rotated forms).
+  //   below on those that run the rotated forms);
+  // - 3-bit keys and values (the exact tier on the exact span kernel, the integer tier on the
+  //   generic one).
   const Named other_forms[] = {{"outliers/K4V2o1-post", "k4c32o1-v2t32o1-r128-s0-post"},
                                {"outliers/K4V2o1-pre", "k4c32o1-v2t32o1-r128-s0"},
                                {"rotated/K4V2-post", "k4c32-v2t32-r128-s0-post"},
@@ -229,7 +231,10 @@ int main(int argc, char** argv) {
                                {"rotated/K4V2-pre", "k4c32-v2t32-r128-s0"},
                                {"rotated/K4V2-pre-hk", "k4c32-v2t32-r128-s0-hk"},
                                {"rotated/K4V4tok-pre", "k4t32-v4t32-r128-s0"},
-                               {"rotated/K4V4tok-pre-hk-hv", "k4t32-v4t32-r128-s0-hk-hv"}};
+                               {"rotated/K4V4tok-pre-hk-hv", "k4t32-v4t32-r128-s0-hk-hv"},
+                               {"3bit/K3V2-post", "k3c32-v2t32-r128-s0-post"},
+                               {"3bit/K4V3-post", "k4c32-v3t32-r128-s0-post"},
+                               {"3bit/K3V3-pre", "k3c32-v3t32-r128-s0"}};
   for (const Named& c : other_forms)
     for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer})
       benchmark::RegisterBenchmark(
@@ -251,6 +256,9 @@ int main(int argc, char** argv) {
       {"K3V2-post", "k3c32-v2t32-r128-s0-post"},
       {"K3V2l-post", "k3c32l-v2t32l-r128-s0-post"},
       {"K3V2-pre", "k3c32-v2t32-r128-s0"},
+      {"K4V3-post", "k4c32-v3t32-r128-s0-post"},
+      {"K4V3-pre", "k4c32-v3t32-r128-s0"},
+      {"K3V3-post", "k3c32-v3t32-r128-s0-post"},
       // llama.cpp's iq4_nl and q4_0 per token (its layout), iq4_nl keys per channel
       {"K4V4i-tok-post", "k4t32i-v4t32i-r128-s0-post"},
       {"K4V4g-tok-post", "k4t32g-v4t32g-r128-s0-post"},

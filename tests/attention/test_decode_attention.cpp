@@ -103,9 +103,11 @@ void check_case(const Case& c, unsigned seed) {
     o.tier = Tier::integer;
     const auto integer = run(cache, c, q, o);
     EXPECT_LT(relative_error(integer, ref), integer_bound);
-    // Streams the integer tier does not read (outliers, ggml's levels, level tables): exact for both.
+    // Streams the integer tier does not read (outliers, ggml's levels, level tables), and on AVX-512
+    // the widths only the exact span kernel unpacks (3 bits): exact for both.
     if (!kvq::kernels::attention::integer_tier_reads(cache.keys(0, 0, 0)) ||
-        !kvq::kernels::attention::integer_tier_reads(cache.values(0, 0, 0))) {
+        !kvq::kernels::attention::integer_tier_reads(cache.values(0, 0, 0)) ||
+        std::string_view(kvq::decode_kernel(cache, c.kv_heads * c.group, o)) == "avx512-exact") {
       EXPECT_EQ(integer, exact);
     }
   }
@@ -163,7 +165,11 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
         // after RoPE, key blocks of 16, 48 and 64, affine, ggml's and table levels, beside 2/4/8-bit
         // values
         "k3c32-v2t32-r16-s1-post", "k3c32-v4t32-r40-s1", "k3c48l-v8t32-r8-s0-post", "k3c16n-v2t32-r16-s2",
-        "k3c64s-v2t32n-r16-s1-post", "k3c32l-v4t32-r16-s0", "k3c32g-v2t32-r16-s1-post", "k3c16g-v8t32g-r8-s1"}) {
+        "k3c64s-v2t32n-r16-s1-post", "k3c32l-v4t32-r16-s0", "k3c32g-v2t32-r16-s1-post", "k3c16g-v8t32g-r8-s1",
+        // 3-bit values per token on the exact span kernel (fields crossing bytes), beside 2/3/4/8-bit
+        // keys before and after RoPE, affine, ggml's and table levels
+        "k4c32-v3t32-r16-s1-post", "k3c32-v3t32-r40-s1", "k2c16n-v3t32l-r8-s0-post", "k8c32-v3t32g-r16-s2",
+        "k3c48l-v3t32n-r8-s1-post", "k4c64-v3t32s-r16-s0"}) {
     for (const auto& [kv, group] : {std::pair<std::size_t, std::size_t>{2, 1}, {1, 4}, {2, 8}}) {
       for (const std::size_t dim : {64, 128}) {
         check_case({config, kv, group, dim, 301, 300}, seed++);
@@ -176,9 +182,9 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
 TEST(DecodeAttention, CodebooksMatchReference) {
   // Calibrated levels (Mode::codebook) within each group's range: a stored zero point (the
   // midpoint) beside a level lookup, so a kernel that drops either fails. 1-4 bits: the AVX-512
-  // exact span kernel before and after RoPE (2-, 3- and 4-bit keys), the generic kernel (per-token
-  // keys, rotations), the vector kernels (3-bit values, 1 bit), a codebook beside NormalFloat and
-  // affine levels.
+  // exact span kernel before and after RoPE (2-, 3- and 4-bit keys, 2- and 3-bit values), the
+  // generic kernel (per-token keys, rotations), the vector kernels (3-bit values in groups of 16, 1
+  // bit), a codebook beside NormalFloat and affine levels.
   const std::string b1 = "bba003800", b2 = "bbc00b50034003c00", b3 = "bbc00b800b400ac003000360039003c00",
                     b4 = "bbc00ba00b880b700b500b200ae00a8002800300034003600380039003a803c00";
   unsigned seed = 700;
@@ -187,7 +193,8 @@ TEST(DecodeAttention, CodebooksMatchReference) {
         "k3c16" + b3 + "-v3t16" + b3 + "-r8-s2-hsk", "k4t32" + b4 + "-v4t32-r16-s1-post-hk-hv",
         "k4c64" + b4 + "-v1t32" + b1 + "-r8-s0-post", "k4c32" + b4 + "-v4t32n-r16-s1-post",
         "k4c32-v4t16" + b4 + "-r40-s1", "k2t16" + b2 + "-v2t32" + b2 + "-r16-s0-hk",
-        "k3c32" + b3 + "-v2t32" + b2 + "-r16-s1-post", "k3c16" + b3 + "-v4t32-r8-s0"}) {
+        "k3c32" + b3 + "-v2t32" + b2 + "-r16-s1-post", "k3c16" + b3 + "-v4t32-r8-s0",
+        "k4c32" + b4 + "-v3t32" + b3 + "-r16-s1-post", "k3c32" + b3 + "-v3t32" + b3 + "-r8-s0"}) {
     for (const auto& [kv, group] : {std::pair<std::size_t, std::size_t>{2, 1}, {1, 4}, {2, 8}}) {
       for (const std::size_t dim : {64, 128}) {
         check_case({config, kv, group, dim, 301, 300}, seed++);
@@ -475,13 +482,17 @@ TEST(DecodeAttention, KernelSelection) {
                             // in groups of 8, values per channel
                             {"k4c32-v2t8-r16-s1-post", Tier::exact, "avx2"},
                             {"k4t32-v4c32-r16-s1", Tier::integer, "avx2"},
-                            // 3-bit keys per channel: the exact span kernel, before and after
-                            // RoPE; 3-bit values and the integer tier: the generic kernel
+                            // 3-bit keys per channel and values per token: the exact span
+                            // kernel, before and after RoPE, for both tiers (exact_for_integer);
+                            // stored rotated before RoPE, the generic kernel's integer tier
                             {"k3c32-v2t32-r16-s1-post", Tier::exact, "avx512-exact"},
                             {"k3c32-v4t32-r16-s1", Tier::exact, "avx512-exact"},
-                            {"k3c32-v2t32-r16-s1-post", Tier::integer, "avx512-generic"},
-                            {"k4c32-v3t32-r16-s1-post", Tier::exact, "avx512-generic"},
-                            {"k3c32-v3t32-r16-s1", Tier::integer, "avx512-generic"},
+                            {"k3c32-v2t32-r16-s1-post", Tier::integer, "avx512-exact"},
+                            {"k4c32-v3t32-r16-s1-post", Tier::exact, "avx512-exact"},
+                            {"k3c32l-v3t32-r16-s1", Tier::exact, "avx512-exact"},
+                            {"k3c32-v3t32-r16-s1", Tier::integer, "avx512-exact"},
+                            {"k3c32-v3t32-r16-s1-hsk", Tier::integer, "avx512-generic"},
+                            {"k4c32-v3t16-r16-s1-post", Tier::exact, "avx512-generic"},  // groups of 16
                             // row by row on both: pre-RoPE 5-bit keys
                             {"k5c32-v4t32-r16-s1", Tier::exact, vector_kernel},
                             {"k4t32-v2t32-r16-s1-post", Tier::integer, "avx512-generic"},

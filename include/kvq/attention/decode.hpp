@@ -60,7 +60,8 @@ inline const HadamardTransform* key_unrotation(const BasicKVCache& cache) noexce
 
 /// The tier the kernels compute for this cache (kernels::attention::computed_tier: the exact one
 /// for streams the integer tier does not read), answered ahead of the kernels for the outlier scan
-/// and decode_kernel.
+/// and decode_kernel. The AVX-512 kernels compute the exact tier of 3-bit codes too
+/// (avx512::exact_for_integer), after the scan.
 inline Tier kernel_tier(const BasicKVCache& cache, Tier requested) noexcept {
   using kernels::attention::integer_tier_reads;
   return integer_tier_reads(cache.keys(0, 0, 0)) && integer_tier_reads(cache.values(0, 0, 0)) ? requested : Tier::exact;

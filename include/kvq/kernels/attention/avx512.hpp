@@ -5,7 +5,7 @@
 // Specialised kernels take whole tasks or their packed span (kernel_for picks):
 //   avx512_dense.hpp  unquantized fp16/fp32 caches (the baselines), post-RoPE;
 //   avx512_int.hpp    integer tier, keys per channel and values per token, 2/4/8 bits;
-//   avx512_exact.hpp  exact tier, same layouts and 3-bit keys;
+//   avx512_exact.hpp  exact tier, same layouts and 3-bit keys and values;
 //   avx512_rope.hpp   the key scores of both when keys are stored pre-RoPE.
 // The generic kernel below (Kernels<NV>) handles everything else (other widths and axes) and the
 // sinks and full-precision window around the packed span. In it, packed codes of 2, 3, 4 and 8 bits
@@ -56,11 +56,19 @@ constexpr const char* to_string(Kernel k) noexcept {
                                 : "avx512-generic";
 }
 
+/// Integer-tier tasks the integer span kernel refuses and the exact one reads (3-bit codes) run the
+/// exact tier there: the generic kernel's integer tier of them takes twice as long (32K,
+/// bench/RESULTS.md).
+inline bool exact_for_integer(const DecodeTask& task) noexcept {
+  return task.tier == Tier::integer && task.unrotate == nullptr && !detail::int_supported(task) &&
+         detail::exact_supported(task);
+}
+
 inline Kernel kernel_for(const DecodeTask& task) noexcept {
   if (task.unrotate != nullptr) return Kernel::generic;  // only it rotates pre-RoPE keys back
   if (detail::dense_supported(task)) return Kernel::dense;
   if (detail::int_supported(task)) return Kernel::integer;
-  if (detail::exact_supported(task)) return Kernel::exact;
+  if (task.tier == Tier::exact ? detail::exact_supported(task) : exact_for_integer(task)) return Kernel::exact;
   return Kernel::generic;
 }
 
@@ -578,7 +586,7 @@ KVQ_TARGET_AVX512_ATTENTION inline void decode_task(const DecodeTask& task, bool
   // The packed-span kernels keep their query tables across the segments of one task
   // (int_init); a task's first segment starts afresh whatever path ran before it.
   if (!task.resume) detail::int_state().queries = nullptr;
-  if (computed_tier(task) != task.tier) {
+  if (computed_tier(task) != task.tier || (!generic_only && exact_for_integer(task))) {
     DecodeTask exact = task;
     exact.tier = Tier::exact;
     return avx512::decode_task(exact, generic_only);

@@ -1,7 +1,7 @@
 #pragma once
 // AVX-512 exact-tier kernel for the packed span of a task (keys quantized per channel, pre-RoPE
 // keys through avx512_rope.hpp,
-// 2/3/4/8 bits, blocks of a multiple of 16; values per token, 2/4/8 bits, groups of 32; head_dim
+// 2/3/4/8 bits, blocks of a multiple of 16; values per token, 2/3/4/8 bits, groups of 32; head_dim
 // 64 or 128): the structure of the integer kernel (avx512_int.hpp) with fp32 arithmetic.
 //   keys: the transposed codes (one row per lane) are converted field by field to fp32 (a shift
 //         and a vpermps table lookup for 2, 3 and 4 bits, where 3-bit fields crossing a dword
@@ -10,9 +10,10 @@
 //         multiplied with the block-folded query q~ = q * scale broadcast per channel, so the 16
 //         scores of a head accumulate in one vector (two, alternating); bias q.zero per block
 //         and head;
-//   values: each row is converted to fp32 once, 16 channels at a time (the same lookup), and
-//           multiplied with the weights w = p * scale of 4 heads (registers over the tile); the
-//           zero points add sum p * zero per group.
+//   values: each row is converted to fp32 once, 16 channels at a time (the same lookup, after
+//           a variable shift, or for 3 bits a vpmultishiftqb), and multiplied with the weights
+//           w = p * scale of 4 heads (registers over the tile); the zero points add sum p * zero
+//           per group.
 // Matches the reference attention to fp32 rounding.
 
 #include <immintrin.h>
@@ -44,18 +45,19 @@ inline ExactState& exact_state() noexcept {
   return state;
 }
 
-/// Key codes the exact kernel unpacks: fast_bits, and 3 bits (eight codes in three bytes, read
-/// in channel order; the integer kernel's byte fields need widths that divide 8).
-inline bool exact_key_bits(const QuantizerSpec& spec) noexcept { return fast_bits(spec) || spec.bits == 3; }
+/// Codes the exact kernel unpacks, keys and values: fast_bits, and 3 bits (eight codes in three
+/// bytes, read in channel order; the integer kernel's byte fields need widths that divide 8).
+inline bool exact_bits(const QuantizerSpec& spec) noexcept { return fast_bits(spec) || spec.bits == 3; }
 
+/// The exact span kernel reads the task's layout (kernel_for and decode_task say for which tiers).
 inline bool exact_supported(const DecodeTask& t) noexcept {
   const StreamView &k = t.keys, &v = t.values;
   const std::size_t d = k.head_dim;
-  if (t.tier != Tier::exact || (d != 64 && d != 128) || v.head_dim != d) return false;
-  if (!k.quantized || k.spec.axis != Axis::per_channel || !exact_key_bits(k.spec) || k.spec.group % 16 != 0 ||
+  if ((d != 64 && d != 128) || v.head_dim != d) return false;
+  if (!k.quantized || k.spec.axis != Axis::per_channel || !exact_bits(k.spec) || k.spec.group % 16 != 0 ||
       k.spec.group > max_tile)
     return false;
-  if (!v.quantized || v.spec.axis != Axis::per_token || !fast_bits(v.spec) || v.spec.group != 32) return false;
+  if (!v.quantized || v.spec.axis != Axis::per_token || !exact_bits(v.spec) || v.spec.group != 32) return false;
   return v.first_quantized == k.first_quantized && v.end_quantized >= k.end_quantized;
 }
 
@@ -83,7 +85,8 @@ KVQ_EXACT_INLINE inline void exact_fold(const IntState& S, ExactState& E, std::s
 /// Shift counts that bring 16 value codes of B bits to the low bits of the lanes by one variable
 /// shift of their broadcast 2B bytes. 2 bits: dword lane l by 2l, so lane l holds code l. 4 bits:
 /// qword lane j by 4j (vpsrlvq), so dword lane 2j holds code j and lane 2j + 1 code 8 + j; `lane`
-/// gives the lane of each code, to put the channels back in order once per tile.
+/// gives the lane of each code, to put the channels back in order once per tile (3 bits:
+/// value_select3).
 template <int B>
 struct ValueLanes {
   alignas(64) std::int32_t shift[16];
@@ -94,10 +97,26 @@ template <int B>
 inline constexpr ValueLanes<B> value_lanes = [] {
   ValueLanes<B> v{};
   for (int l = 0; l < 16; ++l) {
-    v.shift[l] = B == 2 ? 2 * l : l % 2 == 0 ? 2 * l : 0;  // B = 4: the low dword of qword count 4j
-    v.lane[l] = B == 2 ? l : l < 8 ? 2 * l : 2 * (l - 8) + 1;
+    // B = 4: the low dword of qword lane j counts 4j
+    v.shift[l] = B == 2 ? 2 * l : l % 2 == 0 ? 2 * l : 0;
+    v.lane[l] = B != 4 ? l : l < 8 ? 2 * l : 2 * (l - 8) + 1;
   }
   return v;
+}();
+
+/// vpmultishiftqb controls for 3-bit value codes: 16 codes fill 6 bytes, loaded as a qword
+/// broadcast to every lane; dword lane l takes the 8 bits from bit 3l of its qword (vpermps reads
+/// the low 4). `control[1]` serves a qword loaded 2 bytes early (the last 16 codes of a run of 64,
+/// so that no load reads past the run's 24 bytes): from bit 3l + 16.
+struct ValueSelect3 {
+  alignas(64) std::uint8_t control[2][64];
+};
+
+inline constexpr ValueSelect3 value_select3 = [] {
+  ValueSelect3 s{};
+  for (int e = 0; e < 2; ++e)
+    for (int l = 0; l < 16; ++l) s.control[e][4 * l] = std::uint8_t(3 * l + 16 * e);
+  return s;
 }();
 
 /// Scores of the 16 positions at s0 (exact): score[h][off ..].
@@ -210,20 +229,36 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
   const __m512i shift = _mm512_load_si512(value_lanes < VB < 8 ? VB : 2 >.shift);
   const __m512i lane = _mm512_load_si512(value_lanes < VB < 8 ? VB : 2 >.lane);
   const __m512 table = _mm512_load_ps(S.vcode);
+  const __m512i select3 = _mm512_load_si512(value_select3.control[0]),
+                select3_late = _mm512_load_si512(value_select3.control[1]);
   for (unsigned u = 0; u < unsigned(NV / 4); ++u) {
     __m512 acc[NH][4];
     for (int h = 0; h < NH; ++h)
       for (int i = 0; i < 4; ++i) acc[h][i] = _mm512_setzero_ps();
     for (std::size_t t = 0; t < n; ++t) {
       const std::uint8_t* row = base + t * v.row_bytes;
-      if (u == 0 && (t * v.row_bytes) % 64 == 0)
+      if constexpr (VB == 3) {  // rows of 48 or 24 bytes: also those that cross into a line (its last byte's)
+        const std::size_t at = t * v.row_bytes % 64;
+        if (u == 0 && (at == 0 || at + v.row_bytes > 64))
+          if (const std::uint8_t* ahead = read_ahead(v, row, S.task->next_values))
+            _mm_prefetch(reinterpret_cast<const char*>(ahead + v.row_bytes - 1), _MM_HINT_T1);
+      } else if (u == 0 && (t * v.row_bytes) % 64 == 0) {
         if (const std::uint8_t* ahead = read_ahead(v, row, S.task->next_values))
           _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
+      }
       __m512 x[4];
       if constexpr (VB == 8) {
         for (int i = 0; i < 4; ++i)
           x[i] = _mm512_cvtepi32_ps(
               _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 64 * u + 16 * unsigned(i)))));
+      } else if constexpr (VB == 3) {  // 16 codes in 6 bytes: one broadcast qword, one vpmultishiftqb
+        for (int i = 0; i < 4; ++i) {
+          std::uint64_t raw = 0;
+          std::memcpy(&raw, row + 24 * u + (i < 3 ? 6 * unsigned(i) : 16), 8);
+          x[i] = _mm512_permutexvar_ps(
+              _mm512_multishift_epi64_epi8(i < 3 ? select3 : select3_late, _mm512_set1_epi64(std::int64_t(raw))),
+              table);
+        }
       } else {
         for (int i = 0; i < 4; ++i) x[i] = value_codes16<VB>(row + (64 * u + 16 * unsigned(i)) * VB / 8, shift, table);
       }
@@ -270,7 +305,7 @@ KVQ_TARGET_AVX512_ATTENTION void exact_tiles(IntState& S, ExactState& E, std::si
 /// The exact kernel accumulates in the task's output directly.
 template <int NV, int KB, int VB>
 struct ExactSpan {
-  static constexpr bool three_bit_keys = true;
+  static constexpr bool three_bit_codes = true;
   KVQ_TARGET_AVX512_ATTENTION static void load(IntState&) noexcept {}
   KVQ_TARGET_AVX512_ATTENTION static void store(IntState&) noexcept {}
   template <int NH>

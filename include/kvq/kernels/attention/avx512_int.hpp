@@ -90,7 +90,7 @@ struct IntState {
   alignas(64) float corr[16], scale[16];  // lane 4h: exp(old max - new max), exp(tile max - new max)
   float beta[int_heads];
   alignas(64) float cg[int_heads][16];
-  alignas(64) float vcode[16];  // what 2/4-bit value codes stand for (code_values)
+  alignas(64) float vcode[16];  // what 2/3/4-bit value codes stand for (code_values)
 };
 
 /// The integer kernel applies: integer tier, post-RoPE, fast widths and layouts.
@@ -687,14 +687,17 @@ KVQ_TARGET_AVX512_ATTENTION void head_passes(IntState& S, std::size_t a0, std::s
   }
 }
 
-/// Runs head_passes<Span<NV, KB, VB>> for the task's key and value widths (2, 4 or 8 each; keys of
-/// 3 bits where the Span takes them): the packed-span kernels are compiled per width pair so that
+/// Runs head_passes<Span<NV, KB, VB>> for the task's key and value widths (2, 4 or 8 each; 3 bits
+/// where the Span takes them): the packed-span kernels are compiled per width pair so that
 /// fields, masks and shifts are constants. Shared by the integer and exact kernels.
 template <template <int, int, int> class Span, int NV, int KB>
 KVQ_TARGET_AVX512_ATTENTION void run_span_kb(IntState& S, std::size_t a0, std::size_t a1) noexcept {
   switch (S.vbits) {
     case 2:
       return head_passes<Span<NV, KB, 2>>(S, a0, a1);
+    case 3:  // only spans that take them see 3-bit values (int_supported refuses them)
+      if constexpr (Span<NV, KB, 3>::three_bit_codes) return head_passes<Span<NV, KB, 3>>(S, a0, a1);
+      __builtin_trap();
     case 4:
       return head_passes<Span<NV, KB, 4>>(S, a0, a1);
     default:
@@ -717,7 +720,7 @@ KVQ_TARGET_AVX512_ATTENTION void run_span(const DecodeTask& t, std::size_t a0, s
     case 2:
       return run_span_kb<Span, NV, 2>(S, a0, a1);
     case 3:  // only spans that take them see 3-bit keys (int_supported refuses them)
-      if constexpr (Span<NV, 3, 2>::three_bit_keys) return run_span_kb<Span, NV, 3>(S, a0, a1);
+      if constexpr (Span<NV, 3, 2>::three_bit_codes) return run_span_kb<Span, NV, 3>(S, a0, a1);
       __builtin_trap();
     case 4:
       return run_span_kb<Span, NV, 4>(S, a0, a1);
@@ -730,7 +733,7 @@ KVQ_TARGET_AVX512_ATTENTION void run_span(const DecodeTask& t, std::size_t a0, s
 /// Moved with gathers and scatters: a task crossing many blocks moves them once per block.
 template <int NV, int KB, int VB>
 struct IntSpan {
-  static constexpr bool three_bit_keys = false;  // int_supported refuses them
+  static constexpr bool three_bit_codes = false;  // int_supported refuses them
   KVQ_TARGET_AVX512_ATTENTION static void load(IntState& S) noexcept {
     for (std::size_t h = 0; h < S.nh; ++h) {
       const float* acc = S.task->acc + (S.h0 + h) * S.dim;
