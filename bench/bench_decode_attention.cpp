@@ -220,8 +220,8 @@ int main(int argc, char** argv) {
   // - pre-RoPE keys rotated (each key row rotated back before RoPE, on the generic AVX-512 kernel
   //   or the vector kernels), beside the same caches unrotated (on the specialised kernels, and
   //   below on those that run the rotated forms);
-  // - 3-bit keys and values (the exact tier on the exact span kernel, the integer tier on the
-  //   generic one).
+  // - 3-bit keys and values on the exact span kernel, which runs the exact tier for both tiers
+  //   (avx512::exact_for_integer; the generic kernel's integer tier took twice as long).
   const Named other_forms[] = {{"outliers/K4V2o1-post", "k4c32o1-v2t32o1-r128-s0-post"},
                                {"outliers/K4V2o1-pre", "k4c32o1-v2t32o1-r128-s0"},
                                {"rotated/K4V2-post", "k4c32-v2t32-r128-s0-post"},

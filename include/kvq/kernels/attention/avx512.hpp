@@ -5,7 +5,8 @@
 // Specialised kernels take whole tasks or their packed span (kernel_for picks):
 //   avx512_dense.hpp  unquantized fp16/fp32 caches (the baselines), post-RoPE;
 //   avx512_int.hpp    integer tier, keys per channel and values per token, 2/4/8 bits;
-//   avx512_exact.hpp  exact tier, same layouts and 3-bit keys and values;
+//   avx512_exact.hpp  exact tier, same layouts and 3-bit keys and values (and the integer tier of
+//                     3-bit codes: exact_for_integer);
 //   avx512_rope.hpp   the key scores of both when keys are stored pre-RoPE.
 // The generic kernel below (Kernels<NV>) handles everything else (other widths and axes) and the
 // sinks and full-precision window around the packed span. In it, packed codes of 2, 3, 4 and 8 bits

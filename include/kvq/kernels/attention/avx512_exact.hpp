@@ -2,7 +2,9 @@
 // AVX-512 exact-tier kernel for the packed span of a task (keys quantized per channel, pre-RoPE
 // keys through avx512_rope.hpp,
 // 2/3/4/8 bits, blocks of a multiple of 16; values per token, 2/3/4/8 bits, groups of 32; head_dim
-// 64 or 128): the structure of the integer kernel (avx512_int.hpp) with fp32 arithmetic.
+// 64 or 128): the structure of the integer kernel (avx512_int.hpp) with fp32 arithmetic. It also
+// runs integer-tier tasks of 3-bit codes, which the integer kernel does not unpack
+// (avx512::exact_for_integer).
 //   keys: the transposed codes (one row per lane) are converted field by field to fp32 (a shift
 //         and a vpermps table lookup for 2, 3 and 4 bits, where 3-bit fields crossing a dword
 //         take a second shift; mask and convert for 8; the table holds
