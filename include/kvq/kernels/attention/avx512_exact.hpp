@@ -87,8 +87,8 @@ KVQ_EXACT_INLINE inline void exact_fold(const IntState& S, ExactState& E, std::s
 /// Shift counts that bring 16 value codes of B bits to the low bits of the lanes by one variable
 /// shift of their broadcast 2B bytes. 2 bits: dword lane l by 2l, so lane l holds code l. 4 bits:
 /// qword lane j by 4j (vpsrlvq), so dword lane 2j holds code j and lane 2j + 1 code 8 + j; `lane`
-/// gives the lane of each code, to put the channels back in order once per tile (3 bits:
-/// value_select3).
+/// gives the lane of each code, to put the channels back in order once per tile. (3 bits:
+/// value_select3; their channels come out in order.)
 template <int B>
 struct ValueLanes {
   alignas(64) std::int32_t shift[16];
@@ -99,9 +99,8 @@ template <int B>
 inline constexpr ValueLanes<B> value_lanes = [] {
   ValueLanes<B> v{};
   for (int l = 0; l < 16; ++l) {
-    // B = 4: the low dword of qword lane j counts 4j
-    v.shift[l] = B == 2 ? 2 * l : l % 2 == 0 ? 2 * l : 0;
-    v.lane[l] = B != 4 ? l : l < 8 ? 2 * l : 2 * (l - 8) + 1;
+    v.shift[l] = B == 2 ? 2 * l : l % 2 == 0 ? 2 * l : 0;  // B = 4: the low dword of qword count 4j
+    v.lane[l] = B == 2 ? l : l < 8 ? 2 * l : 2 * (l - 8) + 1;
   }
   return v;
 }();
@@ -228,8 +227,8 @@ KVQ_TARGET_AVX512_ATTENTION inline void exact_values(IntState& S, ExactState& E,
     _mm_store_ps(E.zs[h], _mm512_castps512_ps128(c));
   }
   const std::uint8_t* base = v.code_row(a);
-  const __m512i shift = _mm512_load_si512(value_lanes < VB < 8 ? VB : 2 >.shift);
-  const __m512i lane = _mm512_load_si512(value_lanes < VB < 8 ? VB : 2 >.lane);
+  const __m512i shift = _mm512_load_si512(value_lanes < VB == 4 ? 4 : 2 >.shift);
+  const __m512i lane = _mm512_load_si512(value_lanes < VB == 4 ? 4 : 2 >.lane);
   const __m512 table = _mm512_load_ps(S.vcode);
   const __m512i select3 = _mm512_load_si512(value_select3.control[0]),
                 select3_late = _mm512_load_si512(value_select3.control[1]);
