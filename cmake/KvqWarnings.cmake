@@ -19,8 +19,8 @@ function(kvq_target_defaults target)
 endfunction()
 
 # The one compiled copy of the attention kernels for the project's programs that link it
-# (KVQ_EXTERN_KERNELS, kernels/attention/registry.hpp): otherwise each of the ~25 test and
-# benchmark programs that run attention compiles every kernel again (about 90 s each at -O3).
+# (KVQ_EXTERN_KERNELS, kernels/attention/registry.hpp): otherwise each test and benchmark
+# program that runs attention compiles every kernel again (85 s each, GCC -O3).
 # ARGN: extra compile options. The examples stay header-only, as a user's program is.
 function(kvq_add_kernel_library name)
   add_library(${name} STATIC "${PROJECT_SOURCE_DIR}/tests/support/attention_kernels.cpp")

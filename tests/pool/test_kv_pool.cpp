@@ -196,7 +196,8 @@ TEST(PagedCache, AppendsStridedHalfPrecisionRows) {
   const CacheShape shape{1, kv_heads, dim, 400};
   for (const kvq::Scalar type : {kvq::Scalar::f16, kvq::Scalar::bf16}) {
     const auto x = kvq::test::normal_vector(tokens * fused * dim, 30);
-    std::vector<std::uint16_t> qkv(2 * x.size());  // room for f32 too: GCC warns of store_row's f32 branch
+    // Room for f32 too: GCC's -Warray-bounds checks store_row's f32 branch against the buffer.
+    std::vector<std::uint16_t> qkv(2 * x.size());
     kvq::store_row(type, x.data(), x.size(), qkv.data());
     std::vector<float> k(tokens * kv_heads * dim), v(k.size());
     for (std::size_t t = 0; t < tokens; ++t)

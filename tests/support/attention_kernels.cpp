@@ -1,3 +1,3 @@
-// The one translation unit of the test programs that compiles the attention kernels; the others
-// declare the kernel table only (KVQ_EXTERN_KERNELS, set for every test target).
+// The one translation unit that compiles the attention kernels for the programs linking a
+// kvq_add_kernel_library (cmake/KvqWarnings.cmake); their other units declare the table only.
 #include "kvq/kernels/attention/registry.hpp"

@@ -55,7 +55,7 @@ inline bool avx512_level() noexcept { return isa::detected() == isa::Level::avx5
 }  // namespace detail
 
 #if defined(KVQ_EXTERN_KERNELS) && !defined(KVQ_KERNELS_IMPLEMENTATION)
-/// Every kernel of this build, in order of preference (compiled where KVQ_KERNELS_IMPLEMENTATION is).
+/// Every kernel of this build (defined in the unit with KVQ_KERNELS_IMPLEMENTATION).
 std::span<const KernelEntry> registry() noexcept;
 #else
 #if defined(KVQ_EXTERN_KERNELS)
