@@ -2,8 +2,10 @@
 // Calibrated codebooks for kvq-eval: a configuration whose key or value quantizer ends in a bare
 // 'b' ("k3c32b-v4t8-r0-s0") asks for codebook levels fitted to the model (CodebookCalibration).
 // The calibration text is the model's own greedy continuation from BOS with the fp32 cache, so it
-// shares no token with the evaluation text; the levels are pooled over layers and KV heads (one
-// codebook per tensor, so the result is one configuration string that --configs reads back).
+// shares no token with the evaluation text. One configuration pools the levels over layers and KV
+// heads (one codebook per tensor); per-layer text ("k3c32b-v4t8-r0-s0*5") fits each layer's
+// codebooks to that layer's keys and values alone. Either way the result is text that --configs
+// reads back.
 
 #include <cstddef>
 #include <optional>
@@ -13,6 +15,7 @@
 
 #include "eval/cache_backend.hpp"
 #include "eval/engine_formats.hpp"
+#include "eval/model_eval.hpp"
 #include "kvq/kvq.hpp"
 #include "llama/full_precision_backend.hpp"
 #include "llama/inference.hpp"
@@ -65,34 +68,115 @@ inline std::optional<CodebookRequest> codebook_request(const std::string& text) 
   return r;
 }
 
-/// The request's configuration with its codebooks fitted to the model's keys and values on its
-/// own greedy text (pre-RoPE keys, as the cache stores them).
-inline CacheConfig calibrate_codebooks(const llama::Model& model, const CodebookRequest& request) {
-  const llama::LlamaConfig& m = model.config();
-  const std::size_t steps = std::min(calibration_tokens, m.context_length) - 1;
-  RecordingBackend<llama::FullPrecisionBackend> kv(llama::FullPrecisionBackend(model, steps + 1), m.layers);
-  (void)llama::greedy_generate(model, kv, steps);
-  CacheConfig out = request.config;
-  auto fit = [&](QuantizerSpec& spec, bool keys) {
-    CodebookCalibration calibration(spec, m.head_dim);
+/// Per-layer text whose items may end their quantizers in a bare 'b': one request per layer.
+struct LayerCodebookRequest {
+  std::vector<CodebookRequest> layers;
+};
+
+/// The request per-layer text makes, or nothing when no item holds a bare 'b'. Throws on text that
+/// is no per-layer configuration either way.
+inline std::optional<LayerCodebookRequest> layer_codebook_request(const std::string& text) {
+  LayerCodebookRequest r;
+  bool any = false;
+  for (std::size_t start = 0, item = 1;; ++item) {
+    const std::size_t end = std::min(text.find(';', start), text.size());
+    const std::string part = text.substr(start, end - start);
+    const std::size_t star = std::min(part.find('*'), part.size());
+    try {
+      const std::optional<CodebookRequest> one = codebook_request(part.substr(0, star));
+      any = any || one.has_value();
+      const std::string spelled = one ? to_string(one->config) + part.substr(star) : part;
+      for (const CacheConfig& c : parse_layer_configs(spelled))
+        r.layers.push_back({c, one && one->keys, one && one->values});
+    } catch (const Error& e) {
+      throw Error(e.code(),
+                  "per-layer configuration '" + text + "', item " + std::to_string(item) + ": " + e.message());
+    }
+    if (end == text.size()) break;
+    start = end + 1;
+  }
+  if (!any) return std::nullopt;
+  return r;
+}
+
+/// The keys and values of the calibration text, per layer (pre-RoPE keys, as the cache stores them).
+class CalibrationText {
+ public:
+  explicit CalibrationText(const llama::Model& model)
+      : m_(model.config()),
+        kv_(llama::FullPrecisionBackend(model, std::min(calibration_tokens, m_.context_length)), m_.layers) {
+    (void)llama::greedy_generate(model, kv_, std::min(calibration_tokens, m_.context_length) - 1);
+  }
+
+  /// `spec`'s codebook fitted to the keys (or values) of layers [first, last), every KV head.
+  QuantizerSpec fit(const QuantizerSpec& spec, bool keys, std::size_t first, std::size_t last) const {
+    CodebookCalibration calibration(spec, m_.head_dim);
     std::vector<float> rows;
-    for (std::size_t l = 0; l < m.layers; ++l) {
-      const std::vector<float>& all = keys ? kv.keys(l) : kv.values(l);  // (T, kv_heads, d)
-      const std::size_t tokens = all.size() / (m.kv_heads * m.head_dim);
-      for (std::size_t h = 0; h < m.kv_heads; ++h) {
+    for (std::size_t l = first; l < last; ++l) {
+      const std::vector<float>& all = keys ? kv_.keys(l) : kv_.values(l);  // (T, kv_heads, d)
+      const std::size_t tokens = all.size() / (m_.kv_heads * m_.head_dim);
+      for (std::size_t h = 0; h < m_.kv_heads; ++h) {
         rows.clear();
         for (std::size_t t = 0; t < tokens; ++t) {
-          const float* row = all.data() + (t * m.kv_heads + h) * m.head_dim;
-          rows.insert(rows.end(), row, row + m.head_dim);
+          const float* row = all.data() + (t * m_.kv_heads + h) * m_.head_dim;
+          rows.insert(rows.end(), row, row + m_.head_dim);
         }
         calibration.add(rows);
       }
     }
-    spec = calibration.fit();
-  };
-  if (request.keys) fit(out.key, true);
-  if (request.values) fit(out.value, false);
+    return calibration.fit();
+  }
+
+  /// `request`'s configuration with the codebooks it asks for fitted to layers [first, last).
+  CacheConfig calibrate(const CodebookRequest& request, std::size_t first, std::size_t last) const {
+    CacheConfig out = request.config;
+    if (request.keys) out.key = fit(out.key, true, first, last);
+    if (request.values) out.value = fit(out.value, false, first, last);
+    return out;
+  }
+
+ private:
+  const llama::LlamaConfig& m_;
+  RecordingBackend<llama::FullPrecisionBackend> kv_;
+};
+
+/// The request's configuration with its codebooks fitted to the model's keys and values on its
+/// own greedy text, pooled over every layer.
+inline CacheConfig calibrate_codebooks(const llama::Model& model, const CodebookRequest& request) {
+  return CalibrationText(model).calibrate(request, 0, model.config().layers);
+}
+
+/// One configuration per layer, each layer's codebooks fitted to that layer alone.
+inline std::vector<CacheConfig> calibrate_codebooks(const llama::Model& model, const LayerCodebookRequest& request) {
+  const std::size_t layers = model.config().layers;
+  if (request.layers.size() != layers)
+    throw Error(ErrorCode::shape_mismatch, "codebook calibration: the per-layer configuration names " +
+                                               std::to_string(request.layers.size()) + " layers; the model has " +
+                                               std::to_string(layers));
+  const CalibrationText text(model);
+  std::vector<CacheConfig> out;
+  for (std::size_t l = 0; l < layers; ++l) out.push_back(text.calibrate(request.layers[l], l, l + 1));
   return out;
+}
+
+/// A --configs entry checked before the model loads: throws on text no candidate reads.
+inline void check_candidate_text(const std::string& text) {
+  if (is_layer_text(text)) {
+    if (!layer_codebook_request(text)) (void)parse_candidate(text);
+  } else if (!codebook_request(text)) {
+    (void)parse_candidate(text);
+  }
+}
+
+/// What a --configs entry measures: the candidate as written (per-layer text checked against the
+/// model's layers), or with the codebooks it asks for calibrated on `model`.
+inline Candidate resolve_candidate(const llama::Model& model, const std::string& text) {
+  if (is_layer_text(text)) {
+    if (const auto request = layer_codebook_request(text)) return LayerConfigs{calibrate_codebooks(model, *request)};
+    return LayerConfigs{parse_layer_configs(text, model.config().layers)};
+  }
+  if (const auto request = codebook_request(text)) return calibrate_codebooks(model, *request);
+  return parse_candidate(text);
 }
 
 }  // namespace kvq::eval

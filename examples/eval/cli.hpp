@@ -52,10 +52,12 @@ usage: kvq-eval [options]
   --set NAME           configuration set: default, axes, full, engines (default: default);
                        engines = the default set plus every engine format below, and
                        kvq caches in the engines' layouts (fp8, TurboQuant-style, HF)
-  --configs A,B,...    explicit configurations, e.g. k4c32-v2t8-r0-s0,ggml-q4_0 (overrides --set);
+  --configs A,B,...    explicit configurations, e.g. k4c32-v2t8-r0-s0,ggml-q4_0 (overrides --set),
+                       or one per layer ('k8c32-v4t8-r0-s0;k4c32-v2t8-r0-s0*4', quoted);
                        a quantizer ending in a bare 'b' (k3c32b-v4t8-r0-s0) gets codebook levels
                        fitted to the model's own greedy text from BOS (pre-RoPE keys, values;
-                       one codebook per tensor over layers and heads), printed in the table
+                       one codebook per tensor over layers and heads, or, in per-layer text
+                       such as 'k3c32b-v4t8-r0-s0*5', per layer), printed in the table
   --stories N          evaluate the first N stories (default: all)
   --context N          truncate each story to N tokens (default: 512, or the model's
                        context length if shorter; more than that length is an error)
@@ -225,11 +227,16 @@ inline EvalOptions parse_options(const std::vector<std::string>& args) {
                 "--advise chooses among its candidates (its own, or those --configs lists): it does not combine with "
                 "--set, --generate, --synthetic or --distortion");
   if (o.advise)
-    for (const std::string& c : o.configs)
+    for (const std::string& c : o.configs) {
       if (is_engine_format_name(c))
         throw Error(ErrorCode::invalid_argument, "--advise candidate '" + c +
                                                      "' is an engine format, simulated for comparison; a per-layer "
                                                      "configuration holds kvq cache configurations only");
+      if (is_layer_text(c))
+        throw Error(ErrorCode::invalid_argument, "--advise candidate '" + c +
+                                                     "' is per-layer text; --advise takes one configuration per "
+                                                     "candidate and chooses one per layer itself");
+    }
   if (o.text_given && !o.tokens.empty()) throw Error(ErrorCode::invalid_argument, "give --text or --tokens, not both");
   if (o.set != "default" && o.set != "axes" && o.set != "full" && o.set != "engines")
     throw Error(ErrorCode::invalid_argument, "unknown --set '" + o.set + "': expected default, axes, full or engines");
@@ -465,6 +472,8 @@ inline std::vector<ConfigResult> evaluate_all(const ModelEvaluation& evaluation,
     // Engine formats are simulated on the fp32 backend, which does not generate: no row for them.
     if (const auto* config = std::get_if<CacheConfig>(&configs[i]); generation != nullptr && config != nullptr)
       results[i].generation = generation->evaluate(*config);
+    if (const auto* layers = std::get_if<LayerConfigs>(&configs[i]); generation != nullptr && layers != nullptr)
+      results[i].generation = generation->evaluate(layers->configs);
     const std::lock_guard lock(print);
     progress << fmt::format("[{}/{}] {}\n", ++done, configs.size(), name_of(configs[i])) << std::flush;
   });
@@ -478,8 +487,7 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
       out << usage;
       return 0;
     }
-    for (const std::string& c : o.configs)  // reject typos before any work
-      if (!codebook_request(c)) (void)parse_candidate(c);
+    for (const std::string& c : o.configs) check_candidate_text(c);  // reject typos before any work
     if (o.distortion) {
       print_distortion_table(out);
       return 0;
@@ -499,10 +507,7 @@ inline int run_eval(const std::vector<std::string>& args, std::ostream& out, std
                              : read_token_stories(o.tokens, model.config().vocab, context, o.stories);
     if (stories.empty()) throw Error(ErrorCode::invalid_argument, "'" + source.string() + "' holds no story");
     std::vector<Candidate> configs;
-    for (const std::string& c : o.configs) {
-      const auto request = codebook_request(c);
-      configs.push_back(request ? Candidate(calibrate_codebooks(model, *request)) : parse_candidate(c));
-    }
+    for (const std::string& c : o.configs) configs.push_back(resolve_candidate(model, c));
     if (configs.empty()) configs = config_set(o.set, model.config().head_dim);
 
     ModelEvaluation evaluation(model, stories, o.metric_stories, attention_fn(o.attention), o.prefill_chunk);

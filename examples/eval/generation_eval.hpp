@@ -58,12 +58,17 @@ class GenerationEvaluation {
   const std::vector<std::vector<int>>& prompts() const noexcept { return prompts_; }
 
   GenerationResult evaluate(const CacheConfig& config) const {
+    return evaluate(std::vector<CacheConfig>(model_.config().layers, config));
+  }
+
+  /// One configuration per layer.
+  GenerationResult evaluate(const std::vector<CacheConfig>& configs) const {
     GenerationResult r;
     r.runs = prompts_.size();
     r.steps = steps_;
     double identical = 0, whole = 0, agree = 0, kl = 0;
     for (std::size_t i = 0; i < prompts_.size(); ++i) {
-      const Run ours = run(prompts_[i], &config);
+      const Run ours = run(prompts_[i], &configs);
       const std::vector<int>& ref = reference_[i];
       const auto first_difference = std::mismatch(ours.continuation.begin(), ours.continuation.end(), ref.begin());
       identical += double(first_difference.first - ours.continuation.begin());
@@ -84,13 +89,13 @@ class GenerationEvaluation {
     double kl = 0;  // summed over steps
   };
 
-  // Greedy continuation from `config`'s cache (the fp32 backend when null), with an fp32 run fed
-  // the same tokens alongside for the KL.
-  Run run(const std::vector<int>& prompt, const CacheConfig* config) const {
+  // Greedy continuation from a cache of `configs` (the fp32 backend when null), with an fp32 run
+  // fed the same tokens alongside for the KL.
+  Run run(const std::vector<int>& prompt, const std::vector<CacheConfig>* configs) const {
     const std::size_t positions = prompt.size() + steps_, vocab = model_.config().vocab;
     llama::FullPrecisionBackend exact(model_, positions);
     std::optional<CacheBackend> quantized;
-    if (config != nullptr) quantized.emplace(model_, *config, positions, attention_);
+    if (configs != nullptr) quantized.emplace(model_, *configs, positions, attention_);
     std::vector<float> logits(vocab), exact_logits(vocab), lp(vocab), exact_lp(vocab);
     std::vector<int> tokens = prompt;
     Run r;

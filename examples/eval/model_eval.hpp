@@ -21,24 +21,37 @@
 
 namespace kvq::eval {
 
-/// What kvq-eval measures: one of kvq's cache configurations, or another engine's format simulated.
-using Candidate = std::variant<CacheConfig, EngineFormat>;
+/// A configuration per layer, as parse_layer_configs reads it ("k8c32-v4t8-r0-s0;k4c32-v2t8-r0-s0*4").
+struct LayerConfigs {
+  std::vector<CacheConfig> configs;
+};
 
-/// "k4c32-v2t8-r0-s0" or "ggml-q4_0": engine format names are told apart by their prefix.
+/// What kvq-eval measures: one of kvq's cache configurations, one per layer, or another engine's
+/// format simulated.
+using Candidate = std::variant<CacheConfig, EngineFormat, LayerConfigs>;
+
+/// Whether a --configs entry is per-layer text (it holds a ';' or a '*').
+inline bool is_layer_text(const std::string& text) { return text.find_first_of(";*") != std::string::npos; }
+
+/// "k4c32-v2t8-r0-s0", "ggml-q4_0" or per-layer text: engine format names are told apart by their
+/// prefix. Per-layer text is checked against the model's layer count when it is evaluated.
 inline Candidate parse_candidate(const std::string& text) {
   if (is_engine_format_name(text)) return parse_engine_format(text);
+  if (is_layer_text(text)) return LayerConfigs{parse_layer_configs(text)};
   return parse_cache_config(text);
 }
 
 inline std::string name_of(const Candidate& c) {
   if (const auto* config = std::get_if<CacheConfig>(&c)) return to_string(*config);
+  if (const auto* layers = std::get_if<LayerConfigs>(&c)) return to_string(layers->configs);
   return std::get<EngineFormat>(c).name;
 }
 
 struct ConfigResult {
-  CacheConfig config;                  // kvq configurations
-  std::optional<EngineFormat> engine;  // engine formats (config is then unused)
-  double mean_nll = 0;                 // nats per predicted token
+  CacheConfig config;                      // kvq configurations (layer 0's for a per-layer candidate)
+  std::vector<CacheConfig> layer_configs;  // a per-layer candidate's, one per layer
+  std::optional<EngineFormat> engine;      // engine formats (config is then unused)
+  double mean_nll = 0;                     // nats per predicted token
   double perplexity = 0;
   double mean_kl = 0;           // KL(full precision || this cache) of the next-token distribution, nats
   double top1 = 0;              // fraction of positions whose argmax matches the full-precision run
@@ -50,8 +63,11 @@ struct ConfigResult {
   std::optional<GenerationResult> generation;  // free-running generation, when asked for
 };
 
-/// The configuration string or engine format name of a result.
-inline std::string name_of(const ConfigResult& r) { return r.engine ? r.engine->name : to_string(r.config); }
+/// The configuration string, per-layer text or engine format name of a result.
+inline std::string name_of(const ConfigResult& r) {
+  if (r.engine) return r.engine->name;
+  return r.layer_configs.empty() ? to_string(r.config) : to_string(r.layer_configs);
+}
 
 class ModelEvaluation {
  public:
@@ -97,12 +113,26 @@ class ModelEvaluation {
 
   ConfigResult evaluate(const Candidate& candidate) const {
     if (const auto* config = std::get_if<CacheConfig>(&candidate)) return evaluate(*config);
+    if (const auto* layers = std::get_if<LayerConfigs>(&candidate)) return evaluate(*layers);
     return evaluate(std::get<EngineFormat>(candidate));
   }
 
   ConfigResult evaluate(const CacheConfig& config) const {
-    ConfigResult r = evaluate_layers(std::vector<CacheConfig>(model_.config().layers, config));
-    if (metric_stories_ > 0) attention_metrics(config, r);
+    const std::vector<CacheConfig> configs(model_.config().layers, config);
+    ConfigResult r = evaluate_layers(configs);
+    if (metric_stories_ > 0) attention_metrics(configs, r);
+    return r;
+  }
+
+  /// A configuration per layer, with each layer's attention metrics measured on its own configuration.
+  ConfigResult evaluate(const LayerConfigs& layers) const {
+    if (layers.configs.size() != model_.config().layers)
+      throw Error(ErrorCode::shape_mismatch, "per-layer configuration '" + to_string(layers.configs) + "' names " +
+                                                 std::to_string(layers.configs.size()) + " layers; the model has " +
+                                                 std::to_string(model_.config().layers));
+    ConfigResult r = evaluate_layers(layers.configs);
+    r.layer_configs = layers.configs;
+    if (metric_stories_ > 0) attention_metrics(layers.configs, r);
     return r;
   }
 
@@ -242,9 +272,9 @@ class ModelEvaluation {
     return s;
   }
 
-  // Each layer's exact q, k, v go into a one-layer cache with `config`; errors are measured
+  // Each layer's exact q, k, v go into a one-layer cache with its configuration; errors are measured
   // against the exact tensors with the cache as it stands after the whole story.
-  void attention_metrics(const CacheConfig& config, ConfigResult& r) const {
+  void attention_metrics(const std::vector<CacheConfig>& configs, ConfigResult& r) const {
     const llama::LlamaConfig& m = model_.config();
     const std::size_t d = m.head_dim, group = m.heads / m.kv_heads;
     std::vector<AttentionErrorAccumulator> per_layer(m.layers);
@@ -252,6 +282,7 @@ class ModelEvaluation {
     for (std::size_t s = 0; s < metric_stories_; ++s) {
       const std::size_t T = stories_[s].size();
       for (std::size_t l = 0; l < m.layers; ++l) {
+        const CacheConfig& config = configs.at(l);
         CacheShape shape = cache_shape(model_, T);
         shape.layers = 1;
         BasicKVCache cache(shape, config);

@@ -24,6 +24,12 @@ inline std::string axes_label(const CacheConfig& c) {
 
 /// The axes column of a result: kvq's axes, or an engine format's storage granularity.
 inline std::string axes_label(const ConfigResult& r) {
+  if (!r.layer_configs.empty()) {  // one label when every layer uses the same axes
+    const std::string first = axes_label(r.layer_configs.front());
+    for (const CacheConfig& c : r.layer_configs)
+      if (axes_label(c) != first) return "per layer";
+    return first;
+  }
   if (!r.engine) return axes_label(r.config);
   if (r.engine->turbo()) return "heads + RH";  // per head vector, after the random-sign rotation
   if (r.engine->hf()) return "tok/64 + R128";  // 64 values of a head vector; residual of 128
@@ -34,6 +40,14 @@ inline std::string axes_label(const ConfigResult& r) {
 /// tokens: such a cache quantizes nothing, and its row measures fp16 storage, not the quantizer.
 inline bool window_covers(const CacheConfig& c, std::size_t length) noexcept {
   return (c.quantize_keys || c.quantize_values) && c.sinks + c.window >= length;
+}
+
+/// window_covers for a result: every layer's window, for a per-layer candidate.
+inline bool window_covers(const ConfigResult& r, std::size_t length) noexcept {
+  if (r.engine) return false;
+  if (r.layer_configs.empty()) return window_covers(r.config, length);
+  return std::all_of(r.layer_configs.begin(), r.layer_configs.end(),
+                     [&](const CacheConfig& c) { return window_covers(c, length); });
 }
 
 /// `longest_story` (tokens) flags with a '*' the configurations whose window covers it; 0 flags none.
@@ -48,7 +62,7 @@ inline void print_table(std::ostream& out, const std::vector<ConfigResult>& resu
   for (const ConfigResult& r : results) {
     const bool measured = !r.layers.empty();  // --metric-stories 0 skips the attention metrics
     auto metric = [&](double v) { return measured ? fmt::format("{:>8.4f}", v) : fmt::format("{:>8}", "-"); };
-    const bool covers = longest_story != 0 && !r.engine && window_covers(r.config, longest_story);
+    const bool covers = longest_story != 0 && window_covers(r, longest_story);
     flagged = flagged || covers;
     out << fmt::format("{:<28} {:<16} {:>6.2f} {:>+8.4f} {:>9.5f} {:>7.4f} {} {} {} {}\n",
                        name_of(r) + (covers ? "*" : ""), axes_label(r), r.bits_per_value, r.perplexity - base_ppl,
@@ -75,7 +89,7 @@ inline void print_generation_table(std::ostream& out, const std::vector<ConfigRe
   for (const ConfigResult& r : results) {
     if (!r.generation) continue;
     const GenerationResult& g = *r.generation;
-    out << fmt::format("{:<28} {:>10.1f} {:>10.3f} {:>10.4f} {:>10.3g}\n", to_string(r.config), g.mean_identical,
+    out << fmt::format("{:<28} {:>10.1f} {:>10.3f} {:>10.4f} {:>10.3g}\n", name_of(r), g.mean_identical,
                        g.identical_share, g.token_agreement, g.mean_kl);
   }
   out << "identical tokens: leading generated tokens equal to fp32's (mean); identical runs: share of whole\n"
@@ -111,10 +125,10 @@ struct ChartPoint {
 };
 
 /// Two log-scale panels (model KL, attention-output error) against bits per value, one line per
-/// axis combination: configurations with no window, no sinks, pre-RoPE keys and no rotation.
-/// Engine formats are labelled squares on the KL panel (their attention errors are not measured).
-/// With generation results a third, linear panel shows how many generated tokens stay the fp32
-/// ones.
+/// axis combination: configurations with no window, no sinks, pre-RoPE keys and no rotation (not
+/// per-layer ones). Engine formats are labelled squares on the KL panel (their attention errors
+/// are not measured). With generation results a third, linear panel shows how many generated
+/// tokens stay the fp32 ones.
 inline std::string svg_chart(const std::vector<ConfigResult>& results, const std::string& title) {
   std::map<std::string, std::vector<ChartPoint>> series;
   std::vector<std::pair<std::string, ChartPoint>> engines;
@@ -127,6 +141,7 @@ inline std::string svg_chart(const std::vector<ConfigResult>& results, const std
       engines.push_back({r.engine->name, {r.bits_per_value, std::max(r.mean_kl, 1e-6), 0.0}});
       continue;
     }
+    if (!r.layer_configs.empty()) continue;  // the series are uniform configurations
     if (!c.quantize_keys || !c.quantize_values || c.window != 0 || c.sinks != 0 || c.key_rope != KeyRope::pre ||
         c.key.bits != c.value.bits || c.key_rotation != Rotation::none || c.value_rotation != Rotation::none)
       continue;
