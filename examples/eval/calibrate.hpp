@@ -7,6 +7,7 @@
 // codebooks to that layer's keys and values alone. Either way the result is text that --configs
 // reads back.
 
+#include <algorithm>
 #include <cstddef>
 #include <optional>
 #include <regex>
@@ -76,26 +77,32 @@ struct LayerCodebookRequest {
 /// The request per-layer text makes, or nothing when no item holds a bare 'b'. Throws on text that
 /// is no per-layer configuration either way.
 inline std::optional<LayerCodebookRequest> layer_codebook_request(const std::string& text) {
-  LayerCodebookRequest r;
-  bool any = false;
-  for (std::size_t start = 0, item = 1;; ++item) {
+  // Items with a bare 'b' are spelled with the uniform grid, then the whole text is parsed once, so
+  // that its errors name the item as parse_layer_configs names it.
+  std::vector<std::optional<CodebookRequest>> requests;
+  std::vector<std::string> items;
+  for (std::size_t start = 0;;) {
     const std::size_t end = std::min(text.find(';', start), text.size());
     const std::string part = text.substr(start, end - start);
     const std::size_t star = std::min(part.find('*'), part.size());
     try {
-      const std::optional<CodebookRequest> one = codebook_request(part.substr(0, star));
-      any = any || one.has_value();
-      const std::string spelled = one ? to_string(one->config) + part.substr(star) : part;
-      for (const CacheConfig& c : parse_layer_configs(spelled))
-        r.layers.push_back({c, one && one->keys, one && one->values});
+      requests.push_back(codebook_request(part.substr(0, star)));
     } catch (const Error& e) {
-      throw Error(e.code(),
-                  "per-layer configuration '" + text + "', item " + std::to_string(item) + ": " + e.message());
+      throw Error(e.code(), "per-layer configuration '" + text + "', item " + std::to_string(items.size() + 1) + ": " +
+                                e.message());
     }
+    items.push_back(requests.back() ? to_string(requests.back()->config) + part.substr(star) : part);
     if (end == text.size()) break;
     start = end + 1;
   }
-  if (!any) return std::nullopt;
+  if (std::none_of(requests.begin(), requests.end(), [](const auto& q) { return q.has_value(); })) return std::nullopt;
+  std::string spelled;
+  for (const std::string& item : items) spelled += (spelled.empty() ? "" : ";") + item;
+  (void)parse_layer_configs(spelled);  // throws, naming the item, before anything below can
+  LayerCodebookRequest r;
+  for (std::size_t i = 0; i < items.size(); ++i)
+    for (const CacheConfig& c : parse_layer_configs(items[i]))
+      r.layers.push_back({c, requests[i] && requests[i]->keys, requests[i] && requests[i]->values});
   return r;
 }
 
@@ -110,6 +117,10 @@ class CalibrationText {
 
   /// `spec`'s codebook fitted to the keys (or values) of layers [first, last), every KV head.
   QuantizerSpec fit(const QuantizerSpec& spec, bool keys, std::size_t first, std::size_t last) const {
+    if (first >= last || last > m_.layers)
+      throw Error(ErrorCode::invalid_argument, "codebook calibration: layers [" + std::to_string(first) + ", " +
+                                                   std::to_string(last) + ") of a model of " +
+                                                   std::to_string(m_.layers));
     CodebookCalibration calibration(spec, m_.head_dim);
     std::vector<float> rows;
     for (std::size_t l = first; l < last; ++l) {
@@ -149,10 +160,9 @@ inline CacheConfig calibrate_codebooks(const llama::Model& model, const Codebook
 /// One configuration per layer, each layer's codebooks fitted to that layer alone.
 inline std::vector<CacheConfig> calibrate_codebooks(const llama::Model& model, const LayerCodebookRequest& request) {
   const std::size_t layers = model.config().layers;
-  if (request.layers.size() != layers)
-    throw Error(ErrorCode::shape_mismatch, "codebook calibration: the per-layer configuration names " +
-                                               std::to_string(request.layers.size()) + " layers; the model has " +
-                                               std::to_string(layers));
+  std::vector<CacheConfig> configs;
+  for (const CodebookRequest& layer : request.layers) configs.push_back(layer.config);
+  check_layer_count(configs, layers);
   const CalibrationText text(model);
   std::vector<CacheConfig> out;
   for (std::size_t l = 0; l < layers; ++l) out.push_back(text.calibrate(request.layers[l], l, l + 1));

@@ -236,6 +236,10 @@ inline EvalOptions parse_options(const std::vector<std::string>& args) {
         throw Error(ErrorCode::invalid_argument, "--advise candidate '" + c +
                                                      "' is per-layer text; --advise takes one configuration per "
                                                      "candidate and chooses one per layer itself");
+      if (codebook_request(c))
+        throw Error(ErrorCode::invalid_argument, "--advise candidate '" + c +
+                                                     "' asks for calibrated codebooks; --advise takes configurations "
+                                                     "as written (spell the levels as kvq-eval prints them)");
     }
   if (o.text_given && !o.tokens.empty()) throw Error(ErrorCode::invalid_argument, "give --text or --tokens, not both");
   if (o.set != "default" && o.set != "axes" && o.set != "full" && o.set != "engines")

@@ -1,7 +1,7 @@
 #pragma once
-// Teacher-forced evaluation of a real model with one cache configuration against the
-// full-precision run: what the next-token distribution loses (KL, top-1, perplexity) and what
-// each layer's attention loses (errors measured at the attention output).
+// Teacher-forced evaluation of a real model with one cache configuration (or one per layer)
+// against the full-precision run: what the next-token distribution loses (KL, top-1,
+// perplexity) and what each layer's attention loses (errors measured at the attention output).
 
 #include <algorithm>
 #include <cmath>
@@ -39,6 +39,14 @@ inline Candidate parse_candidate(const std::string& text) {
   if (is_engine_format_name(text)) return parse_engine_format(text);
   if (is_layer_text(text)) return LayerConfigs{parse_layer_configs(text)};
   return parse_cache_config(text);
+}
+
+/// Per-layer configurations against the model's layer count, refused as parse_layer_configs does.
+inline void check_layer_count(const std::vector<CacheConfig>& configs, std::size_t layers) {
+  if (configs.size() != layers)
+    throw Error(ErrorCode::invalid_argument, "per-layer configuration '" + to_string(configs) + "': names " +
+                                                 std::to_string(configs.size()) + " layers; the model has " +
+                                                 std::to_string(layers));
 }
 
 inline std::string name_of(const Candidate& c) {
@@ -126,10 +134,7 @@ class ModelEvaluation {
 
   /// A configuration per layer, with each layer's attention metrics measured on its own configuration.
   ConfigResult evaluate(const LayerConfigs& layers) const {
-    if (layers.configs.size() != model_.config().layers)
-      throw Error(ErrorCode::shape_mismatch, "per-layer configuration '" + to_string(layers.configs) + "' names " +
-                                                 std::to_string(layers.configs.size()) + " layers; the model has " +
-                                                 std::to_string(model_.config().layers));
+    check_layer_count(layers.configs, model_.config().layers);
     ConfigResult r = evaluate_layers(layers.configs);
     r.layer_configs = layers.configs;
     if (metric_stories_ > 0) attention_metrics(layers.configs, r);

@@ -42,12 +42,18 @@ inline bool window_covers(const CacheConfig& c, std::size_t length) noexcept {
   return (c.quantize_keys || c.quantize_values) && c.sinks + c.window >= length;
 }
 
-/// window_covers for a result: every layer's window, for a per-layer candidate.
+/// window_covers for a result; for a per-layer candidate: some layer quantizes, and every layer
+/// that does is covered.
 inline bool window_covers(const ConfigResult& r, std::size_t length) noexcept {
   if (r.engine) return false;
   if (r.layer_configs.empty()) return window_covers(r.config, length);
-  return std::all_of(r.layer_configs.begin(), r.layer_configs.end(),
-                     [&](const CacheConfig& c) { return window_covers(c, length); });
+  bool quantizes = false;
+  for (const CacheConfig& c : r.layer_configs) {
+    if (!c.quantize_keys && !c.quantize_values) continue;
+    if (!window_covers(c, length)) return false;
+    quantizes = true;
+  }
+  return quantizes;
 }
 
 /// `longest_story` (tokens) flags with a '*' the configurations whose window covers it; 0 flags none.

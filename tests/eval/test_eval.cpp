@@ -222,31 +222,63 @@ TEST_F(EvalModel, PerLayerTextMeasuresEachLayersOwnConfiguration) {
 TEST_F(EvalModel, PerLayerCodebooksAreFittedToEachLayer) {
   const std::size_t layers = model_->config().layers;
   const std::string first = "k4c32-v4t8-r0-s0";
-  const auto request = kvq::eval::layer_codebook_request(first + ";k2c32b-v4t8-r0-s0*" + std::to_string(layers - 1));
+  const auto request = kvq::eval::layer_codebook_request(first + ";k2c32b-v2t8b-r0-s0*" + std::to_string(layers - 1));
   ASSERT_TRUE(request.has_value());
   const std::vector<kvq::CacheConfig> fitted = kvq::eval::calibrate_codebooks(*model_, *request);
   ASSERT_EQ(fitted.size(), layers);
   EXPECT_EQ(fitted[0], kvq::parse_cache_config(first));  // no bare 'b': as written
   const kvq::CacheConfig pooled =
-      kvq::eval::calibrate_codebooks(*model_, *kvq::eval::codebook_request("k2c32b-v4t8-r0-s0"));
-  std::size_t differ = 0;
+      kvq::eval::calibrate_codebooks(*model_, *kvq::eval::codebook_request("k2c32b-v2t8b-r0-s0"));
+  std::size_t keys_differ = 0, values_differ = 0;
   for (std::size_t l = 1; l < layers; ++l) {
     EXPECT_EQ(fitted[l].key.mode, kvq::Mode::codebook);
-    EXPECT_EQ(fitted[l].value, pooled.value);
-    differ += fitted[l].key.codebook != pooled.key.codebook ? 1 : 0;
+    EXPECT_EQ(fitted[l].value.mode, kvq::Mode::codebook);
+    keys_differ += fitted[l].key.codebook != pooled.key.codebook ? 1 : 0;
+    values_differ += fitted[l].value.codebook != pooled.value.codebook ? 1 : 0;
   }
-  EXPECT_GE(differ, 2u);  // the layers' keys differ, so do their codebooks
+  EXPECT_GE(keys_differ, 2u);  // the layers' keys differ, so do their codebooks
+  EXPECT_GE(values_differ, 2u);
   const kvq::eval::Candidate read_back = kvq::eval::parse_candidate(kvq::to_string(fitted));
   const auto* back = std::get_if<kvq::eval::LayerConfigs>(&read_back);
   ASSERT_NE(back, nullptr);
   EXPECT_EQ(back->configs, fitted);
-  // Layer l's levels are the fit to layer l's keys alone, not to a neighbour's.
+  // Layer l's levels are the fit to layer l's keys and values alone, not to a neighbour's.
   const kvq::eval::CalibrationText calibration(*model_);
   for (std::size_t l = 1; l < layers; ++l) {
-    EXPECT_EQ(fitted[l].key, calibration.fit(request->layers[l].config.key, true, l, l + 1)) << "layer " << l;
-    EXPECT_NE(fitted[l].key, calibration.fit(request->layers[l].config.key, true, l - 1, l)) << "layer " << l;
+    const kvq::CacheConfig& asked = request->layers[l].config;
+    EXPECT_EQ(fitted[l].key, calibration.fit(asked.key, true, l, l + 1)) << "layer " << l;
+    EXPECT_NE(fitted[l].key, calibration.fit(asked.key, true, l - 1, l)) << "layer " << l;
+    EXPECT_EQ(fitted[l].value, calibration.fit(asked.value, false, l, l + 1)) << "layer " << l;
+    EXPECT_NE(fitted[l].value, calibration.fit(asked.value, false, l - 1, l)) << "layer " << l;
+  }
+  EXPECT_THROW((void)calibration.fit(request->layers[1].config.key, true, layers, layers + 1), kvq::Error);
+  // Text for another layer count is refused before any calibration, as parse_layer_configs refuses it.
+  try {
+    (void)kvq::eval::calibrate_codebooks(*model_, *kvq::eval::layer_codebook_request("k2c32b-v4t8-r0-s0*2"));
+    ADD_FAILURE() << "two layers accepted for a model of " << layers;
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::invalid_argument);
+    EXPECT_NE(e.message().find("names 2 layers"), std::string::npos) << e.message();
   }
   // Key error and KL barely move on this model (bench/RESULTS.md), so neither is asserted.
+}
+
+// The report of a per-layer result: its text as the name, one axes label where the layers agree,
+// the window flag over the layers that quantize, and no point among the uniform series.
+TEST(EvalReport, PerLayerResults) {
+  kvq::eval::ConfigResult r;
+  r.layer_configs = {kvq::parse_cache_config("k2c32-v2t8-r0-s0"), kvq::parse_cache_config("k4c32-v4t8-r0-s0")};
+  r.config = r.layer_configs[0];
+  EXPECT_EQ(kvq::eval::name_of(r), "k2c32-v2t8-r0-s0;k4c32-v4t8-r0-s0");
+  EXPECT_EQ(kvq::eval::axes_label(r), "K chan / V tok");
+  EXPECT_EQ(kvq::eval::svg_chart({r}, "t"), kvq::eval::svg_chart({}, "t"));
+  r.layer_configs = {kvq::parse_cache_config("k16-v16-r0-s0"), kvq::parse_cache_config("k2c32-v2t8-r64-s0")};
+  r.config = r.layer_configs[0];
+  EXPECT_EQ(kvq::eval::axes_label(r), "per layer");
+  EXPECT_TRUE(kvq::eval::window_covers(r, 48));  // the one layer that quantizes holds 64 tokens exact
+  EXPECT_FALSE(kvq::eval::window_covers(r, 65));
+  r.layer_configs[1] = r.layer_configs[0];
+  EXPECT_FALSE(kvq::eval::window_covers(r, 48));  // nothing quantizes: no quantizer to flag
 }
 
 TEST_F(EvalModel, EightBitsAreNearlyLossless) {
@@ -707,6 +739,30 @@ TEST(EvalCli, ShortContextFlagsTheWindowEndToEnd) {
   EXPECT_NE(out.str().find("k2c32-v2t8-r64-s0*"), std::string::npos) << out.str();
   EXPECT_EQ(out.str().find("k2c32-v2t8-r16-s0*"), std::string::npos) << out.str();
   EXPECT_NE(out.str().find("longest story (48 tokens)"), std::string::npos) << out.str();
+}
+
+TEST(EvalCli, PerLayerTextRunsEndToEnd) {
+  if (!std::filesystem::exists(kvq::llama::default_model_path())) GTEST_SKIP() << kvq::llama::data_help();
+  const auto dir = std::filesystem::temp_directory_path() / "kvq_eval_test_layers";
+  std::ostringstream out, err;
+  ASSERT_EQ(kvq::eval::run_eval(
+                {"--context", "48", "--stories", "1", "--metric-stories", "1", "--generate", "8", "--prompt", "24",
+                 "--configs", "k16-v16-r0-s0;k2c32-v2t8-r0-s0*4,k2c32b-v2t8-r0-s0*5", "--out", dir.string()},
+                out, err),
+            0)
+      << err.str();
+  const std::string text = out.str();
+  EXPECT_NE(text.find("k16-v16-r0-s0;k2c32-v2t8-r0-s0*4 per layer"), std::string::npos) << text;
+  // The calibrated text: five layers, each with its own spelled levels, and a generation row.
+  const std::size_t fitted = text.find("k2c32bb");
+  ASSERT_NE(fitted, std::string::npos) << text;
+  EXPECT_EQ(
+      std::count(text.begin() + std::ptrdiff_t(fitted), text.begin() + std::ptrdiff_t(text.find(' ', fitted)), ';'), 4);
+  // Both candidates also have a generation row, under the same names.
+  const std::size_t generation = text.find("free-running generation");
+  ASSERT_NE(generation, std::string::npos) << text;
+  EXPECT_NE(text.find("k16-v16-r0-s0;k2c32-v2t8-r0-s0*4", generation), std::string::npos) << text;
+  EXPECT_NE(text.find(text.substr(fitted, 40), generation), std::string::npos) << text;
 }
 
 // The advisor: its choice is exact under its additive model, within the budget, never worse
