@@ -213,6 +213,12 @@ TEST(Limits, IntegerTierKeepsItsBoundOnOutlierData) {
   }
 }
 
+// The kernel that runs the integer tier of `cache` without a name (""), or the reference kernel
+// where that one computes the exact tier for both (the vector kernels: AArch64's).
+std::string integer_tier_kernel(const BasicKVCache& cache, std::size_t heads) {
+  return kvq::test::computes_integer_tier(cache, heads) ? "" : "reference";
+}
+
 // The guard is what keeps the bound: without it the same outlier breaks it.
 TEST(Limits, WithoutTheOutlierGuardTheIntegerTierLosesItsBound) {
   const std::size_t dim = 64, heads = 2, tokens = 200;
@@ -223,8 +229,10 @@ TEST(Limits, WithoutTheOutlierGuardTheIntegerTierLosesItsBound) {
   const auto q = kvq::test::normal_vector(8 * dim, 3);
   std::vector<float> oracle(q.size()), guarded(q.size()), unguarded(q.size());
   kvq::reference_attention(cache, 0, tokens - 1, q, oracle);
-  kvq::decode_attention(cache, 0, tokens - 1, q, guarded, {.tier = kvq::Tier::integer});
-  kvq::decode_attention(cache, 0, tokens - 1, q, unguarded, {.tier = kvq::Tier::integer, .guard_outliers = false});
+  const std::string kernel = integer_tier_kernel(cache, q.size() / dim);
+  kvq::decode_attention(cache, 0, tokens - 1, q, guarded, {.tier = kvq::Tier::integer, .kernel = kernel});
+  kvq::decode_attention(cache, 0, tokens - 1, q, unguarded,
+                        {.tier = kvq::Tier::integer, .kernel = kernel, .guard_outliers = false});
   EXPECT_LT(relative_error(guarded, oracle), 2.5e-2);
   EXPECT_GT(relative_error(unguarded, oracle), 2.5e-2);
 }
@@ -234,8 +242,9 @@ TEST(Limits, IntegerTierStillRunsWhereNothingStandsOut) {
   const BasicKVCache cache = filled_cache("k4c32-v2t32-r0-s0-post", 200);
   const auto q = kvq::test::normal_vector(4 * 64, 9);
   std::vector<float> exact(q.size()), integer(q.size());
-  kvq::decode_attention(cache, 0, 199, q, exact, {.tier = kvq::Tier::exact});
-  kvq::decode_attention(cache, 0, 199, q, integer, {.tier = kvq::Tier::integer});
+  const std::string kernel = integer_tier_kernel(cache, q.size() / 64);
+  kvq::decode_attention(cache, 0, 199, q, exact, {.tier = kvq::Tier::exact, .kernel = kernel});
+  kvq::decode_attention(cache, 0, 199, q, integer, {.tier = kvq::Tier::integer, .kernel = kernel});
   EXPECT_GT(relative_error(integer, exact), 1e-5);
   EXPECT_LT(relative_error(integer, exact), 2.5e-2);
   kvq::kernels::attention::DecodeTask task;

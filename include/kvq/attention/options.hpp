@@ -15,7 +15,9 @@ namespace kvq::inline v0 {
 /// Accuracy tier of decode attention (definitions in kernels/attention/task.hpp). Caches with
 /// dense-and-sparse outliers (QuantizerSpec::outliers), ggml's levels or level tables (any Mode
 /// but asymmetric and symmetric) compute the exact tier for both; so do 3-bit codes on the AVX-512
-/// exact span kernel, which reads them twice as fast as the generic kernel's integer tier.
+/// exact span kernel, which reads them twice as fast as the generic kernel's integer tier, and
+/// every cache on the vector kernels (vector-avx2, vector-avx512, vector-neon), where the exact
+/// tier is the faster one (VectorKernel::computes_integer_tier).
 enum class Tier : unsigned char {
   exact,    // fp32 arithmetic; within 1e-5 relative of reference_attention
   integer,  // int8 query and attention weights against the codes (vpdpbusd); within 2.5e-2 on random inputs

@@ -55,6 +55,7 @@
 
 #include "kvq/isa.hpp"
 #include "kvq/kernels/attention/task.hpp"
+#include "kvq/kernels/ops/avx2.hpp"
 
 #define KVQ_TARGET_AVX2_ATTENTION __attribute__((target("avx2,fma,f16c,bmi2")))
 
@@ -225,26 +226,6 @@ KVQ_TARGET_AVX2_ATTENTION inline float hmax(__m256 v) noexcept {
 /// Lanes [0, n) of a vector (n < 8 masks the tail).
 KVQ_TARGET_AVX2_ATTENTION inline __m256 first_lanes(std::size_t n) noexcept {
   return _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(float(n)), _CMP_LT_OQ);
-}
-
-/// exp(x) for x <= 0 (about 1 ulp); lanes below -87 give a tiny positive number.
-KVQ_TARGET_AVX2_ATTENTION inline __m256 exp_ps(__m256 x) noexcept {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  // 2^n with n in [-126, 0]: the exponent field directly
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 // ---- row sources: vector i of row t of a run of rows ----------------------------------------
@@ -725,7 +706,7 @@ struct Kernel {
       const __m256 mv = _mm256_set1_ps(m);
       __m256 sum = _mm256_setzero_ps();
       for (std::size_t t = 0; t < n; t += 8) {
-        const __m256 p = _mm256_and_ps(exp_ps(_mm256_sub_ps(_mm256_load_ps(s + t), mv)), first_lanes(n - t));
+        const __m256 p = _mm256_and_ps(ops::Avx2::exp(_mm256_sub_ps(_mm256_load_ps(s + t), mv)), first_lanes(n - t));
         _mm256_store_ps(s + t, p);
         sum = _mm256_add_ps(sum, p);
       }
@@ -851,7 +832,7 @@ struct Kernel {
         // The step: codes of up to 7 bits bound the weights by (largest weight) x (largest scale)
         // of the rows, 8-bit codes (127 levels) use the exact maximum (reference.hpp).
         const float bound = v.spec.bits <= 7 ? hmax(pmax) * smax : hmax(wmax);
-        // Tiles far below the running maximum weigh about exp(-87) (exp_ps), a bound whose plain
+        // Tiles far below the running maximum weigh about exp(-87) (ops::Avx2::exp), a bound whose plain
         // inverse overflows: infinite weights would turn the accumulators into inf and NaN.
         const __m256 inv = _mm256_set1_ps(inverse_step(levels, bound));
         beta = bound / levels;

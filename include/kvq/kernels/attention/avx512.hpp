@@ -327,7 +327,7 @@ struct Kernels {
       __m512 sum = _mm512_setzero_ps();
       for (std::size_t t = 0; t < n; t += 16) {
         const __mmask16 mk = n - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - t)) - 1u);
-        const __m512 p = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores[h] + t), mv)));
+        const __m512 p = _mm512_maskz_mov_ps(mk, ops::Avx512::exp(_mm512_sub_ps(_mm512_loadu_ps(scores[h] + t), mv)));
         _mm512_storeu_ps(scores[h] + t, p);
         sum = _mm512_add_ps(sum, p);
       }

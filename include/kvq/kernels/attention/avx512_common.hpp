@@ -14,6 +14,7 @@
 
 #include "kvq/isa.hpp"
 #include "kvq/kernels/attention/task.hpp"
+#include "kvq/kernels/ops/avx512.hpp"
 
 #define KVQ_TARGET_AVX512_ATTENTION \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,bmi2,f16c,fma")))
@@ -215,24 +216,6 @@ KVQ_TARGET_AVX512_ATTENTION inline __m512i reduce16_epi32(const float* v) noexce
       x[i] = _mm512_add_epi32(_mm512_permutex2var_epi32(x[2 * i], e, x[2 * i + 1]),
                               _mm512_permutex2var_epi32(x[2 * i], o, x[2 * i + 1]));
   return x[0];
-}
-
-/// exp(x) for x <= 0 (about 1 ulp); lanes below -87 give a tiny positive number.
-KVQ_TARGET_AVX512_ATTENTION inline __m512 exp_ps(__m512 x) noexcept {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 }  // namespace detail

@@ -420,7 +420,7 @@ KVQ_TARGET_AVX512_ATTENTION inline void int_keys(IntState& S, std::size_t a, std
 /// Online softmax of the tile's n scores per head, the heads side by side. Scores become
 /// p' = exp(score - tile max) (the tile's largest weight is 1), after soft-capping (softcap > 0); the true weights are
 /// p = p' * scale[4h] with scale = exp(tile max - running max). Masked: scores of -inf (padding)
-/// weigh exactly 0 (exp_ps clamps below -87). Shared by the packed and dense kernels (State:
+/// weigh exactly 0 (ops::Avx512::exp clamps below -87). Shared by the packed and dense kernels (State:
 /// IntState or DenseState).
 template <int NH, bool Masked = false, class State>
 KVQ_TARGET_AVX512_ATTENTION inline void tile_softmax(State& S, std::size_t n, float softcap) noexcept {
@@ -439,7 +439,7 @@ KVQ_TARGET_AVX512_ATTENTION inline void tile_softmax(State& S, std::size_t n, fl
     const __m512 mv = _mm512_set1_ps(tm[4 * h]);
     for (std::size_t t = 0; t < n; t += 16) {
       const __m512 s = _mm512_load_ps(S.score[h] + t);
-      __m512 p = exp_ps(_mm512_sub_ps(s, mv));
+      __m512 p = ops::Avx512::exp(_mm512_sub_ps(s, mv));
       if constexpr (Masked) p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, minus_inf, _CMP_NEQ_OQ), p);
       _mm512_store_ps(S.score[h] + t, p);
       sum[h] = _mm512_add_ps(sum[h], p);
@@ -449,9 +449,9 @@ KVQ_TARGET_AVX512_ATTENTION inline void tile_softmax(State& S, std::size_t n, fl
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const __m512 old = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(S.mx)));
   const __m512 nm = _mm512_max_ps(old, tmax);
-  // exp_ps clamps: an empty state (-inf) gets a factor of ~1e-38 on its zero sums
-  _mm512_store_ps(S.corr, exp_ps(_mm512_sub_ps(old, nm)));
-  _mm512_store_ps(S.scale, exp_ps(_mm512_sub_ps(tmax, nm)));
+  // ops::Avx512::exp clamps: an empty state (-inf) gets a factor of ~1e-38 on its zero sums
+  _mm512_store_ps(S.corr, ops::Avx512::exp(_mm512_sub_ps(old, nm)));
+  _mm512_store_ps(S.scale, ops::Avx512::exp(_mm512_sub_ps(tmax, nm)));
   alignas(64) float nms[16], ts[16];
   _mm512_store_ps(nms, nm);
   _mm512_store_ps(ts, tsum);

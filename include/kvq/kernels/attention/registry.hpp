@@ -38,6 +38,9 @@ struct KernelEntry {
   Choice choice;
   bool outliers;   // reads dense-and-sparse outliers (QuantizerSpec::outliers)
   bool unrotates;  // rotates pre-RoPE keys stored rotated back (DecodeTask::unrotate)
+  // Computes the integer tier where it is asked for (else the exact tier for both: the vector
+  // kernels, whose exact tier is the faster one, VectorKernel::computes_integer_tier).
+  bool integer_tier;
   bool (*available)() noexcept;
   bool (*accepts)(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope) noexcept;
   // Whether it reads these streams at speed; null: every stream it takes. A hand-tuned kernel reads
@@ -68,25 +71,26 @@ KVQ_REGISTRY_LINKAGE std::span<const KernelEntry> registry() noexcept {
   static constexpr KernelEntry table[] = {
 #if defined(KVQ_HAVE_X86_KERNELS)
     {"avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", Choice::automatic, false, true,
-     avx512::supported, avx512::supports, avx512::at_speed,
+     true, avx512::supported, avx512::supports, avx512::at_speed,
      [](const DecodeTask& t) noexcept { avx512::decode_task(t); }},
     {"avx512-generic", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", Choice::by_name, false,
-     true, avx512::supported, avx512::supports, nullptr, avx512::decode_task_generic},
-    {"avx2", "avx2 fma f16c", Choice::automatic, false, false, avx2::supported, avx2::supports, avx2::at_speed,
+     true, true, avx512::supported, avx512::supports, nullptr, avx512::decode_task_generic},
+    {"avx2", "avx2 fma f16c", Choice::automatic, false, false, true, avx2::supported, avx2::supports, avx2::at_speed,
      avx2::decode_task},
 #endif
 #if defined(KVQ_HAVE_X86_VECTOR_KERNELS)
     {"vector-avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni bmi2 f16c fma", Choice::automatic, true, true,
-     detail::avx512_level, VectorKernel<ops::Avx512>::accepts, nullptr, vector_avx512_task},
-    {"vector-avx2", "avx2 fma f16c", Choice::automatic, true, true, avx2::supported, VectorKernel<ops::Avx2>::accepts,
-     nullptr, vector_avx2_task},
+     VectorKernel<ops::Avx512>::computes_integer_tier, detail::avx512_level, VectorKernel<ops::Avx512>::accepts,
+     nullptr, vector_avx512_task},
+    {"vector-avx2", "avx2 fma f16c", Choice::automatic, true, true, VectorKernel<ops::Avx2>::computes_integer_tier,
+     avx2::supported, VectorKernel<ops::Avx2>::accepts, nullptr, vector_avx2_task},
 #endif
 #if defined(__aarch64__)
-    {"vector-neon", "asimd", Choice::automatic, true, true, detail::always, VectorKernel<ops::Neon>::accepts, nullptr,
-     vector_neon_task},
+    {"vector-neon", "asimd", Choice::automatic, true, true, VectorKernel<ops::Neon>::computes_integer_tier,
+     detail::always, VectorKernel<ops::Neon>::accepts, nullptr, vector_neon_task},
 #endif
-    {"reference", "", Choice::automatic, true, true, detail::always, VectorKernel<ops::Scalar>::accepts, nullptr,
-     decode_task},
+    {"reference", "", Choice::automatic, true, true, VectorKernel<ops::Scalar>::computes_integer_tier, detail::always,
+     VectorKernel<ops::Scalar>::accepts, nullptr, decode_task},
   };
   return table;
 }

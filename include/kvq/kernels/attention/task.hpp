@@ -152,8 +152,10 @@ inline float inverse_step(float levels, float bound) noexcept {
   return bound > levels / std::numeric_limits<float>::max() ? levels / bound : 0.0f;
 }
 
-/// Online-softmax update of one head with a tile's scores; scores become exp(score - new max).
-inline void softmax_update(float* scores, std::size_t n, float& max, float& sum, float* acc, std::size_t dim) noexcept {
+/// Online softmax of one head, first half: the running maximum raised to the tile's scores' and
+/// the state (sum, acc) rescaled to it.
+inline void raise_max(const float* scores, std::size_t n, float& max, float& sum, float* acc,
+                      std::size_t dim) noexcept {
   float m = max;
   for (std::size_t t = 0; t < n; ++t) m = std::max(m, scores[t]);
   const float correction = max == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(max - m);
@@ -162,6 +164,12 @@ inline void softmax_update(float* scores, std::size_t n, float& max, float& sum,
     for (std::size_t c = 0; c < dim; ++c) acc[c] *= correction;
   }
   max = m;
+}
+
+/// Online-softmax update of one head with a tile's scores; scores become exp(score - new max).
+inline void softmax_update(float* scores, std::size_t n, float& max, float& sum, float* acc, std::size_t dim) noexcept {
+  raise_max(scores, n, max, sum, acc, dim);
+  const float m = max;
   for (std::size_t t = 0; t < n; ++t) {
     scores[t] = std::exp(scores[t] - m);
     sum += scores[t];

@@ -7,18 +7,19 @@
 // only row by row, and is measured against them. A new instruction set is one ops file and one
 // registry entry.
 //
-// Keys: a packed per-channel block folds its scales into the query (post-RoPE) or is dequantized
-// row by row and rotated (pre-RoPE); rows packed per token in groups of whole vectors are
-// dequantized in vectors (and rotated when pre-RoPE); other rows are read through
-// StreamView::read_row. Pre-RoPE keys stored rotated (DecodeTask::unrotate) are rotated back
-// first, once per row for the whole GQA group. Each row
-// is dotted with every query head of the GQA group. Values packed per token add
-// (p * scale) * code + p * zero per group; other rows are read whole. The integer tier computes
-// task.hpp's definitions: its sums of integer products are integers below 2^24 here, which fp32
-// vector FMAs add exactly (on scalar ops, the reference, task.hpp's loops run as written).
-// Dense-and-sparse outliers add their
-// corrections: q . e to a key's score (post-RoPE), e to a dequantized key row before rotation
-// (pre-RoPE), p * e to a value channel; caches with them run the exact tier for both tiers.
+// Rows are read as floats block_rows at a time, then used from there: keys dotted with the GQA
+// group's queries two rows and up to four heads at a time (each query vector loaded once for two
+// rows), values added into sums that stay in registers for up to four heads and two vectors of
+// channels (each row loaded once for the heads). A packed per-channel key block (post-RoPE) folds
+// its scales into the queries and reads its codes as floats; every other key row is dequantized
+// (in vectors where packed per channel, or per token in groups of whole vectors; else through
+// StreamView::read_row), rotated back when stored rotated (DecodeTask::unrotate) and RoPE'd when
+// pre-RoPE. Dense-and-sparse outliers add their corrections: q . e to a folded key's score, e to
+// a dequantized row. Optional ops members, found with `requires`, speed the steps that pay:
+// `codes<bits>` unpacks a vector of codes in registers, `exp` takes the softmax's exponentials in
+// vectors, `load_scalar` converts fp16 parameters in hardware. The integer tier runs on scalar
+// ops only (computes_integer_tier), as task.hpp's definitions; vector kernels compute the exact
+// tier for both tiers.
 
 #include <algorithm>
 #include <bit>
@@ -53,13 +54,34 @@ namespace kvq::inline v0::kernels::attention {
 template <class Ops>
 struct VectorKernel {
   static constexpr std::size_t width = Ops::width;
-  static constexpr std::size_t heads_per_pass = 8;     // folded queries on the stack: 8 x max_head_dim
-  static constexpr std::size_t max_value_groups = 64;  // per-token value groups per row, integer tier
+  static constexpr std::size_t heads_per_pass = 8;  // folded queries on the stack: 8 x max_head_dim
 
   /// Shapes the kernel takes: head_dim a multiple of the vector width.
   static bool accepts(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable*) noexcept {
     const std::size_t d = keys.head_dim;
     return d > 0 && d % width == 0 && d <= max_head_dim && values.head_dim == d && group > 0 && group <= max_group;
+  }
+
+  /// Rows converted to floats at a time before they are dotted or added: 4 KiB at head_dim 256
+  /// (blocks of 16 rows took the fp16 cache twice as long on AVX2 ops, bench/RESULTS.md).
+  static constexpr std::size_t block_rows = 4;
+  /// Heads whose sums stay in registers while rows are read, and vectors of channels per head
+  /// for the values.
+  static constexpr std::size_t register_heads = 4, value_vectors = 2;
+
+  /// Value i of a parameter array of type t: the ops' conversion where they have one (F16C, AArch64
+  /// fp16), else core/convert.hpp's bit manipulation (the same value).
+  static float scalar_at(Scalar t, const void* base, std::size_t i) noexcept {
+    if constexpr (requires { Ops::load_scalar(t, base, i); })
+      return Ops::load_scalar(t, base, i);
+    else
+      return load_scalar(t, base, i);
+  }
+
+  /// The parameters of group i of a packed stream (i counts groups from the stream's first).
+  static reference::GroupParams params_at(const StreamView& s, std::size_t i) noexcept {
+    return reference::group_params(s.spec, scalar_at(s.spec.param, s.scales, i),
+                                   s.spec.has_zero_point() ? scalar_at(s.spec.param, s.zeros, i) : 0.0f);
   }
 
   /// a . b over n channels (a multiple of the width), in two accumulators.
@@ -74,11 +96,63 @@ struct VectorKernel {
     return Ops::sum(Ops::add(s0, s1));
   }
 
-  /// acc += w * row over n channels.
-  static void add_scaled(float w, const float* row, float* acc, std::size_t n) noexcept {
-    const typename Ops::Vec wv = Ops::set1(w);
-    for (std::size_t c = 0; c < n; c += width)
-      Ops::store(acc + c, Ops::fma(wv, Ops::load(row + c), Ops::load(acc + c)));
+  /// Calls f.template operator()<h>() with h = heads (1 to register_heads).
+  template <class F>
+  static void with_heads(std::size_t heads, F&& f) noexcept {
+    switch (heads) {
+      case 1:
+        return f.template operator()<1>();
+      case 2:
+        return f.template operator()<2>();
+      case 3:
+        return f.template operator()<3>();
+      default:
+        return f.template operator()<register_heads>();
+    }
+  }
+
+  /// scores[h * max_tile + i] = bias[h] + q_h . rows[i] for n float rows (stride dim) and `heads`
+  /// queries (stride dim): rows in pairs, so each query vector loaded serves two rows.
+  template <std::size_t heads>
+  static void scores_of_rows(const float* q, std::size_t dim, const float* bias, const float* rows, std::size_t n,
+                             float* scores) noexcept {
+    std::size_t i = 0;
+    for (; i + 2 <= n; i += 2) {
+      typename Ops::Vec s0[heads], s1[heads];
+      for (std::size_t h = 0; h < heads; ++h) s0[h] = s1[h] = Ops::zero();
+      const float *r0 = rows + i * dim, *r1 = r0 + dim;
+      for (std::size_t c = 0; c < dim; c += width) {
+        const typename Ops::Vec x0 = Ops::load(r0 + c), x1 = Ops::load(r1 + c);
+        for (std::size_t h = 0; h < heads; ++h) {
+          const typename Ops::Vec qv = Ops::load(q + h * dim + c);
+          s0[h] = Ops::fma(qv, x0, s0[h]);
+          s1[h] = Ops::fma(qv, x1, s1[h]);
+        }
+      }
+      for (std::size_t h = 0; h < heads; ++h) {
+        scores[h * max_tile + i] = bias[h] + Ops::sum(s0[h]);
+        scores[h * max_tile + i + 1] = bias[h] + Ops::sum(s1[h]);
+      }
+    }
+    if (i < n) {
+      typename Ops::Vec s0[heads];
+      for (std::size_t h = 0; h < heads; ++h) s0[h] = Ops::zero();
+      for (std::size_t c = 0; c < dim; c += width) {
+        const typename Ops::Vec x0 = Ops::load(rows + i * dim + c);
+        for (std::size_t h = 0; h < heads; ++h) s0[h] = Ops::fma(Ops::load(q + h * dim + c), x0, s0[h]);
+      }
+      for (std::size_t h = 0; h < heads; ++h) scores[h * max_tile + i] = bias[h] + Ops::sum(s0[h]);
+    }
+  }
+
+  /// scores[h][i] = bias[h] + q_h . rows[i] for `heads` queries (stride dim) and n float rows, in
+  /// passes of register_heads heads.
+  static void row_scores(const float* q, std::size_t heads, std::size_t dim, const float* bias, const float* rows,
+                         std::size_t n, float* scores) noexcept {
+    for (std::size_t h0 = 0; h0 < heads; h0 += register_heads)
+      with_heads(std::min(register_heads, heads - h0), [&]<std::size_t h>() {
+        scores_of_rows<h>(q + h0 * dim, dim, bias + h0, rows, n, scores + h0 * max_tile);
+      });
   }
 
   /// The codes of row p of a packed stream as floats (the levels they name, for a level table):
@@ -86,19 +160,34 @@ struct VectorKernel {
   static void codes_of(const StreamView& s, std::size_t p, float* out) noexcept {
     const std::uint8_t* in = s.code_row(p);
     const std::size_t n = s.head_dim;
-    if (s.spec.bits == 8) {
+    // Where the ops unpack a vector of codes in registers, whole vectors are stored: the loads
+    // that follow are forwarded from them (bytes stored one by one are not).
+    auto in_vectors = [&]<unsigned bits>() {
+      if constexpr (requires { Ops::template codes<bits>(in); }) {
+        for (std::size_t c = 0; c < n; c += width) Ops::store(out + c, Ops::template codes<bits>(in + c * bits / 8));
+        return true;
+      }
+      return false;
+    };
+    const unsigned bits = s.spec.bits;
+    const bool in_registers = bits == 8   ? in_vectors.template operator()<8>()
+                              : bits == 4 ? in_vectors.template operator()<4>()
+                              : bits == 2 ? in_vectors.template operator()<2>()
+                                          : false;
+    if (in_registers) {
+    } else if (bits == 8) {
       for (std::size_t c = 0; c < n; ++c) out[c] = float(in[c]);
-    } else if (s.spec.bits == 4 && n % 2 == 0) {  // byte by byte, constant shifts: the loops vectorize
+    } else if (bits == 4 && n % 2 == 0) {  // byte by byte, constant shifts: the loops vectorize
       for (std::size_t i = 0; i < n / 2; ++i) {
         out[2 * i] = float(in[i] & 15u);
         out[2 * i + 1] = float(in[i] >> 4);
       }
-    } else if (s.spec.bits == 2 && n % 4 == 0) {
+    } else if (bits == 2 && n % 4 == 0) {
       for (std::size_t i = 0; i < n / 4; ++i)
         for (unsigned k = 0; k < 4; ++k) out[4 * i + k] = float((in[i] >> (2 * k)) & 3u);
     } else {
       std::uint8_t codes[max_head_dim];
-      unpack_codes(in, n, s.spec.bits, codes);
+      unpack_codes(in, n, bits, codes);
       for (std::size_t c = 0; c < n; ++c) out[c] = float(codes[c]);
     }
     if (const float* levels = code_levels(s.spec))  // a level table: the level each code names
@@ -107,167 +196,81 @@ struct VectorKernel {
 
   /// The scales and zero points of the packed per-channel key block holding row a: (head_dim) each.
   static void load_key_params(const StreamView& k, std::size_t a, float* scale, float* zero) noexcept {
-    const std::size_t pi = k.param_index(a), psize = size_of(k.spec.param);
+    const std::size_t pi = k.param_index(a);
     for (std::size_t c = 0; c < k.head_dim; ++c) {
-      const auto gp =
-          reference::load_params(k.spec, k.scales + pi * psize, k.zeros == nullptr ? nullptr : k.zeros + pi * psize, c);
+      const auto gp = params_at(k, pi + c);
       scale[c] = gp.scale;
       zero[c] = gp.zero;
     }
   }
 
-  /// Exact scores of the packed per-channel key block [a, b) of the tile starting at `tile`: the
-  /// block's scales fold into the query (score = q.zero + (q * scale).code), or, pre-RoPE, its
-  /// rows are dequantized (zero + scale * code) and rotated. Query heads go in passes of
-  /// heads_per_pass, each unpacking the rows once.
-  static void key_block_scores(const DecodeTask& task, std::size_t a, std::size_t b, std::size_t tile,
-                               float (*scores)[max_tile]) noexcept {
-    const StreamView& k = task.keys;
-    const std::size_t dim = k.head_dim, pi = k.param_index(a);
-    alignas(64) float scale[max_head_dim], zero[max_head_dim], row[max_head_dim];
-    load_key_params(k, a, scale, zero);
-    if (task.rope != nullptr) {
-      const std::size_t n = k.spec.outliers, group_start = a - (a - k.first_quantized) % k.spec.group;
-      for (std::size_t p = a; p < b; ++p) {
-        codes_of(k, p, row);
-        for (std::size_t c = 0; c < dim; c += width)
-          Ops::store(row + c, Ops::fma(Ops::load(scale + c), Ops::load(row + c), Ops::load(zero + c)));
-        for (std::size_t e = pi * n; e < (pi + dim) * n; ++e)
-          if (group_start + k.outlier_slots[e] == p)
-            row[(e - pi * n) / n] += load_scalar(k.spec.param, k.outlier_corrections, e);
-        if (task.unrotate != nullptr) unrotate_row(*task.unrotate, row);
-        task.rope->rotate_unscaled(row, p);
-        for (std::size_t h = 0; h < task.group; ++h) scores[h][p - tile] = dot(task.queries + h * dim, row, dim);
-      }
-      return;
-    }
-    alignas(64) float folded[heads_per_pass][max_head_dim];
-    float bias[heads_per_pass];
-    for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
-      const std::size_t heads = std::min(heads_per_pass, task.group - h0);
-      for (std::size_t h = 0; h < heads; ++h) {
-        const float* q = task.queries + (h0 + h) * dim;
-        for (std::size_t c = 0; c < dim; ++c) folded[h][c] = q[c] * scale[c];
-        bias[h] = dot(q, zero, dim);
-      }
-      for (std::size_t p = a; p < b; ++p) {
-        codes_of(k, p, row);
-        for (std::size_t h = 0; h < heads; ++h) scores[h0 + h][p - tile] = bias[h] + dot(folded[h], row, dim);
-      }
-    }
+  /// Row p of the packed per-channel key block whose scales and zero points are given:
+  /// zero + scale * code per channel, plus its outliers' corrections.
+  static void dequantize_channel_row(const StreamView& k, std::size_t p, const float* scale, const float* zero,
+                                     float* out) noexcept {
+    codes_of(k, p, out);
+    for (std::size_t c = 0; c < k.head_dim; c += width)
+      Ops::store(out + c, Ops::fma(Ops::load(scale + c), Ops::load(out + c), Ops::load(zero + c)));
+    const std::size_t n = k.spec.outliers, pi = k.param_index(p);
+    const std::size_t group_start = p - (p - k.first_quantized) % k.spec.group;
+    for (std::size_t e = pi * n; e < (pi + k.head_dim) * n; ++e)
+      if (group_start + k.outlier_slots[e] == p)
+        out[(e - pi * n) / n] += scalar_at(k.spec.param, k.outlier_corrections, e);
   }
 
-  /// Whether n products of integers up to `a` and `b` sum exactly in fp32 (below 2^24), whatever
-  /// their order: then a vector dot product of integer-valued floats is the integer dot product.
-  static constexpr bool sums_exactly(std::size_t n, std::size_t a, std::size_t b) noexcept {
-    return n * a * b < (std::size_t{1} << 24);
-  }
-
-  /// The integer tier's key scores of the packed per-channel key block [a, b) (post-RoPE):
-  /// detail::integer_key_scores, with each row's int8 x code sum taken as a vector dot product.
-  static void integer_key_block_scores(const DecodeTask& task, std::size_t a, std::size_t b, std::size_t tile,
-                                       float (*scores)[max_tile]) noexcept {
+  /// Exact scores of the packed per-channel key block [a, b) of the tile starting at `tile`,
+  /// post-RoPE: the block's scales fold into the query (score = q.zero + (q * scale).code), its
+  /// rows' codes are read as floats block_rows at a time. Query heads go in passes of
+  /// heads_per_pass (the folded queries live on the stack).
+  static void folded_key_scores(const DecodeTask& task, std::size_t a, std::size_t b, std::size_t tile,
+                                float (*scores)[max_tile]) noexcept {
     const StreamView& k = task.keys;
     const std::size_t dim = k.head_dim;
-    if (Ops::width == 1 || !sums_exactly(dim, 127, (std::size_t{1} << k.spec.bits) - 1))
-      return detail::integer_key_scores(task, a, b, tile, scores);
-    alignas(64) float scale[max_head_dim], zero[max_head_dim], row[max_head_dim];
+    alignas(64) float scale[max_head_dim], zero[max_head_dim], rows[block_rows * max_head_dim];
+    alignas(64) float folded[heads_per_pass * max_head_dim];  // (heads, dim)
+    float bias[heads_per_pass];
     load_key_params(k, a, scale, zero);
-    const float mid = reference::mid_code(k.spec);
-    alignas(64) float qi[heads_per_pass][max_head_dim];
-    float bias[heads_per_pass], alpha[heads_per_pass], qsum[heads_per_pass];
     for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
       const std::size_t heads = std::min(heads_per_pass, task.group - h0);
       for (std::size_t h = 0; h < heads; ++h) {
         const float* q = task.queries + (h0 + h) * dim;
-        float amax = 0.0f;
-        bias[h] = 0.0f;
-        for (std::size_t c = 0; c < dim; ++c) {
-          amax = std::max(amax, std::fabs(q[c] * scale[c]));
-          bias[h] += q[c] * (zero[c] + mid * scale[c]);
-        }
-        const float inv = inverse_step(127.0f, amax);
-        alpha[h] = amax / 127.0f;
-        std::int32_t sum = 0;
-        for (std::size_t c = 0; c < dim; ++c) {
-          const auto code = std::int8_t(std::nearbyint(q[c] * scale[c] * inv));
-          qi[h][c] = float(code);
-          sum += code;
-        }
-        qsum[h] = float(sum);
+        for (std::size_t c = 0; c < dim; ++c) folded[h * dim + c] = q[c] * scale[c];
+        bias[h] = dot(q, zero, dim);
       }
-      for (std::size_t p = a; p < b; ++p) {
-        codes_of(k, p, row);
-        for (std::size_t h = 0; h < heads; ++h)
-          scores[h0 + h][p - tile] = bias[h] + alpha[h] * (dot(qi[h], row, dim) - mid * qsum[h]);
+      for (std::size_t p = a; p < b; p += block_rows) {
+        const std::size_t n = std::min(block_rows, b - p);
+        for (std::size_t i = 0; i < n; ++i) codes_of(k, p + i, rows + i * dim);
+        row_scores(folded, heads, dim, bias, rows, n, &scores[h0][p - tile]);
       }
     }
+    if (has_outliers(k)) add_key_outliers(task, a, b, tile, scores);
   }
 
-  /// The integer tier's value accumulation of packed per-token rows [a, b) with weights (exp'd
-  /// scores): detail::integer_values, each row's codes unpacked once for every head and its
-  /// integer weight x code sums taken in vectors.
-  static void integer_value_rows(const DecodeTask& task, std::size_t tile_begin, std::size_t a, std::size_t b,
-                                 float (*weights)[max_tile]) noexcept {
-    const StreamView& v = task.values;
-    const std::size_t dim = v.head_dim, group = v.spec.group, groups = groups_per_row(v.spec, dim);
-    const std::size_t psize = size_of(v.spec.param), top = (std::size_t{1} << v.spec.bits) - 1;
-    const float levels = weight_levels(v.spec.bits);
-    if (Ops::width == 1 || group % width != 0 || groups > max_value_groups ||
-        !sums_exactly(b - a, std::size_t(levels), top))
-      return detail::integer_values(task, tile_begin, a, b, weights);
-    const float mid = reference::mid_code(v.spec);
-    // The weights' step as detail::integer_values takes it (codes of up to 7 bits: the largest
-    // weight times the largest scale of the rows, both shared by the heads).
-    float smax = 0.0f;
-    for (std::size_t p = a; p < b; ++p)
-      for (std::size_t g = 0; g < groups; ++g) smax = std::max(smax, detail::param(v, v.scales, v.param_index(p) + g));
-    alignas(64) float dots[heads_per_pass][max_head_dim], codes[max_head_dim];
-    float inv[heads_per_pass], beta[heads_per_pass], wsum[heads_per_pass][max_value_groups],
-        zsum[heads_per_pass][max_value_groups];
-    for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
-      const std::size_t heads = std::min(heads_per_pass, task.group - h0);
-      for (std::size_t h = 0; h < heads; ++h) {
-        const float* w = weights[h0 + h] - tile_begin;
-        float wmax = 0.0f;
-        if (v.spec.bits <= 7) {
-          float pmax = 0.0f;
-          for (std::size_t p = a; p < b; ++p) pmax = std::max(pmax, w[p]);
-          wmax = pmax * smax;
-        } else {
-          for (std::size_t p = a; p < b; ++p)
-            for (std::size_t g = 0; g < groups; ++g)
-              wmax = std::max(wmax, w[p] * detail::param(v, v.scales, v.param_index(p) + g));
-        }
-        inv[h] = inverse_step(levels, wmax);
-        beta[h] = wmax / levels;
-        std::fill(dots[h], dots[h] + dim, 0.0f);
-        std::fill(wsum[h], wsum[h] + groups, 0.0f);
-        std::fill(zsum[h], zsum[h] + groups, 0.0f);
+  /// Exact scores of key rows [a, b) of the tile starting at `tile` that are no folded block:
+  /// each row read as floats (dequantized in vectors where packed), rotated back and RoPE'd as
+  /// the task asks, block_rows at a time, then dotted with every query head.
+  static void key_row_scores(const DecodeTask& task, std::size_t a, std::size_t b, std::size_t tile,
+                             float (*scores)[max_tile]) noexcept {
+    const StreamView& k = task.keys;
+    const std::size_t dim = k.head_dim;
+    alignas(64) float scale[max_head_dim], zero[max_head_dim], rows[block_rows * max_head_dim];
+    const bool channel_block = quantized_key_block(k, a, b);
+    if (channel_block) load_key_params(k, a, scale, zero);
+    static constexpr float no_bias[max_group] = {};
+    for (std::size_t p = a; p < b; p += block_rows) {
+      const std::size_t n = std::min(block_rows, b - p);
+      for (std::size_t i = 0; i < n; ++i) {
+        float* row = rows + i * dim;
+        if (channel_block)
+          dequantize_channel_row(k, p + i, scale, zero, row);
+        else if (vector_token_row(k, p + i))
+          dequantize_token_row(k, p + i, row);
+        else
+          k.read_row(p + i, row);
+        if (task.unrotate != nullptr) unrotate_row(*task.unrotate, row);
+        if (task.rope != nullptr) task.rope->rotate_unscaled(row, p + i);
       }
-      for (std::size_t p = a; p < b; ++p) {
-        codes_of(v, p, codes);
-        const std::size_t pi = v.param_index(p);
-        for (std::size_t g = 0; g < groups; ++g) {
-          const auto gp = reference::load_params(v.spec, v.scales + pi * psize,
-                                                 v.zeros == nullptr ? nullptr : v.zeros + pi * psize, g);
-          const float centre = gp.zero + mid * gp.scale;
-          for (std::size_t h = 0; h < heads; ++h) {
-            const float w = weights[h0 + h][p - tile_begin];
-            const float wq = float(std::int32_t(std::nearbyint(w * gp.scale * inv[h])));
-            const typename Ops::Vec wv = Ops::set1(wq);
-            for (std::size_t c = g * group; c < std::min(dim, (g + 1) * group); c += width)
-              Ops::store(dots[h] + c, Ops::fma(wv, Ops::load(codes + c), Ops::load(dots[h] + c)));
-            wsum[h][g] += wq;
-            zsum[h][g] += w * centre;
-          }
-        }
-      }
-      for (std::size_t h = 0; h < heads; ++h) {
-        float* acc = task.acc + (h0 + h) * dim;
-        for (std::size_t c = 0; c < dim; ++c)
-          acc[c] += beta[h] * (dots[h][c] - mid * wsum[h][c / group]) + zsum[h][c / group];
-      }
+      row_scores(task.queries, task.group, dim, no_bias, rows, n, &scores[0][p - tile]);
     }
   }
 
@@ -324,18 +327,17 @@ struct VectorKernel {
   /// Row p of a stream packed per token (vector_token_row): zero + scale * code per group in
   /// vectors, plus its outliers' corrections; StreamView::read_row up to fused rounding.
   static void dequantize_token_row(const StreamView& s, std::size_t p, float* out) noexcept {
-    const std::size_t dim = s.head_dim, group = s.spec.group, pi = s.param_index(p), psize = size_of(s.spec.param);
+    const std::size_t dim = s.head_dim, group = s.spec.group, pi = s.param_index(p);
     codes_of(s, p, out);
     for (std::size_t g = 0; g * group < dim; ++g) {
-      const auto gp =
-          reference::load_params(s.spec, s.scales + pi * psize, s.zeros == nullptr ? nullptr : s.zeros + pi * psize, g);
+      const auto gp = params_at(s, pi + g);
       const typename Ops::Vec scale = Ops::set1(gp.scale), zero = Ops::set1(gp.zero);
       for (std::size_t c = g * group; c < std::min(dim, (g + 1) * group); c += width)
         Ops::store(out + c, Ops::fma(scale, Ops::load(out + c), zero));
     }
     const std::size_t n = s.spec.outliers;
     for (std::size_t e = pi * n; e < (pi + groups_per_row(s.spec, dim)) * n; ++e)
-      out[(e - pi * n) / n * group + s.outlier_slots[e]] += load_scalar(s.spec.param, s.outlier_corrections, e);
+      out[(e - pi * n) / n * group + s.outlier_slots[e]] += scalar_at(s.spec.param, s.outlier_corrections, e);
   }
 
   /// Dense-and-sparse keys: the scores of rows [a, b) of a packed per-channel block (post-RoPE)
@@ -348,54 +350,103 @@ struct VectorKernel {
     for (std::size_t e = first; e < first + dim * n; ++e) {
       const std::size_t row = group_start + k.outlier_slots[e];
       if (row < a || row >= b) continue;
-      const float correction = load_scalar(k.spec.param, k.outlier_corrections, e);
+      const float correction = scalar_at(k.spec.param, k.outlier_corrections, e);
       const float* q = task.queries + (e - first) / n;
       for (std::size_t h = 0; h < task.group; ++h) scores[h][row - tile] += q[h * dim] * correction;
     }
   }
 
-  /// Dense-and-sparse values: acc += w * e at each outlier of packed per-token row p.
-  static void add_value_outliers(const DecodeTask& task, std::size_t p, const float* weights,
-                                 std::size_t stride) noexcept {
+  /// acc[h] += sum_i w[h * stride + i] * rows[i] over n float rows (stride dim) for `heads` heads
+  /// (acc consecutive per head), channels [c, c + vectors * width) held in registers meanwhile:
+  /// each row is loaded once for all the heads, each sum stored once per n rows.
+  template <std::size_t heads, std::size_t vectors>
+  static void add_rows_to(float* acc, std::size_t dim, std::size_t c, const float* rows, std::size_t n, const float* w,
+                          std::size_t stride) noexcept {
+    typename Ops::Vec sum[heads][vectors];
+    for (std::size_t h = 0; h < heads; ++h)
+      for (std::size_t j = 0; j < vectors; ++j) sum[h][j] = Ops::load(acc + h * dim + c + j * width);
+    for (std::size_t i = 0; i < n; ++i) {
+      typename Ops::Vec x[vectors];
+      for (std::size_t j = 0; j < vectors; ++j) x[j] = Ops::load(rows + i * dim + c + j * width);
+      for (std::size_t h = 0; h < heads; ++h) {
+        const typename Ops::Vec wv = Ops::set1(w[h * stride + i]);
+        for (std::size_t j = 0; j < vectors; ++j) sum[h][j] = Ops::fma(wv, x[j], sum[h][j]);
+      }
+    }
+    for (std::size_t h = 0; h < heads; ++h)
+      for (std::size_t j = 0; j < vectors; ++j) Ops::store(acc + h * dim + c + j * width, sum[h][j]);
+  }
+
+  /// add_rows_to over every channel: value_vectors vectors at a time, then single vectors.
+  template <std::size_t heads>
+  static void add_rows(float* acc, std::size_t dim, const float* rows, std::size_t n, const float* w,
+                       std::size_t stride) noexcept {
+    std::size_t c = 0;
+    for (; c + value_vectors * width <= dim; c += value_vectors * width)
+      add_rows_to<heads, value_vectors>(acc, dim, c, rows, n, w, stride);
+    for (; c < dim; c += width) add_rows_to<heads, 1>(acc, dim, c, rows, n, w, stride);
+  }
+
+  /// The exact tier's values of tile rows [a, b) outside [skip_a, skip_b) (rows the integer tier
+  /// has added): read as floats block_rows at a time (packed per-token rows dequantized in
+  /// vectors), then added with their weights.
+  static void add_value_rows(const DecodeTask& task, std::size_t tile, std::size_t a, std::size_t b, std::size_t skip_a,
+                             std::size_t skip_b, float (*weights)[max_tile]) noexcept {
     const StreamView& v = task.values;
-    const std::size_t n = v.spec.outliers, dim = v.head_dim, first = v.param_index(p) * n;
-    for (std::size_t e = first; e < first + groups_per_row(v.spec, dim) * n; ++e) {
-      const std::size_t c = (e - first) / n * v.spec.group + v.outlier_slots[e];
-      const float correction = load_scalar(v.spec.param, v.outlier_corrections, e);
-      for (std::size_t h = 0; h < task.group; ++h) task.acc[h * dim + c] += weights[h * stride] * correction;
+    const std::size_t dim = v.head_dim;
+    alignas(64) float rows[block_rows * max_head_dim];
+    for (std::size_t p = a; p < b;) {
+      if (p >= skip_a && p < skip_b) {
+        p = skip_b;
+        continue;
+      }
+      const std::size_t end = std::min({b, p + block_rows, p < skip_a ? skip_a : b});
+      for (std::size_t r = p; r < end; ++r) {
+        if (vector_token_row(v, r))
+          dequantize_token_row(v, r, rows + (r - p) * dim);
+        else
+          v.read_row(r, rows + (r - p) * dim);
+      }
+      for (std::size_t h0 = 0; h0 < task.group; h0 += register_heads)
+        with_heads(std::min(register_heads, task.group - h0), [&]<std::size_t h>() {
+          add_rows<h>(task.acc + h0 * dim, dim, rows, end - p, &weights[h0][p - tile], max_tile);
+        });
+      p = end;
     }
   }
 
-  /// acc += w * value row p for every head, the row packed per token in groups of a multiple of
-  /// the width: each group adds (w * scale) * code + w * zero, never a dequantized row.
-  static void add_packed_value_row(const DecodeTask& task, std::size_t p, const float* weights,
-                                   std::size_t stride) noexcept {
-    const StreamView& v = task.values;
-    const std::size_t dim = v.head_dim, group = v.spec.group, pi = v.param_index(p), psize = size_of(v.spec.param);
-    alignas(64) float codes[max_head_dim];
-    codes_of(v, p, codes);
-    for (std::size_t g = 0; g * group < dim; ++g) {
-      const auto gp =
-          reference::load_params(v.spec, v.scales + pi * psize, v.zeros == nullptr ? nullptr : v.zeros + pi * psize, g);
-      const std::size_t end = std::min(dim, (g + 1) * group);
-      for (std::size_t h = 0; h < task.group; ++h) {
-        const float w = weights[h * stride];
-        const typename Ops::Vec ws = Ops::set1(w * gp.scale), wz = Ops::set1(w * gp.zero);
-        float* acc = task.acc + h * dim;
-        for (std::size_t c = g * group; c < end; c += width)
-          Ops::store(acc + c, Ops::add(Ops::fma(ws, Ops::load(codes + c), Ops::load(acc + c)), wz));
+  /// softmax_update (task.hpp) with the exponentials in vectors where the ops have them.
+  static void update_softmax(float* scores, std::size_t n, float& max, float& sum, float* acc,
+                             std::size_t dim) noexcept {
+    if constexpr (requires(typename Ops::Vec x) { Ops::exp(x); }) {
+      raise_max(scores, n, max, sum, acc, dim);
+      const typename Ops::Vec m = Ops::set1(max);
+      typename Ops::Vec total = Ops::zero();
+      std::size_t t = 0;
+      for (; t + width <= n; t += width) {
+        const typename Ops::Vec e = Ops::exp(Ops::sub(Ops::load(scores + t), m));
+        Ops::store(scores + t, e);
+        total = Ops::add(total, e);
       }
+      float rest = 0.0f;
+      for (; t < n; ++t) rest += scores[t] = std::exp(scores[t] - max);
+      sum += Ops::sum(total) + rest;
+    } else {
+      softmax_update(scores, n, max, sum, acc, dim);
     }
   }
+
+  /// The integer tier runs on scalar ops only, as task.hpp's definitions (the reference of the
+  /// integer tier): on vector ops without integer dot products its weight quantization and
+  /// integer-to-float steps cost more than its sums save (1.2x to 1.5x the exact tier's time,
+  /// bench/RESULTS.md), so vector kernels compute the exact tier for both tiers.
+  static constexpr bool computes_integer_tier = width == 1;
 
   static void run(const DecodeTask& task) noexcept {
     const StreamView &k = task.keys, &v = task.values;
-    const std::size_t dim = k.head_dim;
     start_state(task);
     float scores[max_group][max_tile];
-    alignas(64) float row[max_head_dim];
-    const bool packed_values = v.quantized && v.spec.axis == Axis::per_token && v.spec.group % width == 0;
-    const bool integer = computed_tier(task) == Tier::integer;
+    const bool integer = computes_integer_tier && computed_tier(task) == Tier::integer;
     for (std::size_t a = task.begin; a < task.end;) {
       const std::size_t b = tile_end(k, a, task.end), n = b - a;
       // Keys block by block (a tile holds whole key blocks when keys are quantized per channel).
@@ -403,41 +454,21 @@ struct VectorKernel {
         std::size_t s1 = b;
         if (k.quantized && k.spec.axis == Axis::per_channel && s0 >= k.first_quantized && s0 < k.end_quantized)
           s1 = std::min(b, k.first_quantized + ((s0 - k.first_quantized) / k.spec.group + 1) * k.spec.group);
-        if (quantized_key_block(k, s0, s1)) {
-          if (integer && task.rope == nullptr)
-            integer_key_block_scores(task, s0, s1, a, scores);
-          else
-            key_block_scores(task, s0, s1, a, scores);
-          if (has_outliers(k) && task.rope == nullptr) add_key_outliers(task, s0, s1, a, scores);
-        } else {
-          for (std::size_t p = s0; p < s1; ++p) {
-            if (vector_token_row(k, p))
-              dequantize_token_row(k, p, row);
-            else
-              k.read_row(p, row);
-            if (task.unrotate != nullptr) unrotate_row(*task.unrotate, row);
-            if (task.rope != nullptr) task.rope->rotate_unscaled(row, p);
-            for (std::size_t h = 0; h < task.group; ++h) scores[h][p - a] = dot(task.queries + h * dim, row, dim);
-          }
-        }
+        if (!quantized_key_block(k, s0, s1) || task.rope != nullptr)
+          key_row_scores(task, s0, s1, a, scores);
+        else if (integer)
+          detail::integer_key_scores(task, s0, s1, a, scores);
+        else
+          folded_key_scores(task, s0, s1, a, scores);
         s0 = s1;
       }
       for (std::size_t h = 0; h < task.group; ++h) {
         cap_scores(scores[h], n, task.softcap);
-        softmax_update(scores[h], n, task.max[h], task.sum[h], task.acc + h * dim, dim);
+        update_softmax(scores[h], n, task.max[h], task.sum[h], task.acc + h * k.head_dim, k.head_dim);
       }
       const auto [qa, qb] = integer ? quantized_value_rows(v, a, b) : std::pair{a, a};
-      if (qa < qb) integer_value_rows(task, a, qa, qb, scores);
-      for (std::size_t p = a; p < b; ++p) {
-        if (p >= qa && p < qb) continue;
-        if (packed_values && p >= v.first_quantized && p < v.end_quantized) {
-          add_packed_value_row(task, p, &scores[0][p - a], max_tile);
-          if (has_outliers(v)) add_value_outliers(task, p, &scores[0][p - a], max_tile);
-          continue;
-        }
-        v.read_row(p, row);
-        for (std::size_t h = 0; h < task.group; ++h) add_scaled(scores[h][p - a], row, task.acc + h * dim, dim);
-      }
+      if (qa < qb) detail::integer_values(task, a, qa, qb, scores);
+      add_value_rows(task, a, a, b, qa, qb, scores);
       a = b;
     }
   }

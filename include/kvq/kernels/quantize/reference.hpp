@@ -214,13 +214,18 @@ inline float decode(const GroupParams& p, std::uint8_t code) noexcept {
   return p.levels != nullptr ? p.zero + p.levels[code] * p.scale : p.zero + float(code) * p.scale;
 }
 
+/// A group's parameters from its stored scale and zero point (read only when the spec keeps one).
+inline GroupParams group_params(const QuantizerSpec& spec, float scale, float zero) noexcept {
+  if (spec.has_zero_point()) return {scale, zero, code_levels(spec)};
+  if (const float* levels = code_levels(spec)) return {scale, 0.0f, levels};
+  return {scale, -mid_code(spec) * scale};
+}
+
 /// Parameters as they were stored (reloaded from the parameter type).
 inline GroupParams load_params(const QuantizerSpec& spec, const void* scales, const void* zeros,
                                std::size_t i) noexcept {
-  const float scale = load_scalar(spec.param, scales, i);
-  if (spec.has_zero_point()) return {scale, load_scalar(spec.param, zeros, i), code_levels(spec)};
-  if (const float* levels = code_levels(spec)) return {scale, 0.0f, levels};
-  return {scale, -mid_code(spec) * scale};
+  return group_params(spec, load_scalar(spec.param, scales, i),
+                      spec.has_zero_point() ? load_scalar(spec.param, zeros, i) : 0.0f);
 }
 
 inline void store_params(const QuantizerSpec& spec, void* scales, void* zeros, std::size_t i,
