@@ -321,7 +321,8 @@ TEST(DecodeAttention, VectorKernelsComputeTheExactTierForBothTiers) {
   // time), so both tiers give the same bits, within exact_bound of the reference kernel's exact
   // tier. Shapes: value groups that are and are not a multiple of each width, a last group
   // shorter than the rest, 8-bit codes, head_dims of an odd number of vectors (48 on AVX-512) and
-  // of 640, GQA ratios of one and two passes of heads, sharp attention (queries 15x larger).
+  // of 640, GQA ratios of 1, 3 and 9 (9: two passes of four heads and one of a single head), sharp
+  // attention (queries 15x larger).
   unsigned seed = 600;
   std::size_t cases = 0;
   for (const char* config : {"k4c32-v2t32-r16-s1-post", "k2c32-v4t16-r16-s0-post", "k3c64-v8t32-r8-s2-post",

@@ -22,7 +22,8 @@ inline std::vector<std::string> kernels_for(const BasicKVCache& cache, std::size
 }
 
 /// Whether the kernel called `name` (empty: the one chosen without a name) computes the integer
-/// tier of `cache` where it is asked for; the vector kernels compute the exact tier for both.
+/// tier where it is asked for (KernelEntry::integer_tier; `cache` an affine one whose streams
+/// have that tier): the vector kernels compute the exact tier for both.
 inline bool computes_integer_tier(const BasicKVCache& cache, std::size_t heads, std::string_view name = {}) {
   const RopeTable* rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
   return kernels::attention::select_kernel(cache.keys(0, 0, 0), cache.values(0, 0, 0), heads / cache.shape().kv_heads,

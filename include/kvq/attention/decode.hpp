@@ -151,7 +151,8 @@ inline void run_range(const BasicKVCache& cache, std::size_t layer, std::size_t 
   };
   t.tier = options.tier;  // a kernel computes the exact tier where the streams ask it to (computed_tier)
   t.softcap = softcap_or_zero(options.scores);
-  if (kernel_tier(cache, options.tier) == Tier::integer && options.guard_outliers) {
+  // The scan decides between the tiers; a kernel that computes the exact tier for both needs none.
+  if (kernel.integer_tier && kernel_tier(cache, options.tier) == Tier::integer && options.guard_outliers) {
     kernels::attention::ScaleSpread spread;
     for (std::size_t k = first; k <= last; ++k) at_segment(k), spread.add(t);
     if (!spread.integer_tier_carries()) t.tier = Tier::exact;

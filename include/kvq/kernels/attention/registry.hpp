@@ -38,8 +38,9 @@ struct KernelEntry {
   Choice choice;
   bool outliers;   // reads dense-and-sparse outliers (QuantizerSpec::outliers)
   bool unrotates;  // rotates pre-RoPE keys stored rotated back (DecodeTask::unrotate)
-  // Computes the integer tier where it is asked for (else the exact tier for both: the vector
-  // kernels, whose exact tier is the faster one, VectorKernel::computes_integer_tier).
+  // Computes the integer tier of the streams that have one (computed_tier) where it is asked
+  // for; false: the exact tier for both (the vector kernels, whose exact tier is the faster one,
+  // VectorKernel::computes_integer_tier).
   bool integer_tier;
   bool (*available)() noexcept;
   bool (*accepts)(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope) noexcept;

@@ -155,6 +155,26 @@ struct VectorKernel {
       });
   }
 
+  /// n codes of `bits` bits from `in` as floats, without vector ops: byte by byte with constant
+  /// shifts for 2, 4 and 8 bits (loops the compiler vectorizes), else through unpack_codes.
+  static void unpack_as_floats(const std::uint8_t* in, std::size_t n, unsigned bits, float* out) noexcept {
+    if (bits == 8) {
+      for (std::size_t c = 0; c < n; ++c) out[c] = float(in[c]);
+    } else if (bits == 4 && n % 2 == 0) {
+      for (std::size_t i = 0; i < n / 2; ++i) {
+        out[2 * i] = float(in[i] & 15u);
+        out[2 * i + 1] = float(in[i] >> 4);
+      }
+    } else if (bits == 2 && n % 4 == 0) {
+      for (std::size_t i = 0; i < n / 4; ++i)
+        for (unsigned k = 0; k < 4; ++k) out[4 * i + k] = float((in[i] >> (2 * k)) & 3u);
+    } else {
+      std::uint8_t codes[max_head_dim];
+      unpack_codes(in, n, bits, codes);
+      for (std::size_t c = 0; c < n; ++c) out[c] = float(codes[c]);
+    }
+  }
+
   /// The codes of row p of a packed stream as floats (the levels they name, for a level table):
   /// out (head_dim).
   static void codes_of(const StreamView& s, std::size_t p, float* out) noexcept {
@@ -174,22 +194,7 @@ struct VectorKernel {
                               : bits == 4 ? in_vectors.template operator()<4>()
                               : bits == 2 ? in_vectors.template operator()<2>()
                                           : false;
-    if (in_registers) {
-    } else if (bits == 8) {
-      for (std::size_t c = 0; c < n; ++c) out[c] = float(in[c]);
-    } else if (bits == 4 && n % 2 == 0) {  // byte by byte, constant shifts: the loops vectorize
-      for (std::size_t i = 0; i < n / 2; ++i) {
-        out[2 * i] = float(in[i] & 15u);
-        out[2 * i + 1] = float(in[i] >> 4);
-      }
-    } else if (bits == 2 && n % 4 == 0) {
-      for (std::size_t i = 0; i < n / 4; ++i)
-        for (unsigned k = 0; k < 4; ++k) out[4 * i + k] = float((in[i] >> (2 * k)) & 3u);
-    } else {
-      std::uint8_t codes[max_head_dim];
-      unpack_codes(in, n, bits, codes);
-      for (std::size_t c = 0; c < n; ++c) out[c] = float(codes[c]);
-    }
+    if (!in_registers) unpack_as_floats(in, n, bits, out);
     if (const float* levels = code_levels(s.spec))  // a level table: the level each code names
       for (std::size_t c = 0; c < n; ++c) out[c] = levels[std::size_t(out[c])];
   }
@@ -415,9 +420,9 @@ struct VectorKernel {
     }
   }
 
-  /// softmax_update (task.hpp) with the exponentials in vectors where the ops have them.
-  static void update_softmax(float* scores, std::size_t n, float& max, float& sum, float* acc,
-                             std::size_t dim) noexcept {
+  /// task.hpp's softmax_update with the exponentials in vectors where the ops have them.
+  static void softmax_in_vectors(float* scores, std::size_t n, float& max, float& sum, float* acc,
+                                 std::size_t dim) noexcept {
     if constexpr (requires(typename Ops::Vec x) { Ops::exp(x); }) {
       raise_max(scores, n, max, sum, acc, dim);
       const typename Ops::Vec m = Ops::set1(max);
@@ -464,7 +469,7 @@ struct VectorKernel {
       }
       for (std::size_t h = 0; h < task.group; ++h) {
         cap_scores(scores[h], n, task.softcap);
-        update_softmax(scores[h], n, task.max[h], task.sum[h], task.acc + h * k.head_dim, k.head_dim);
+        softmax_in_vectors(scores[h], n, task.max[h], task.sum[h], task.acc + h * k.head_dim, k.head_dim);
       }
       const auto [qa, qb] = integer ? quantized_value_rows(v, a, b) : std::pair{a, a};
       if (qa < qb) detail::integer_values(task, a, qa, qb, scores);

@@ -49,7 +49,7 @@ struct Avx2 {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   }
-  /// Codes [0, 8) of `bits` bits each (1, 2, 4 or 8), packed from the low bits of p up, as floats.
+  /// Codes [0, 8) of `bits` bits each (2, 4 or 8), packed from the low bits of p up, as floats.
   template <unsigned bits>
   KVQ_TARGET_AVX2_OPS static Vec codes(const std::uint8_t* p) noexcept {
     if constexpr (bits == 8) {

@@ -48,7 +48,7 @@ struct Avx512 {
       p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
     return _mm512_scalef_ps(p, n);
   }
-  /// Codes [0, 16) of `bits` bits each (1, 2, 4 or 8), packed from the low bits of p up, as floats:
+  /// Codes [0, 16) of `bits` bits each (2, 4 or 8), packed from the low bits of p up, as floats:
   /// lane j takes the 32-bit word holding its code, shifted down.
   template <unsigned bits>
   KVQ_TARGET_AVX512_OPS static Vec codes(const std::uint8_t* p) noexcept {
