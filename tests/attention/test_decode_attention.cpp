@@ -478,14 +478,8 @@ TEST(DecodeAttention, KernelSelection) {
     Tier tier;
     const char* avx512;
   };
-  // Layouts the hand-tuned kernels read only row by row go to the vector kernel, or, in builds
-  // without x86 vector kernels (clang), stay on the generic AVX-512 kernel (the scalar reference
-  // is slower still).
-#if defined(KVQ_HAVE_X86_VECTOR_KERNELS)
+  // Layouts the hand-tuned kernels read only row by row go to the vector kernel.
   const char* const vector_kernel = "vector-avx512";
-#else
-  const char* const vector_kernel = "avx512-generic";
-#endif
   const Expected cases[] = {{"k16-v16-r0-s1-post", Tier::exact, "avx512-dense"},
                             {"k16-v16-r0-s1-post-f32", Tier::exact, "avx512-dense"},
                             {"k4c32-v2t32-r16-s1-post", Tier::exact, "avx512-exact"},

@@ -212,7 +212,7 @@ TEST(Outliers, OnlyKernelsThatReadThemAreChosenOrNamed) {
   }
   EXPECT_EQ(names.back(), "reference");
   const std::string chosen = kvq::decode_kernel(cache, 8);
-#if defined(KVQ_HAVE_X86_VECTOR_KERNELS)
+#if defined(KVQ_HAVE_X86_KERNELS)
   if (kvq::kernels::attention::avx512::supported()) {
     EXPECT_EQ(chosen, "vector-avx512");
   }

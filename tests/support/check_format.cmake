@@ -3,7 +3,7 @@
 if(NOT CLANG_FORMAT)
   message(FATAL_ERROR "clang-format-14 was not found: cmake/install-deps.sh installs it")
 endif()
-file(GLOB_RECURSE sources RELATIVE "${ROOT}" "${ROOT}/include/*.hpp" "${ROOT}/examples/*.hpp" "${ROOT}/examples/*.cpp"
+file(GLOB_RECURSE sources RELATIVE "${ROOT}" "${ROOT}/include/*.hpp" "${ROOT}/include/*.inc" "${ROOT}/examples/*.hpp" "${ROOT}/examples/*.cpp"
      "${ROOT}/tests/*.hpp" "${ROOT}/tests/*.cpp" "${ROOT}/bench/*.hpp" "${ROOT}/bench/*.cpp")
 execute_process(COMMAND "${CLANG_FORMAT}" --dry-run -Werror ${sources} WORKING_DIRECTORY "${ROOT}"
                 RESULT_VARIABLE status ERROR_VARIABLE complaints)

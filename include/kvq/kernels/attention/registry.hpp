@@ -32,31 +32,31 @@ enum class Choice : unsigned char {
   by_name,    // only named (tests, benchmarks, bisecting)
 };
 
-struct KernelEntry {
-  const char* name;
-  const char* needs;  // the CPU features it is compiled for and checks at run time
-  Choice choice;
-  bool outliers;   // reads dense-and-sparse outliers (QuantizerSpec::outliers)
-  bool unrotates;  // rotates pre-RoPE keys stored rotated back (DecodeTask::unrotate)
-  // Computes the integer tier of the streams that have one (computed_tier) where it is asked
-  // for; false: the exact tier for both (the vector kernels, whose exact tier is the faster one,
-  // VectorKernel::computes_integer_tier).
-  bool integer_tier;
-  bool (*available)() noexcept;
-  bool (*accepts)(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope) noexcept;
-  // Whether it reads these streams at speed; null: every stream it takes. A hand-tuned kernel reads
-  // some layouts only row by row, 2-9x slower than the next kernel that unpacks them (AVX2 or a
-  // vector kernel; bench/RESULTS.md).
-  bool (*at_speed)(const StreamView& keys, const StreamView& values, const RopeTable* rope) noexcept;
-  void (*run)(const DecodeTask& task) noexcept;
-};
-
 namespace detail {
 inline bool always() noexcept { return true; }
 #if defined(KVQ_HAVE_X86_KERNELS)
 inline bool avx512_level() noexcept { return isa::detected() == isa::Level::avx512; }
 #endif
 }  // namespace detail
+
+struct KernelEntry {
+  const char* name;
+  const char* needs;  // the CPU features it is compiled for and checks at run time
+  Choice choice = Choice::automatic;
+  bool outliers = true;   // reads dense-and-sparse outliers (QuantizerSpec::outliers)
+  bool unrotates = true;  // rotates pre-RoPE keys stored rotated back (DecodeTask::unrotate)
+  // Computes the integer tier of the streams that have one (computed_tier) where it is asked
+  // for; false: the exact tier for both (the vector kernels, whose exact tier is the faster one,
+  // VectorKernel::computes_integer_tier).
+  bool integer_tier = true;
+  bool (*available)() noexcept = detail::always;
+  bool (*accepts)(const StreamView& keys, const StreamView& values, std::size_t group, const RopeTable* rope) noexcept;
+  // Whether it reads these streams at speed; null: every stream it takes. A hand-tuned kernel reads
+  // some layouts only row by row, 2-9x slower than the next kernel that unpacks them (AVX2 or a
+  // vector kernel; bench/RESULTS.md).
+  bool (*at_speed)(const StreamView& keys, const StreamView& values, const RopeTable* rope) noexcept = nullptr;
+  void (*run)(const DecodeTask& task) noexcept;
+};
 
 #if defined(KVQ_EXTERN_KERNELS) && !defined(KVQ_KERNELS_IMPLEMENTATION)
 /// Every kernel of this build (defined in the unit with KVQ_KERNELS_IMPLEMENTATION).
@@ -71,27 +71,53 @@ std::span<const KernelEntry> registry() noexcept;
 KVQ_REGISTRY_LINKAGE std::span<const KernelEntry> registry() noexcept {
   static constexpr KernelEntry table[] = {
 #if defined(KVQ_HAVE_X86_KERNELS)
-    {"avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", Choice::automatic, false, true,
-     true, avx512::supported, avx512::supports, avx512::at_speed,
-     [](const DecodeTask& t) noexcept { avx512::decode_task(t); }},
-    {"avx512-generic", "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma", Choice::by_name, false,
-     true, true, avx512::supported, avx512::supports, nullptr, avx512::decode_task_generic},
-    {"avx2", "avx2 fma f16c", Choice::automatic, false, false, true, avx2::supported, avx2::supports, avx2::at_speed,
-     avx2::decode_task},
-#endif
-#if defined(KVQ_HAVE_X86_VECTOR_KERNELS)
-    {"vector-avx512", "avx512f avx512bw avx512vl avx512dq avx512vnni bmi2 f16c fma", Choice::automatic, true, true,
-     VectorKernel<ops::Avx512>::computes_integer_tier, detail::avx512_level, VectorKernel<ops::Avx512>::accepts,
-     nullptr, vector_avx512_task},
-    {"vector-avx2", "avx2 fma f16c", Choice::automatic, true, true, VectorKernel<ops::Avx2>::computes_integer_tier,
-     avx2::supported, VectorKernel<ops::Avx2>::accepts, nullptr, vector_avx2_task},
+    {.name = "avx512",
+     .needs = "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma",
+     .outliers = false,
+     .available = avx512::supported,
+     .accepts = avx512::supports,
+     .at_speed = avx512::at_speed,
+     .run = [](const DecodeTask& t) noexcept { avx512::decode_task(t); }},
+    {.name = "avx512-generic",
+     .needs = "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma",
+     .choice = Choice::by_name,
+     .outliers = false,
+     .available = avx512::supported,
+     .accepts = avx512::supports,
+     .run = avx512::decode_task_generic},
+    {.name = "avx2",
+     .needs = "avx2 fma f16c",
+     .outliers = false,
+     .unrotates = false,
+     .available = avx2::supported,
+     .accepts = avx2::supports,
+     .at_speed = avx2::at_speed,
+     .run = avx2::decode_task},
+    {.name = "vector-avx512",
+     .needs = "avx512f avx512bw avx512vl avx512dq avx512vnni bmi2 f16c fma",
+     .integer_tier = x86_avx512::VectorKernel<ops::Avx512>::computes_integer_tier,
+     .available = detail::avx512_level,
+     .accepts = vector_kernel_accepts<ops::Avx512::width>,
+     .run = vector_avx512_task},
+    {.name = "vector-avx2",
+     .needs = "avx2 fma f16c",
+     .integer_tier = x86_avx2::VectorKernel<ops::Avx2>::computes_integer_tier,
+     .available = avx2::supported,
+     .accepts = vector_kernel_accepts<ops::Avx2::width>,
+     .run = vector_avx2_task},
 #endif
 #if defined(__aarch64__)
-    {"vector-neon", "asimd", Choice::automatic, true, true, VectorKernel<ops::Neon>::computes_integer_tier,
-     detail::always, VectorKernel<ops::Neon>::accepts, nullptr, vector_neon_task},
+    {.name = "vector-neon",
+     .needs = "asimd",
+     .integer_tier = portable::VectorKernel<ops::Neon>::computes_integer_tier,
+     .accepts = vector_kernel_accepts<ops::Neon::width>,
+     .run = vector_neon_task},
 #endif
-    {"reference", "", Choice::automatic, true, true, VectorKernel<ops::Scalar>::computes_integer_tier, detail::always,
-     VectorKernel<ops::Scalar>::accepts, nullptr, decode_task},
+    {.name = "reference",
+     .needs = "",
+     .integer_tier = portable::VectorKernel<ops::Scalar>::computes_integer_tier,
+     .accepts = vector_kernel_accepts<ops::Scalar::width>,
+     .run = decode_task},
   };
   return table;
 }

@@ -1,6 +1,6 @@
 #pragma once
-// AVX2 + FMA ops: 8 fp32 lanes. Members carry the target attribute, so a kernel instantiated on
-// them runs through an entry point with the same attribute (vector.hpp's KVQ_VECTOR_ENTRY).
+// AVX2 + FMA ops: 8 fp32 lanes. Members carry the target attribute; vector.hpp compiles its
+// copy of the kernel on them under the same target.
 
 #include <immintrin.h>
 
