@@ -42,10 +42,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     kvq::decode_attention(cache, 0, shape.capacity - 1, q, out, {.tier = kvq::Tier::integer});
     kvq::decode_attention(cache, 0, shape.capacity - 1, q, out, {.tier = kvq::Tier::exact});
     kvq::reference_attention(cache, 0, shape.capacity - 1, q, oracle);
-    // The exact tier, on whichever kernel this CPU and compiler pick, is the oracle's attention
-    // (within 1e-5 in the unit tests; outputs here are of order 1).
+    // The exact tier, on whichever kernel this CPU and compiler pick, is the oracle's attention.
+    // Outputs are of order 1 and fp32 scores of keys up to about 50 can be off by about 3e-5
+    // each; a broken kernel is off by far more than the bound.
     for (std::size_t i = 0; i < out.size(); ++i)
-      if (!(std::abs(out[i] - oracle[i]) <= 1e-4f)) __builtin_trap();
+      if (!(std::abs(out[i] - oracle[i]) <= 1e-3f)) __builtin_trap();
   } catch (const kvq::Error&) {
   }
   return 0;

@@ -43,8 +43,10 @@ struct KernelEntry {
   const char* name;
   const char* needs;  // the CPU features it is compiled for and checks at run time
   Choice choice = Choice::automatic;
-  bool outliers = true;   // reads dense-and-sparse outliers (QuantizerSpec::outliers)
-  bool unrotates = true;  // rotates pre-RoPE keys stored rotated back (DecodeTask::unrotate)
+  // What it reads beyond affine and level-table codes (false unless the entry says so, so a new
+  // kernel is given no cache it was not written for):
+  bool outliers = false;   // dense-and-sparse outliers (QuantizerSpec::outliers)
+  bool unrotates = false;  // pre-RoPE keys stored rotated, rotated back (DecodeTask::unrotate)
   // Computes the integer tier of the streams that have one (computed_tier) where it is asked
   // for; false: the exact tier for both (the vector kernels, whose exact tier is the faster one,
   // VectorKernel::computes_integer_tier).
@@ -73,7 +75,7 @@ KVQ_REGISTRY_LINKAGE std::span<const KernelEntry> registry() noexcept {
 #if defined(KVQ_HAVE_X86_KERNELS)
     {.name = "avx512",
      .needs = "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma",
-     .outliers = false,
+     .unrotates = true,
      .available = avx512::supported,
      .accepts = avx512::supports,
      .at_speed = avx512::at_speed,
@@ -81,26 +83,28 @@ KVQ_REGISTRY_LINKAGE std::span<const KernelEntry> registry() noexcept {
     {.name = "avx512-generic",
      .needs = "avx512f avx512bw avx512vl avx512dq avx512vnni avx512vbmi bmi2 f16c fma",
      .choice = Choice::by_name,
-     .outliers = false,
+     .unrotates = true,
      .available = avx512::supported,
      .accepts = avx512::supports,
      .run = avx512::decode_task_generic},
     {.name = "avx2",
      .needs = "avx2 fma f16c",
-     .outliers = false,
-     .unrotates = false,
      .available = avx2::supported,
      .accepts = avx2::supports,
      .at_speed = avx2::at_speed,
      .run = avx2::decode_task},
     {.name = "vector-avx512",
      .needs = "avx512f avx512bw avx512vl avx512dq avx512vnni bmi2 f16c fma",
+     .outliers = true,
+     .unrotates = true,
      .integer_tier = x86_avx512::VectorKernel<ops::Avx512>::computes_integer_tier,
      .available = detail::avx512_level,
      .accepts = vector_kernel_accepts<ops::Avx512::width>,
      .run = vector_avx512_task},
     {.name = "vector-avx2",
      .needs = "avx2 fma f16c",
+     .outliers = true,
+     .unrotates = true,
      .integer_tier = x86_avx2::VectorKernel<ops::Avx2>::computes_integer_tier,
      .available = avx2::supported,
      .accepts = vector_kernel_accepts<ops::Avx2::width>,
@@ -109,12 +113,16 @@ KVQ_REGISTRY_LINKAGE std::span<const KernelEntry> registry() noexcept {
 #if defined(__aarch64__)
     {.name = "vector-neon",
      .needs = "asimd",
+     .outliers = true,
+     .unrotates = true,
      .integer_tier = portable::VectorKernel<ops::Neon>::computes_integer_tier,
      .accepts = vector_kernel_accepts<ops::Neon::width>,
      .run = vector_neon_task},
 #endif
     {.name = "reference",
      .needs = "",
+     .outliers = true,
+     .unrotates = true,
      .integer_tier = portable::VectorKernel<ops::Scalar>::computes_integer_tier,
      .accepts = vector_kernel_accepts<ops::Scalar::width>,
      .run = decode_task},

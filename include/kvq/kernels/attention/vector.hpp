@@ -5,7 +5,7 @@
 // kernel, which takes every configuration; on NEON it is the AArch64 kernel; on AVX2 and AVX-512
 // ops it runs after the hand-tuned x86 kernels (registry.hpp), for caches they refuse or read
 // only row by row, and is measured against them. A new instruction set is one ops file and one
-// registry entry.
+// registry entry, plus a copy of the algorithm below where the set needs a target attribute.
 //
 // Rows are read as floats block_rows at a time, then used from there: keys dotted with the GQA
 // group's queries two rows and up to four heads at a time (each query vector loaded once for two
