@@ -1,7 +1,8 @@
 // libFuzzer target: configuration strings. Whatever parses must print back as itself (one
 // spelling per configuration) and either build, fill and attend a small cache (the exact tier
-// agreeing with the oracle) or be refused with a kvq::Error; per-layer texts must parse to configurations that print
-// and parse back as the same; nothing may crash, leak or hit undefined behaviour.
+// agreeing with the oracle) or be refused with a kvq::Error; per-layer texts must parse to
+// configurations that print and parse back as the same; nothing may crash, leak or hit undefined
+// behaviour.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
