@@ -39,6 +39,8 @@ std::vector<Variant> variants(std::size_t dim) {
     all.push_back({rotary + " yarn", dims, yarn});
   }
   all.push_back({"partial divisors", dim / 2, divisors});
+  // 20 channels: kernels rotating in vectors of 8 or 16 lanes finish the pairs one at a time.
+  all.push_back({"partial tail", 20, {}});
   return all;
 }
 

@@ -17,7 +17,8 @@
 // pre-RoPE. Dense-and-sparse outliers add their corrections: q . e to a folded key's score, e to
 // a dequantized row. Optional ops members, found with `requires`, speed the steps that pay:
 // `codes<bits>` unpacks a vector of codes in registers, `exp` takes the softmax's exponentials in
-// vectors, `load_scalar` converts fp16 parameters in hardware. The integer tier runs on scalar
+// vectors, `load_scalar` converts fp16 parameters in hardware, `doubled` spreads RoPE's table
+// over adjacent pairs (half-split pairs need no member). The integer tier runs on scalar
 // ops only (computes_integer_tier), as task.hpp's definitions; vector kernels compute the exact
 // tier for both tiers.
 
@@ -73,12 +74,12 @@ bool vector_kernel_accepts(const StreamView& keys, const StreamView& values, std
 #include "kvq/kernels/attention/vector_kernel.inc"
 #undef KVQ_VECTOR_COPY
 #if defined(KVQ_HAVE_X86_KERNELS)
-KVQ_PUSH_TARGET("avx2,fma,f16c")
+KVQ_PUSH_TARGET(KVQ_AVX2_OPS_FEATURES)
 #define KVQ_VECTOR_COPY x86_avx2
 #include "kvq/kernels/attention/vector_kernel.inc"
 #undef KVQ_VECTOR_COPY
 KVQ_POP_TARGET
-KVQ_PUSH_TARGET("avx512f,fma,f16c")
+KVQ_PUSH_TARGET(KVQ_AVX512_OPS_FEATURES)
 #define KVQ_VECTOR_COPY x86_avx512
 #include "kvq/kernels/attention/vector_kernel.inc"
 #undef KVQ_VECTOR_COPY
@@ -96,10 +97,11 @@ inline void decode_task(const DecodeTask& task) noexcept { portable::VectorKerne
 // Entry points of the vector kernel per instruction set; on x86 `flatten` inlines the whole copy
 // into the entry, as one function compiled for its set.
 #if defined(KVQ_HAVE_X86_KERNELS)
-__attribute__((target("avx2,fma,f16c"), flatten)) inline void vector_avx2_task(const DecodeTask& task) noexcept {
+__attribute__((target(KVQ_AVX2_OPS_FEATURES), flatten)) inline void vector_avx2_task(const DecodeTask& task) noexcept {
   x86_avx2::VectorKernel<ops::Avx2>::run(task);
 }
-__attribute__((target("avx512f,fma,f16c"), flatten)) inline void vector_avx512_task(const DecodeTask& task) noexcept {
+__attribute__((target(KVQ_AVX512_OPS_FEATURES), flatten)) inline void vector_avx512_task(
+    const DecodeTask& task) noexcept {
   x86_avx512::VectorKernel<ops::Avx512>::run(task);
 }
 #endif

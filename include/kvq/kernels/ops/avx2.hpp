@@ -11,7 +11,10 @@
 #include "kvq/core/convert.hpp"
 #include "kvq/isa.hpp"
 
-#define KVQ_TARGET_AVX2_OPS __attribute__((target("avx2,fma,f16c")))
+// The features these ops need: their members, vector.hpp's copy of the kernel and its entry
+// point are compiled for them.
+#define KVQ_AVX2_OPS_FEATURES "avx2,fma,f16c"
+#define KVQ_TARGET_AVX2_OPS __attribute__((target(KVQ_AVX2_OPS_FEATURES)))
 
 KVQ_INTRINSIC_WARNINGS_OFF
 
@@ -34,6 +37,10 @@ struct Avx2 {
     if constexpr (len == 1) return _mm256_permute_ps(x, 0xb1);
     if constexpr (len == 2) return _mm256_permute_ps(x, 0x4e);
     if constexpr (len == 4) return _mm256_permute2f128_ps(x, x, 0x01);
+  }
+  /// The 4 floats at p, each twice: p0 p0 p1 p1 ... (a RoPE table's value for both lanes of a pair).
+  KVQ_TARGET_AVX2_OPS static Vec doubled(const float* p) noexcept {
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(p)), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
   }
   /// exp(x) for x <= 0 (about 1 ulp); lanes below -87 give a tiny positive number.
   KVQ_TARGET_AVX2_OPS static Vec exp(Vec x) noexcept {

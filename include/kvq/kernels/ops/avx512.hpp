@@ -11,7 +11,10 @@
 #include "kvq/core/convert.hpp"
 #include "kvq/isa.hpp"
 
-#define KVQ_TARGET_AVX512_OPS __attribute__((target("avx512f,fma,f16c")))
+// The features these ops need: their members, vector.hpp's copy of the kernel and its entry
+// point are compiled for them.
+#define KVQ_AVX512_OPS_FEATURES "avx512f,fma,f16c"
+#define KVQ_TARGET_AVX512_OPS __attribute__((target(KVQ_AVX512_OPS_FEATURES)))
 
 KVQ_INTRINSIC_WARNINGS_OFF
 
@@ -35,6 +38,11 @@ struct Avx512 {
     if constexpr (len == 2) return _mm512_permute_ps(x, 0x4e);
     if constexpr (len == 4) return _mm512_shuffle_f32x4(x, x, 0xb1);
     if constexpr (len == 8) return _mm512_shuffle_f32x4(x, x, 0x4e);
+  }
+  /// The 8 floats at p, each twice: p0 p0 p1 p1 ... (a RoPE table's value for both lanes of a pair).
+  KVQ_TARGET_AVX512_OPS static Vec doubled(const float* p) noexcept {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                                 _mm512_castps256_ps512(_mm256_loadu_ps(p)));
   }
   /// exp(x) for x <= 0 (about 1 ulp); lanes below -87 give a tiny positive number.
   KVQ_TARGET_AVX512_OPS static Vec exp(Vec x) noexcept {

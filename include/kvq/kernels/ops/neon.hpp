@@ -30,6 +30,11 @@ struct Neon {
     if constexpr (len == 1) return vrev64q_f32(x);
     if constexpr (len == 2) return vextq_f32(x, x, 2);
   }
+  /// The 2 floats at p, each twice: p0 p0 p1 p1 (a RoPE table's value for both lanes of a pair).
+  static Vec doubled(const float* p) noexcept {
+    const float32x2_t x = vld1_f32(p);
+    return vcombine_f32(vdup_lane_f32(x, 0), vdup_lane_f32(x, 1));
+  }
   /// exp(x) for x <= 0 (about 1 ulp); lanes below -87 give a tiny positive number.
   static Vec exp(Vec x) noexcept {
     x = vmaxq_f32(x, vdupq_n_f32(-87.0f));
