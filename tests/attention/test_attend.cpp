@@ -224,17 +224,25 @@ TEST(Attend, BatchesAreBitIdenticalToSingleRequestsAndDecode) {
 }
 
 // A softmax scale, sliding windows (shorter than a chunk, a block, the request; reaching into
-// the sinks or not) and logit soft-capping, in every kernel, decode and attend, stored and new
-// tokens, against the oracle applying the same rule.
-TEST(Attend, ScaleWindowAndSoftcapMatchTheOracle) {
-  std::vector<kvq::ScoreOptions> rules(6);
+// the sink tokens or not), chunked local attention (a boundary inside the stored block and inside
+// the prefill chunk), logit soft-capping and learned sink logits, in every kernel, decode and
+// attend, stored and new tokens, against the oracle applying the same rule.
+TEST(Attend, ScoreOptionsMatchTheOracle) {
+  const std::size_t kv_heads = 2, dim = 64, group = 3, heads = kv_heads * group;
+  // Logits from far below the scores (the sink weighs next to nothing) to far above (it takes
+  // most of the weight).
+  const std::vector<float> logits = {6.0f, 1.0f, 4.0f, -2.0f, 5.0f, 3.0f};
+  std::vector<kvq::ScoreOptions> rules(10);
   rules[0].scale = 0.05f;
   rules[1].window = 1;
   rules[2].window = 37;
   rules[3].window = 300;
   rules[4].softcap = 2.0f;
   rules[5] = {.scale = 0.2f, .window = 100, .softcap = 3.0f};
-  const std::size_t kv_heads = 2, dim = 64, group = 3, heads = kv_heads * group;
+  rules[6].sink_logits = logits;
+  rules[7] = {.window = 128, .sink_logits = logits};  // gpt-oss's local layers
+  rules[8].attention_chunk = 210;                     // prefill 200 .. 236 crosses 210
+  rules[9] = {.window = 5, .attention_chunk = 530};   // stored block 526 .. 532 crosses 530
   for (const char* text : {"k4c32-v2t32-r20-s3", "k4c32-v2t32-r16-s0-post", "k16-v16-r0-s0-post",
                            "k8c32-v8t32-r8-s1-f32", "k4t32-v2t32-r16-s1-hk"}) {
     const BasicKVCache cache = filled(text, kv_heads, dim, 533, 31, 64);
@@ -250,7 +258,7 @@ TEST(Attend, ScaleWindowAndSoftcapMatchTheOracle) {
       for (const std::size_t position : {532u, 250u, 2u}) {
         kvq::reference_attention(cache, 1, position, q1, oracle, rule);
         kvq::reference_attention(cache, 1, position, q1, plain);
-        if (!rule.window || *rule.window <= position) {
+        if (rule.scale || rule.softcap || !rule.sink_logits.empty() || kvq::detail::window_start(rule, position) > 0) {
           EXPECT_GT(relative_error(plain, oracle), 1e-3) << what << ": the rule changed nothing";
         }
         for (const std::string& kernel : kvq::test::kernels_for(cache, q1.size() / dim)) {
@@ -289,12 +297,21 @@ TEST(Attend, BadScoreOptionsThrowBeforeWritingAnything) {
   const BasicKVCache cache = filled("k4c32-v2t32-r20-s3", 2, 64, 100, 36);
   const auto q = kvq::test::normal_vector(2 * 4 * 64, 37);
   std::vector<float> out(q.size(), 7.0f);
-  std::vector<kvq::ScoreOptions> rules(4);
+  std::vector<float> logits(4, 1.0f);  // queries of 4 heads
+  logits[3] = std::nanf("");
+  std::vector<kvq::ScoreOptions> rules(6);
   rules[0].window = 0;
   rules[1].scale = -1.0f;
   rules[2].scale = std::nanf("");
   rules[3].softcap = std::numeric_limits<float>::infinity();
-  const char* const parts[] = {"sliding window of 0", "softmax scale -1", "softmax scale nan", "soft-cap inf"};
+  rules[4].sink_logits = logits;
+  rules[5].attention_chunk = 0;
+  const char* const parts[] = {"sliding window of 0",
+                               "softmax scale -1",
+                               "softmax scale nan",
+                               "soft-cap inf",
+                               "sink logit of query head 3 is nan",
+                               "chunks of 0 positions"};
   for (std::size_t i = 0; i < rules.size(); ++i) {
     const kvq::DecodeOptions options{.scores = rules[i]};
     for (const std::size_t tokens : {1u, 2u}) {
@@ -315,6 +332,16 @@ TEST(Attend, BadScoreOptionsThrowBeforeWritingAnything) {
                  kvq::Error);
     EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 7.0f; })) << parts[i];
   }
+  const std::vector<float> three(3, 1.0f);  // one sink logit short of the 4 query heads
+  try {
+    kvq::decode_attention(cache, 0, 99, std::span(q).first(4 * 64), std::span(out).first(4 * 64),
+                          {.scores = {.sink_logits = three}});
+    ADD_FAILURE() << "accepted 3 sink logits for 4 heads";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::shape_mismatch);
+    EXPECT_NE(std::string(e.what()).find("3 sink logits for 4 query heads"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 7.0f; }));
 }
 
 TEST(Attend, BadRequestsThrowBeforeWritingAnything) {

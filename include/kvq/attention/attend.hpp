@@ -280,7 +280,8 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
         const std::size_t b = row / max_group, k = row % max_group, t = row / p.group, g = row % p.group;
         const float* parts = own_partial.data() + p.partial_offset + (kvh * p.batches + b) * (p.chunks + 1) * stride;
         detail::merge_parts(parts + k, parts + max_group + k, parts + 2 * max_group + k * dim, p.chunks + 1, stride,
-                            dim, r.out.data() + (t * p.heads + kvh * p.group + g) * dim);
+                            dim, detail::sink_logit(options.scores, kvh * p.group + g),
+                            r.out.data() + (t * p.heads + kvh * p.group + g) * dim);
       }
     if (const auto rotation = r.cache->rotation(Tensor::values)) rotation->inverse(r.out);  // sum p Hv = H sum p v
   }

@@ -164,11 +164,12 @@ inline void run_range(const BasicKVCache& cache, std::size_t layer, std::size_t 
 }
 
 /// Merges n partial states of one query row, in order (part j: max[j * stride], sum[j * stride],
-/// acc + j * stride), into the normalised output o (dim). The order is fixed, so the result does
-/// not depend on which thread computed which part.
+/// acc + j * stride), into the normalised output o (dim), with the row's sink logit in the
+/// denominator (-inf: none). The order is fixed, so the result does not depend on which thread
+/// computed which part.
 inline void merge_parts(const float* max, const float* sum, const float* acc, std::size_t n, std::size_t stride,
-                        std::size_t dim, float* o) noexcept {
-  float m = -std::numeric_limits<float>::infinity();
+                        std::size_t dim, float sink, float* o) noexcept {
+  float m = sink;
   for (std::size_t j = 0; j < n; ++j) m = std::max(m, max[j * stride]);
   std::fill(o, o + dim, 0.0f);
   float total = 0.0f;
@@ -179,6 +180,7 @@ inline void merge_parts(const float* max, const float* sum, const float* acc, st
     const float* a = acc + j * stride;
     for (std::size_t c = 0; c < dim; ++c) o[c] += w * a[c];
   }
+  if (sink != -std::numeric_limits<float>::infinity()) total += std::exp(sink - m);
   const float inv = 1.0f / total;
   for (std::size_t c = 0; c < dim; ++c) o[c] *= inv;
 }
@@ -187,9 +189,9 @@ inline void merge_parts(const float* max, const float* sum, const float* acc, st
 
 /// Decode attention for one position: q, out (heads, head_dim); queries follow the cache's
 /// key_rope (pre-RoPE queries are rotated to `position` here). Query head h reads KV head
-/// h / (heads / kv_heads). Attends to positions [0, position], or the last options.scores.window
-/// of them. Throws kvq::Error on bad shapes or options, a layer outside the cache or a position
-/// the layer does not hold yet.
+/// h / (heads / kv_heads). Attends to positions [0, position], or those of them options.scores
+/// lets it see (a sliding window, its attention chunk). Throws kvq::Error on bad shapes or options, a layer outside the
+/// cache or a position the layer does not hold yet.
 inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::size_t position,
                              std::span<const float> q, std::span<float> out, const DecodeOptions& options = {}) {
   const detail::DecodePlan plan = detail::plan_decode(cache, layer, position, q, out.size(), options);
@@ -232,6 +234,7 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
     const float* parts = ws.partial.data() + kvh * plan.chunks * stride;
     for (std::size_t g = 0; g < plan.group; ++g)
       detail::merge_parts(parts + g, parts + plan.group + g, parts + 2 * plan.group + g * dim, plan.chunks, stride, dim,
+                          detail::sink_logit(options.scores, kvh * plan.group + g),
                           out.data() + (kvh * plan.group + g) * dim);
   }
   if (const auto r = cache.rotation(Tensor::values)) r->inverse(out);  // sum p Hv = H sum p v

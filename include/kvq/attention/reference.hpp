@@ -47,9 +47,11 @@ inline HeadTensors read_head(const BasicKVCache& cache, std::size_t layer, std::
 /// Causal attention of one head's queries over given keys and values.
 /// queries (T, d) at positions first_position + t; keys, values (n, d) with n > last position.
 /// Returns the output (T, d); `weights`, when given, receives the attention rows (T, n), zero
-/// outside each query's window.
+/// outside each query's window. `sink`: this head's sink logit (ScoreOptions::sink_logits; -inf:
+/// none).
 inline MatrixD attend(const MatrixD& queries, const MatrixD& keys, const MatrixD& values, std::size_t first_position,
-                      MatrixD* weights = nullptr, const ScoreOptions& rule = {}) {
+                      MatrixD* weights = nullptr, const ScoreOptions& rule = {},
+                      double sink = -std::numeric_limits<double>::infinity()) {
   const auto T = queries.rows();
   const auto n = keys.rows();
   const double scale = rule.scale ? double(*rule.scale) : 1.0 / std::sqrt(double(queries.cols()));
@@ -62,9 +64,9 @@ inline MatrixD attend(const MatrixD& queries, const MatrixD& keys, const MatrixD
     auto r = row.segment(first, visible);
     r = keys.middleRows(first, visible) * queries.row(t).transpose() * scale;
     if (rule.softcap) r = double(*rule.softcap) * (r.array() / double(*rule.softcap)).tanh();
-    const double top = r.maxCoeff();
+    const double top = std::max(r.maxCoeff(), sink);
     r = (r.array() - top).exp();
-    r /= r.sum();
+    r /= r.sum() + std::exp(sink - top);
     out.row(t) = r.transpose() * values.middleRows(first, visible);
     if (weights != nullptr) weights->row(t).segment(first, visible) = r.transpose();
   }
@@ -94,6 +96,7 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
     throw Error(ErrorCode::shape_mismatch, "attention: " + std::to_string(heads) +
                                                " query heads are not a multiple of " + std::to_string(s.kv_heads) +
                                                " KV heads");
+  check_sink_logits(rule, heads);
   const bool stored = new_keys_peak < 0.0f;
   if (stored &&
       (tokens > cache.length(layer) || first_position > cache.length(layer) - tokens))  // no sum that could wrap
@@ -177,7 +180,7 @@ inline void reference_attention_block(const BasicKVCache& cache, std::size_t lay
         if (cache.config().key_rope == KeyRope::pre) cache.rope().rotate(rotated.data(), first_position + t);
         for (std::size_t c = 0; c < dim; ++c) queries(t, c) = rotated[c];
       }
-      const MatrixD o = attend(queries, kv.keys, kv.values, first_position, nullptr, rule);
+      const MatrixD o = attend(queries, kv.keys, kv.values, first_position, nullptr, rule, detail::sink_logit(rule, h));
       for (std::size_t t = 0; t < tokens; ++t)
         for (std::size_t c = 0; c < dim; ++c) out[(t * heads + h) * dim + c] = float(o(t, c));
     }
@@ -222,7 +225,7 @@ inline void reference_prefill_attention(const BasicKVCache& cache, std::size_t l
     for (std::size_t h = kvh * group; h < (kvh + 1) * group; ++h) {
       MatrixD queries(tokens, dim);
       for (std::size_t t = 0; t < tokens; ++t) queries.row(t) = load(q, t, heads * dim, h, pre);
-      const MatrixD o = attend(queries, keys, values, first_position, nullptr, rule);
+      const MatrixD o = attend(queries, keys, values, first_position, nullptr, rule, detail::sink_logit(rule, h));
       for (std::size_t t = 0; t < tokens; ++t)
         for (std::size_t c = 0; c < dim; ++c) out[(t * heads + h) * dim + c] = float(o(t, c));
     }

@@ -1,20 +1,27 @@
 #pragma once
 // How query-key products become softmax logits, for every attention routine (the Eigen oracle,
-// decode_attention, attend): a scale, an optional sliding window and optional logit
-// soft-capping, as the models that need them define them.
+// decode_attention, attend): a scale, an optional sliding window or chunked local attention,
+// optional logit soft-capping and optional learned sink logits, as the models that need them
+// define them.
 //
 //   logit(q, k_j) = cap * tanh(scale * q.k_j / cap)   (without a cap: scale * q.k_j)
-//   a query at position p sees positions max(0, p - window + 1) .. p
+//   a query at position p sees positions max(0, p - window + 1) .. p, and with chunked
+//   attention from floor(p / chunk) * chunk only
+//   weights = softmax(logits, sink_h) without the sink's own column: out = sum_j w_j v_j
 //
-// The window is a mask on positions, so the planners apply it by cutting ranges and no kernel
-// sees it; the cap is applied to each tile's scores before its softmax (cap_scores).
+// The window and the chunks are masks on positions, so the planners apply them by cutting ranges
+// and no kernel sees them; the cap is applied to each tile's scores before its softmax (cap_scores); a sink adds
+// exp(sink_h) to query head h's denominator where the chunks' partial sums merge (decode.hpp's
+// merge_parts), so no kernel sees it either.
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <limits>
 #include <optional>
+#include <span>
 #include <string>
 
 #include "kvq/error.hpp"
@@ -23,12 +30,21 @@ namespace kvq::inline v0 {
 
 struct ScoreOptions {
   /// Multiplies q.k; unset: 1 / sqrt(head_dim). Gemma 2 uses 1 / sqrt(query_pre_attn_scalar).
-  std::optional<float> scale;
+  std::optional<float> scale{};
   /// Sliding-window attention (Mistral; Gemma 2's local layers): a query sees only the `window`
   /// newest positions up to its own. Unset: every position up to its own.
-  std::optional<std::size_t> window;
+  std::optional<std::size_t> window{};
+  /// Chunked local attention (Llama 4's local layers, attention_chunk_size 8192): positions fall
+  /// in blocks of `attention_chunk`, and a query sees only its own block up to its position.
+  /// Unset: no blocks. With a window too, a query sees what both allow.
+  std::optional<std::size_t> attention_chunk{};
   /// Logit soft-capping (Gemma 2: 50 for attention): logits become cap * tanh(logit / cap).
-  std::optional<float> softcap;
+  std::optional<float> softcap{};
+  /// Learned attention sinks (gpt-oss), not to be confused with the sink tokens a cache keeps
+  /// exact: empty, or one finite logit per query head, a softmax column that takes weight and
+  /// carries no value, so a head may attend to nothing. Not scaled or capped: the model's logit.
+  /// The caller keeps the array alive during the call.
+  std::span<const float> sink_logits{};
 };
 
 namespace detail {
@@ -39,6 +55,8 @@ inline void check_score_options(const ScoreOptions& o) {
                 "attention: softmax scale " + std::to_string(*o.scale) + " is not a finite positive number");
   if (o.window && *o.window == 0)
     throw Error(ErrorCode::invalid_argument, "attention: a sliding window of 0 positions lets a query see nothing");
+  if (o.attention_chunk && *o.attention_chunk == 0)
+    throw Error(ErrorCode::invalid_argument, "attention: chunks of 0 positions let a query see nothing");
   if (o.softcap && !(std::isfinite(*o.softcap) && *o.softcap > 0.0f))
     throw Error(ErrorCode::invalid_argument,
                 "attention: soft-cap " + std::to_string(*o.softcap) + " is not a finite positive number");
@@ -48,13 +66,32 @@ inline float score_scale(const ScoreOptions& o, std::size_t head_dim) noexcept {
   return o.scale ? *o.scale : 1.0f / std::sqrt(float(head_dim));
 }
 
-/// The first position a query at `position` sees.
+/// The first position a query at `position` sees; never decreasing in `position`, which the
+/// planners rely on (attend.hpp's positions every query of a request sees).
 inline std::size_t window_start(const ScoreOptions& o, std::size_t position) noexcept {
-  return o.window && position >= *o.window ? position - *o.window + 1 : 0;
+  const std::size_t window = o.window && position >= *o.window ? position - *o.window + 1 : 0;
+  return o.attention_chunk ? std::max(window, position / *o.attention_chunk * *o.attention_chunk) : window;
 }
 
 /// 0 when there is no cap: the kernels' DecodeTask::softcap.
 inline float softcap_or_zero(const ScoreOptions& o) noexcept { return o.softcap ? *o.softcap : 0.0f; }
+
+/// Query head h's sink logit; -inf, which weighs nothing, without sink logits.
+inline float sink_logit(const ScoreOptions& o, std::size_t h) noexcept {
+  return o.sink_logits.empty() ? -std::numeric_limits<float>::infinity() : o.sink_logits[h];
+}
+
+/// Throws unless the sink logits are absent or one finite logit for each of `heads` query heads.
+inline void check_sink_logits(const ScoreOptions& o, std::size_t heads) {
+  if (o.sink_logits.empty()) return;
+  if (o.sink_logits.size() != heads)
+    throw Error(ErrorCode::shape_mismatch, "attention: " + std::to_string(o.sink_logits.size()) + " sink logits for " +
+                                               std::to_string(heads) + " query heads");
+  for (std::size_t h = 0; h < heads; ++h)
+    if (!std::isfinite(o.sink_logits[h]))
+      throw Error(ErrorCode::invalid_argument, "attention: the sink logit of query head " + std::to_string(h) + " is " +
+                                                   std::to_string(o.sink_logits[h]));
+}
 
 }  // namespace detail
 
