@@ -9,6 +9,8 @@
 //       sliding window the first position the last query sees)
 //     exact part: query t also sees new tokens 0 .. t (full precision) or stored positions
 //       p0 + 1 .. p0 + t, and with a window the stored positions before S inside its own window
+//   a request that crosses an attention chunk boundary (ScoreOptions::attention_chunk) runs as
+//   one request per chunk: no query sees across the boundary, so S stays each part's own start
 //   work items (request, KV head, rows batch, context chunk) run on the executor; the parts
 //   merge in a fixed order, so results are bit-identical for every thread count.
 //
@@ -92,32 +94,85 @@ inline void check_request(const AttentionRequest& r, std::size_t index) {
       throw Error(ErrorCode::invalid_argument, which + "the output overlaps the " + what);
 }
 
+/// Every check attend() makes before it writes anything, with errors naming the request: each
+/// request's shapes, positions and values, and outputs overlapping inputs or each other.
+inline void check_requests(std::span<const AttentionRequest> requests, const DecodeOptions& options) {
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    const AttentionRequest& r = requests[i];
+    check_request(r, i);
+    try {
+      const float peak = r.new_keys.empty() ? -1.0f : largest_magnitude(r.new_keys.data(), r.new_keys.size());
+      check_attention_args(*r.cache, r.layer, r.first_position, r.tokens, r.queries, r.out.size(), peak,
+                           options.scores);
+    } catch (const Error& e) {
+      throw Error(e.code(), "attention request " + std::to_string(i) + ": " + e.message());
+    }
+  }
+  for (std::size_t i = 0; i < requests.size(); ++i)
+    for (std::size_t j = i + 1; j < requests.size(); ++j)
+      if (overlaps(std::span<const float>(requests[i].out.data(), requests[i].out.size()),
+                   std::span<const float>(requests[j].out.data(), requests[j].out.size())))
+        throw Error(ErrorCode::invalid_argument, "attention requests " + std::to_string(i) + " and " +
+                                                     std::to_string(j) + " write overlapping outputs");
+}
+
+/// The (checked) requests, each cut where its positions cross an attention chunk boundary
+/// (ScoreOptions::attention_chunk). No query sees across one, so each part is planned as a request
+/// of its own, and the stored positions before a boundary stay on the kernels for the queries
+/// before it, where one request would have sent them to its exact part for every query.
+inline std::vector<AttentionRequest> split_at_attention_chunks(std::span<const AttentionRequest> requests,
+                                                               const ScoreOptions& scores) {
+  std::vector<AttentionRequest> parts;
+  for (const AttentionRequest& r : requests) {
+    if (!scores.attention_chunk) {
+      parts.push_back(r);
+      continue;
+    }
+    const std::size_t chunk = *scores.attention_chunk, q_row = r.queries.size() / r.tokens,
+                      kv_row = r.new_keys.size() / r.tokens;
+    for (std::size_t t = 0; t < r.tokens;) {
+      const std::size_t p = r.first_position + t, n = std::min(r.tokens - t, chunk - p % chunk);
+      AttentionRequest part = r;
+      part.first_position = p;
+      part.tokens = n;
+      part.queries = r.queries.subspan(t * q_row, n * q_row);
+      part.out = r.out.subspan(t * q_row, n * q_row);
+      if (kv_row != 0) {
+        part.new_keys = r.new_keys.subspan(t * kv_row, n * kv_row);
+        part.new_values = r.new_values.subspan(t * kv_row, n * kv_row);
+      }
+      parts.push_back(part);
+      t += n;
+    }
+  }
+  return parts;
+}
+
 }  // namespace detail
 
 /// Attention for a batch of requests (see the top of this file); every output is written only
 /// after every request has been checked. Throws kvq::Error naming the request on bad shapes,
 /// positions the cache does not hold, NaN/Inf queries or new tokens, outputs overlapping inputs
 /// or each other, and queries whose scores would overflow float.
-inline void attend(std::span<const AttentionRequest> requests, const DecodeOptions& options = {}) {
+inline void attend(std::span<const AttentionRequest> original, const DecodeOptions& options = {}) {
   using kernels::attention::max_group;
+  detail::check_requests(original, options);
+  // One position without new tokens: decode_attention, bit for bit.
+  if (original.size() == 1 && original[0].tokens == 1 && original[0].new_keys.empty())
+    return decode_attention(*original[0].cache, original[0].layer, original[0].first_position, original[0].queries,
+                            original[0].out, options);
+
+  const std::vector<AttentionRequest> requests = detail::split_at_attention_chunks(original, options.scores);
   std::vector<detail::RequestPlan> plans(requests.size());
   std::size_t query_floats = 0, partial_floats = 0;
   for (std::size_t i = 0; i < requests.size(); ++i) {
     const AttentionRequest& r = requests[i];
-    detail::check_request(r, i);
     const BasicKVCache& cache = *r.cache;
     const std::size_t dim = cache.shape().head_dim, kv_heads = cache.shape().kv_heads;
     const bool fresh = !r.new_keys.empty();
     detail::RequestPlan& p = plans[i];
     p.request = &r;
     p.tokens = r.tokens;
-    try {
-      const float peak = fresh ? largest_magnitude(r.new_keys.data(), r.new_keys.size()) : -1.0f;
-      detail::check_attention_args(cache, r.layer, r.first_position, r.tokens, r.queries, r.out.size(), peak,
-                                   options.scores);
-    } catch (const Error& e) {
-      throw Error(e.code(), "attention request " + std::to_string(i) + ": " + e.message());
-    }
     p.heads = r.queries.size() / p.tokens / dim;
     p.group = p.heads / kv_heads;
     p.rows = p.tokens * p.group;
@@ -141,17 +196,6 @@ inline void attend(std::span<const AttentionRequest> requests, const DecodeOptio
     p.partial_offset = partial_floats;
     partial_floats += kv_heads * p.batches * (p.chunks + 1) * max_group * (dim + 2);
   }
-  for (std::size_t i = 0; i < requests.size(); ++i)
-    for (std::size_t j = i + 1; j < requests.size(); ++j)
-      if (detail::overlaps(std::span<const float>(requests[i].out.data(), requests[i].out.size()),
-                           std::span<const float>(requests[j].out.data(), requests[j].out.size())))
-        throw Error(ErrorCode::invalid_argument, "attention requests " + std::to_string(i) + " and " +
-                                                     std::to_string(j) + " write overlapping outputs");
-
-  // One position without new tokens: decode_attention, bit for bit.
-  if (requests.size() == 1 && plans[0].tokens == 1 && requests[0].new_keys.empty())
-    return decode_attention(*requests[0].cache, requests[0].layer, requests[0].first_position, requests[0].queries,
-                            requests[0].out, options);
 
   // The caller's scratch, captured by reference: tasks on other threads must not see their own.
   thread_local std::vector<float> queries_scratch, partial_scratch;

@@ -69,7 +69,7 @@ inline Tier kernel_tier(const BasicKVCache& cache, Tier requested) noexcept {
 
 struct DecodePlan {
   std::size_t dim = 0, heads = 0, group = 0, kv_heads = 0, tokens = 0, chunk = 0;
-  std::size_t first = 0;                    // the first position the query sees (sliding window)
+  std::size_t first = 0;                    // the first position the query sees (window, chunk)
   std::size_t first_chunk = 0, chunks = 0;  // the chunks covering [first, tokens)
 };
 
@@ -190,8 +190,8 @@ inline void merge_parts(const float* max, const float* sum, const float* acc, st
 /// Decode attention for one position: q, out (heads, head_dim); queries follow the cache's
 /// key_rope (pre-RoPE queries are rotated to `position` here). Query head h reads KV head
 /// h / (heads / kv_heads). Attends to positions [0, position], or those of them options.scores
-/// lets it see (a sliding window, its attention chunk). Throws kvq::Error on bad shapes or options, a layer outside the
-/// cache or a position the layer does not hold yet.
+/// lets it see (a sliding window, its attention chunk). Throws kvq::Error on bad shapes or
+/// options, a layer outside the cache or a position the layer does not hold yet.
 inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::size_t position,
                              std::span<const float> q, std::span<float> out, const DecodeOptions& options = {}) {
   const detail::DecodePlan plan = detail::plan_decode(cache, layer, position, q, out.size(), options);

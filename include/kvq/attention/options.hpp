@@ -50,8 +50,8 @@ struct DecodeOptions {
   /// any data. The scan costs 5-15% of an integer-tier step at 32K; an engine that knows its
   /// keys and values have no outlier scales may turn it off.
   bool guard_outliers = true;
-  /// Softmax scale, sliding window, logit soft-cap and learned sinks (scores.hpp); the defaults
-  /// are plain causal attention with scale 1 / sqrt(head_dim).
+  /// Softmax scale, sliding window, attention chunks, logit soft-cap and learned sink logits
+  /// (scores.hpp); the defaults are plain causal attention with scale 1 / sqrt(head_dim).
   ScoreOptions scores{};
 };
 

@@ -1,7 +1,8 @@
 #pragma once
 // Reference attention: the oracle every faster path is measured against. Plain Eigen in double:
 // dequantize, rotate keys (pre-RoPE storage), softmax(q k^T / sqrt(d)), weighted sum of values;
-// a softmax scale, sliding window and logit soft-cap as ScoreOptions (scores.hpp) defines them.
+// the score options (scale, sliding window, attention chunks, soft-cap, sink logits) as
+// ScoreOptions (scores.hpp) defines them.
 //
 // Queries follow the cache's key_rope: with KeyRope::pre they arrive pre-RoPE and are rotated
 // here at their position; with KeyRope::post the engine has rotated them already.

@@ -9,10 +9,10 @@
 //   attention from floor(p / chunk) * chunk only
 //   weights = softmax(logits, sink_h) without the sink's own column: out = sum_j w_j v_j
 //
-// The window and the chunks are masks on positions, so the planners apply them by cutting ranges
-// and no kernel sees them; the cap is applied to each tile's scores before its softmax (cap_scores); a sink adds
-// exp(sink_h) to query head h's denominator where the chunks' partial sums merge (decode.hpp's
-// merge_parts), so no kernel sees it either.
+// The window and the attention chunks are masks on positions, so the planners apply them by
+// cutting ranges and no kernel sees them; the cap is applied to each tile's scores before its
+// softmax (cap_scores); a sink adds exp(sink_h) to query head h's denominator where the context
+// chunks' partial states merge (decode.hpp's merge_parts), so no kernel sees it either.
 
 #include <Eigen/Core>
 
@@ -43,7 +43,8 @@ struct ScoreOptions {
   /// Learned attention sinks (gpt-oss), not to be confused with the sink tokens a cache keeps
   /// exact: empty, or one finite logit per query head, a softmax column that takes weight and
   /// carries no value, so a head may attend to nothing. Not scaled or capped: the model's logit.
-  /// The caller keeps the array alive during the call.
+  /// The caller keeps the array alive during the call; they are one layer's, so an attend() call
+  /// with sink logits takes requests of that layer (and its query head count) only.
   std::span<const float> sink_logits{};
 };
 

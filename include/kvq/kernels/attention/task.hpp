@@ -49,7 +49,8 @@ inline constexpr std::size_t max_tile = max_tile_tokens;
 inline constexpr std::size_t max_group = 64;
 
 /// Lane j's sign in an in-vector butterfly stage of distance 2^k (k < 4), for rotating key rows
-/// back (DecodeTask::unrotate) in vectors of up to 16 lanes: + where bit k of j is clear. A lane
+/// back (DecodeTask::unrotate) in vectors of up to 16 lanes, and (k = 0) for RoPE's adjacent
+/// pairs: + where bit k of j is clear. A lane
 /// computes x_j * sign + x_(j ^ 2^k): the sum (+) or the difference (-) of the pair, rounded as
 /// the scalar butterfly rounds it (x * -1 is exact).
 inline constexpr auto butterfly_lane_signs = [] {
