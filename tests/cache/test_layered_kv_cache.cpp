@@ -3,6 +3,8 @@
 // the per-layer text reads back as itself and names what is wrong.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -12,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvq/attention/decode.hpp"
 #include "kvq/cache/layered_kv_cache.hpp"
 
 namespace {
@@ -135,6 +138,64 @@ TEST(LayeredKVCache, ErrorsNameTheLayerAndChangeNothing) {
     FAIL() << "a group wider than the head was accepted";
   } catch (const kvq::Error& e) {
     EXPECT_NE(std::string(e.what()).find("layer 1"), std::string::npos) << e.what();
+  }
+}
+
+// A RoPE per layer (Gemma 3: theta 10,000 on local layers, 1,000,000 with linear scaling 8 on
+// global ones): each layer attends as a cache of its own RoPE, bit for bit, and layers of equal
+// RoPE share a table.
+TEST(LayeredKVCache, EachLayerRotatesAsItsOwnRope) {
+  const kvq::CacheShape base = shape(3);
+  kvq::RopeConfig local = base.rope(), global = base.rope();
+  global.theta = 1.0e6f;
+  global.scaling.type = kvq::RopeScalingType::linear;
+  global.scaling.factor = 8.0f;
+  const std::vector<kvq::RopeConfig> ropes = {local, global, local};
+  const std::vector<kvq::CacheConfig> configs(3, kvq::parse_cache_config("k4c32-v2t24-r16-s1"));  // pre-RoPE
+  kvq::LayeredKVCache layered(base, configs, ropes);
+  EXPECT_EQ(&layered.rope(0), &layered.rope(2));
+  EXPECT_NE(&layered.rope(0), &layered.rope(1));
+  EXPECT_EQ(layered.rope(1).config(), global);
+  EXPECT_EQ(layered.layer(1).shape().rope_theta, 1.0e6f);
+
+  std::mt19937 rng(9);
+  const std::size_t row = 2 * 24, length = 150, heads = 4;
+  const auto k = random_rows(length * row, rng), v = random_rows(length * row, rng);
+  const auto q = random_rows(heads * 24, rng);
+  std::vector<std::vector<float>> outputs;
+  for (std::size_t l = 0; l < 3; ++l) {
+    layered.append(l, 0, k, v);
+    kvq::CacheShape own = shape(1);
+    own.rope_theta = ropes[l].theta;
+    own.rope_scaling = ropes[l].scaling;
+    kvq::BasicKVCache alone(own, configs[l]);
+    alone.append(0, 0, k, v);
+    std::vector<float> got(q.size()), want(q.size());
+    kvq::decode_attention(layered.layer(l), 0, length - 1, q, got);
+    kvq::decode_attention(alone, 0, length - 1, q, want);
+    EXPECT_EQ(got, want) << "layer " << l;
+    outputs.push_back(got);
+  }
+  EXPECT_EQ(outputs[0], outputs[2]);
+  double moved = 0;  // the same tokens under the global RoPE attend elsewhere
+  for (std::size_t i = 0; i < q.size(); ++i) moved = std::max(moved, double(std::abs(outputs[1][i] - outputs[0][i])));
+  EXPECT_GT(moved, 1e-3);
+
+  // One RoPE short, one for another head_dim, one the RoPE refuses: errors name what and where.
+  EXPECT_THROW(kvq::LayeredKVCache(base, configs, std::span(ropes).first(2)), kvq::Error);
+  for (const auto& [broken, part] : {std::pair{std::size_t(1), "layer 1's RoPE is for head_dim 32"},
+                                     std::pair{std::size_t(2), "layer 2: RoPE theta"}}) {
+    std::vector<kvq::RopeConfig> bad = ropes;
+    if (broken == 1)
+      bad[1].head_dim = 32;
+    else
+      bad[2].theta = 0.5f;
+    try {
+      kvq::LayeredKVCache c(base, configs, bad);
+      ADD_FAILURE() << "accepted: " << part;
+    } catch (const kvq::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
   }
 }
 

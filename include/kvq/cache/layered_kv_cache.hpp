@@ -3,15 +3,17 @@
 // tolerate (kvq-eval --advise measures it), so a cache may keep more bits, a longer window or
 // no quantization at all in the layers that need it, and fewer bits elsewhere.
 //
-// Each layer is a one-layer BasicKVCache of its own configuration; all share one RoPE table.
-// Attention, metrics and save() take layer(l) with layer index 0, exactly as they take a
-// KVCache: a layer's bytes, and so its attention, are those of a KVCache of that configuration
-// that received the same tokens.
+// Each layer is a one-layer BasicKVCache of its own configuration; layers share one RoPE table,
+// or with a RoPE per layer (Gemma 3 rotates its local and global layers differently) one table
+// per distinct RoPE. Attention, metrics and save() take layer(l) with layer index 0, exactly as
+// they take a KVCache: a layer's bytes, and so its attention, are those of a KVCache of that
+// configuration and RoPE that received the same tokens.
 //
 // Per-layer configuration text (parse_layer_configs / to_string): the layers' configuration
 // strings in layer order, separated by ';', a run of equal layers written once as "<config>*<n>":
 //   "k8c32-v4t32-r32-s4;k4c32-v2t32-r32-s4*14;k16-v16-r0-s0"
 
+#include <algorithm>
 #include <cstddef>
 #include <memory>
 #include <span>
@@ -116,26 +118,59 @@ inline std::string to_string(std::span<const CacheConfig> configs) {
 
 class LayeredKVCache {
  public:
-  /// configs: one per layer of `shape` (shape.layers of them). Validates every layer's
-  /// configuration against the shape before anything is allocated.
-  LayeredKVCache(const CacheShape& shape, std::vector<CacheConfig> configs) : shape_(shape) {
+  /// configs: one per layer of `shape` (shape.layers of them), every layer rotated by the
+  /// shape's RoPE. Validates every layer's configuration against the shape before anything is
+  /// allocated.
+  LayeredKVCache(const CacheShape& shape, const std::vector<CacheConfig>& configs)
+      : LayeredKVCache(shape, configs, std::vector<RopeConfig>(std::min(shape.layers, configs.size()), shape.rope())) {}
+
+  /// As above with each layer's own RoPE, `ropes` (one per layer, for the shape's head_dim and
+  /// position_offset 0), in place of the shape's: Gemma 3 rotates its sliding-window layers with
+  /// theta 10,000 and its global layers with theta 1,000,000 and linear scaling 8. A layer
+  /// without RoPE (Llama 4's NoPE layers) takes a post-RoPE configuration instead, and unrotated
+  /// keys and queries. layer(l).shape() carries layer l's RoPE; layers of equal RoPE share a
+  /// table.
+  LayeredKVCache(const CacheShape& shape, const std::vector<CacheConfig>& configs, std::span<const RopeConfig> ropes)
+      : shape_(shape) {
     if (configs.size() != shape.layers)
       throw Error(ErrorCode::shape_mismatch, "layered cache: " + std::to_string(configs.size()) +
                                                  " configurations for " + std::to_string(shape.layers) + " layers");
+    if (ropes.size() != shape.layers)
+      throw Error(ErrorCode::shape_mismatch, "layered cache: " + std::to_string(ropes.size()) +
+                                                 " RoPE configurations for " + std::to_string(shape.layers) +
+                                                 " layers");
     if (configs.empty()) throw Error(ErrorCode::invalid_argument, "layered cache: the shape needs at least one layer");
-    CacheShape one = shape;
-    one.layers = 1;
+    std::vector<CacheShape> shapes(configs.size(), shape);
     for (std::size_t l = 0; l < configs.size(); ++l) {
+      const RopeConfig& r = ropes[l];
+      if (r.head_dim != shape.head_dim || r.position_offset != 0)
+        throw Error(ErrorCode::shape_mismatch,
+                    "layered cache: layer " + std::to_string(l) + "'s RoPE is for head_dim " +
+                        std::to_string(r.head_dim) + " at offset " + std::to_string(r.position_offset) +
+                        ", not the shape's head_dim " + std::to_string(shape.head_dim) + " at offset 0");
+      CacheShape& one = shapes[l];
+      one.layers = 1;
+      one.rope_style = r.style;
+      one.rope_theta = r.theta;
+      one.rope_dims = r.rotary_dims;
+      one.rope_scaling = r.scaling;
       try {
         validate(one, configs[l]);
       } catch (const Error& e) {
         throw Error(e.code(), relabel(e.message(), l));
       }
     }
-    const auto rope = std::make_shared<const RopeTable>(shape.rope(), shape.capacity);
+    std::vector<std::shared_ptr<const RopeTable>> tables;
     layers_.reserve(configs.size());
-    for (const CacheConfig& c : configs) layers_.emplace_back(one, c, nullptr, rope);
+    for (std::size_t l = 0; l < configs.size(); ++l) {
+      auto same =
+          std::find_if(tables.begin(), tables.end(), [&](const auto& t) { return t->config() == shapes[l].rope(); });
+      if (same == tables.end())
+        same = tables.insert(tables.end(), std::make_shared<const RopeTable>(shapes[l].rope(), shape.capacity));
+      layers_.emplace_back(shapes[l], configs[l], nullptr, *same);
+    }
   }
+
   /// Every layer with the same configuration.
   LayeredKVCache(const CacheShape& shape, const CacheConfig& config)
       : LayeredKVCache(shape, std::vector<CacheConfig>(shape.layers, config)) {}
@@ -148,7 +183,10 @@ class LayeredKVCache {
     for (const BasicKVCache& c : layers_) out.push_back(c.config());
     return out;
   }
+  /// Layer 0's RoPE table: every layer's unless the cache was built with a RoPE per layer.
   const RopeTable& rope() const noexcept { return layers_.front().rope(); }
+  /// Layer `layer`'s RoPE table.
+  const RopeTable& rope(std::size_t layer) const { return at(layer, "rope").rope(); }
 
   /// Layer `layer` as a one-layer cache: attention and metrics read it with layer index 0.
   const BasicKVCache& layer(std::size_t layer) const { return at(layer, "layer"); }

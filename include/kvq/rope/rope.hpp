@@ -82,6 +82,7 @@ struct RopeConfig {
   RopeScaling scaling{};
 
   std::size_t dims() const noexcept { return rotary_dims == 0 ? head_dim : rotary_dims; }
+  bool operator==(const RopeConfig&) const = default;
 };
 
 inline void validate(const RopeConfig& config) {
