@@ -223,6 +223,41 @@ TEST(Attend, BatchesAreBitIdenticalToSingleRequestsAndDecode) {
   }
 }
 
+// A block of stored positions crossing two attention-chunk boundaries runs as its three parts:
+// in a batch beside a request that crosses none, on two threads and in both tiers, its output is
+// bit for bit that of the parts given as requests of their own (a block planned whole would read
+// the positions before a boundary in its exact part, and round them otherwise).
+TEST(Attend, RequestsCrossingAttentionChunksRunAsTheirParts) {
+  const BasicKVCache cache = filled("k4c32-v2t32-r20-s3", 2, 64, 533, 41, 64);
+  const std::size_t heads = 6, row = heads * 64;
+  const auto q = kvq::test::normal_vector(37 * row, 42, 0.4f), other = kvq::test::normal_vector(3 * row, 43, 0.4f);
+  const kvq::ScoreOptions rule{.attention_chunk = 16};  // 200 .. 236: parts 200-207, 208-223, 224-236
+  for (const Tier tier : {Tier::exact, Tier::integer}) {
+    std::vector<float> whole(q.size()), parts(q.size()), beside(other.size()), alone(other.size());
+    const AttentionRequest batch[] = {
+        {.cache = &cache, .layer = 1, .first_position = 200, .tokens = 37, .queries = q, .out = whole},
+        {.cache = &cache, .layer = 0, .first_position = 500, .tokens = 3, .queries = other, .out = beside},
+    };
+    kvq::ThreadPool threads(2);
+    kvq::attend(batch, {.tier = tier, .chunk_tokens = 64, .executor = &threads, .scores = rule});
+    std::vector<AttentionRequest> split;
+    for (const auto& [first, tokens] : {std::pair{200u, 8u}, std::pair{208u, 16u}, std::pair{224u, 13u}})
+      split.push_back({.cache = &cache,
+                       .layer = 1,
+                       .first_position = first,
+                       .tokens = tokens,
+                       .queries = std::span(q).subspan((first - 200) * row, tokens * row),
+                       .out = std::span(parts).subspan((first - 200) * row, tokens * row)});
+    split.push_back({.cache = &cache, .layer = 0, .first_position = 500, .tokens = 3, .queries = other, .out = alone});
+    kvq::attend(split, {.tier = tier, .chunk_tokens = 64, .scores = rule});
+    EXPECT_EQ(whole, parts) << kvq::to_string(tier);
+    EXPECT_EQ(beside, alone) << kvq::to_string(tier);
+    std::vector<float> oracle(q.size());
+    kvq::reference_attention_block(cache, 1, 200, 37, q, oracle, rule);
+    EXPECT_LT(relative_error(whole, oracle), tier == Tier::exact ? 1e-5 : 2.5e-2) << kvq::to_string(tier);
+  }
+}
+
 // A softmax scale, sliding windows (shorter than a chunk, a block, the request; reaching into
 // the sink tokens or not), chunked local attention (a boundary inside the stored block and inside
 // the prefill chunk), logit soft-capping and learned sink logits, against the oracle applying the

@@ -182,7 +182,16 @@ TEST(LayeredKVCache, EachLayerRotatesAsItsOwnRope) {
   EXPECT_GT(moved, 1e-3);
 
   // One RoPE short, one for another head_dim, one the RoPE refuses: errors name what and where.
-  EXPECT_THROW(kvq::LayeredKVCache(base, configs, std::span(ropes).first(2)), kvq::Error);
+  try {
+    kvq::LayeredKVCache c(base, configs, std::span(ropes).first(2));
+    ADD_FAILURE() << "accepted 2 RoPE configurations for 3 layers";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::shape_mismatch);
+    EXPECT_NE(std::string(e.what()).find("2 RoPE configurations for 3 layers"), std::string::npos) << e.what();
+  }
+  const kvq::LayeredKVCache shared(base, configs);  // one RoPE: one table for every layer
+  EXPECT_EQ(&shared.rope(), &shared.rope(0));
+  EXPECT_EQ(&shared.rope(0), &shared.rope(2));
   for (const auto& [broken, part] : {std::pair{std::size_t(1), "layer 1's RoPE is for head_dim 32"},
                                      std::pair{std::size_t(2), "layer 2: RoPE theta"}}) {
     std::vector<kvq::RopeConfig> bad = ropes;

@@ -128,8 +128,8 @@ class LayeredKVCache {
   /// position_offset 0), in place of the shape's: Gemma 3 rotates its sliding-window layers with
   /// theta 10,000 and its global layers with theta 1,000,000 and linear scaling 8. A layer
   /// without RoPE (Llama 4's NoPE layers) takes a post-RoPE configuration instead, and unrotated
-  /// keys and queries. layer(l).shape() carries layer l's RoPE; layers of equal RoPE share a
-  /// table.
+  /// keys and queries (any valid RoPE here: its table goes unread; erase() refuses post-RoPE
+  /// layers). layer(l).shape() carries layer l's RoPE; layers of equal RoPE share a table.
   LayeredKVCache(const CacheShape& shape, const std::vector<CacheConfig>& configs, std::span<const RopeConfig> ropes)
       : shape_(shape) {
     if (configs.size() != shape.layers)
@@ -175,6 +175,7 @@ class LayeredKVCache {
   LayeredKVCache(const CacheShape& shape, const CacheConfig& config)
       : LayeredKVCache(shape, std::vector<CacheConfig>(shape.layers, config)) {}
 
+  /// The shape as given; with a RoPE per layer, layer(l).shape() has layer l's RoPE fields.
   const CacheShape& shape() const noexcept { return shape_; }
   std::size_t layers() const noexcept { return layers_.size(); }
   const CacheConfig& config(std::size_t layer) const { return at(layer, "config").config(); }
