@@ -116,20 +116,16 @@ inline void check_requests(std::span<const AttentionRequest> requests, const Dec
                                                      std::to_string(j) + " write overlapping outputs");
 }
 
-/// The (checked) requests, each cut where its positions cross an attention chunk boundary
-/// (ScoreOptions::attention_chunk). No query sees across one, so each part is planned as a request
-/// of its own, and the stored positions before a boundary stay on the kernels for the queries
-/// before it, where one request would have sent them to its exact part for every query.
+/// The (checked) requests, each cut where its positions cross a boundary of attention chunks of
+/// `chunk` positions (ScoreOptions::attention_chunk). No query sees across one, so each part is
+/// planned as a request of its own, and the stored positions before a boundary stay on the kernels
+/// for the queries before it, where one request would have sent them to its exact part for every
+/// query.
 inline std::vector<AttentionRequest> split_at_attention_chunks(std::span<const AttentionRequest> requests,
-                                                               const ScoreOptions& scores) {
+                                                               std::size_t chunk) {
   std::vector<AttentionRequest> parts;
   for (const AttentionRequest& r : requests) {
-    if (!scores.attention_chunk) {
-      parts.push_back(r);
-      continue;
-    }
-    const std::size_t chunk = *scores.attention_chunk, q_row = r.queries.size() / r.tokens,
-                      kv_row = r.new_keys.size() / r.tokens;
+    const std::size_t q_row = r.queries.size() / r.tokens, kv_row = r.new_keys.size() / r.tokens;
     for (std::size_t t = 0; t < r.tokens;) {
       const std::size_t p = r.first_position + t, n = std::min(r.tokens - t, chunk - p % chunk);
       AttentionRequest part = r;
@@ -162,7 +158,11 @@ inline void attend(std::span<const AttentionRequest> original, const DecodeOptio
     return decode_attention(*original[0].cache, original[0].layer, original[0].first_position, original[0].queries,
                             original[0].out, options);
 
-  const std::vector<AttentionRequest> requests = detail::split_at_attention_chunks(original, options.scores);
+  std::vector<AttentionRequest> cut;  // without attention chunks the requests run as given
+  if (options.scores.attention_chunk)
+    cut = detail::split_at_attention_chunks(original, *options.scores.attention_chunk);
+  const std::span<const AttentionRequest> requests =
+      options.scores.attention_chunk ? std::span<const AttentionRequest>(cut) : original;
   std::vector<detail::RequestPlan> plans(requests.size());
   std::size_t query_floats = 0, partial_floats = 0;
   for (std::size_t i = 0; i < requests.size(); ++i) {
