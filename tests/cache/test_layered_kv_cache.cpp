@@ -9,13 +9,16 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <sstream>
 #include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "kvq/attention/decode.hpp"
+#include "kvq/attention/reference.hpp"
 #include "kvq/cache/layered_kv_cache.hpp"
+#include "kvq/cache/serialize.hpp"
 
 namespace {
 
@@ -206,6 +209,90 @@ TEST(LayeredKVCache, EachLayerRotatesAsItsOwnRope) {
       EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
     }
   }
+}
+
+// A layer without RoPE (Llama 4's NoPE layers): RopeStyle::none and keys stored as given (-post).
+// Its keys carry no position, so erase() shifts it with the rotated layers (a post-RoPE layer of
+// a rotating RoPE still refuses): every later row moves down unchanged, and attention over it
+// stays on the oracle. Stored pre-RoPE it is refused by name; its table rotates nothing; a cache
+// file keeps the style.
+TEST(LayeredKVCache, LayersWithoutRopeShiftWithTheOthers) {
+  const kvq::CacheShape base = shape(3);
+  const kvq::RopeConfig rotated = base.rope(), none{.head_dim = base.head_dim, .style = kvq::RopeStyle::none};
+  const std::vector<kvq::RopeConfig> ropes = {rotated, none, rotated};
+  const kvq::CacheConfig pre = kvq::parse_cache_config("k4c32-v2t24-r16-s1"),
+                         post = kvq::parse_cache_config("k4c32-v2t24-r16-s1-post");
+  kvq::LayeredKVCache layered(base, {pre, post, pre}, ropes);
+  EXPECT_EQ(layered.rope(1).pairs(), 0u);
+  std::mt19937 rng(13);
+  const std::size_t row = 2 * 24, length = 170, first = 33, count = 64, heads = 4;
+  const auto k = random_rows(length * row, rng), v = random_rows(length * row, rng);
+  for (std::size_t l = 0; l < 3; ++l) layered.append(l, 0, k, v);
+  auto rows = [&](const kvq::BasicKVCache& c) {
+    std::vector<float> all(2 * 2 * c.length(0) * 24);
+    float* out = all.data();
+    for (const kvq::Tensor t : {kvq::Tensor::keys, kvq::Tensor::values})
+      for (std::size_t h = 0; h < 2; ++h)
+        for (std::size_t p = 0; p < c.length(0); ++p, out += 24) c.read_row(t, 0, h, p, out);
+    return all;
+  };
+  const std::vector<float> before = rows(layered.layer(1));
+  layered.erase(first, count);
+  ASSERT_EQ(layered.length(1), length - count);
+  const std::vector<float> after = rows(layered.layer(1));
+  for (std::size_t block = 0; block < 4; ++block)  // per tensor and head: the rows kept, in order
+    for (std::size_t p = 0; p < length - count; ++p)
+      for (std::size_t c = 0; c < 24; ++c) {
+        const std::size_t from = p < first ? p : p + count;
+        ASSERT_EQ(after[(block * (length - count) + p) * 24 + c], before[(block * length + from) * 24 + c])
+            << "tensor/head " << block << " position " << p;
+      }
+  const auto q = random_rows(heads * 24, rng);
+  for (const std::size_t l : {0u, 1u}) {
+    std::vector<float> got(q.size()), oracle(q.size());
+    kvq::decode_attention(layered.layer(l), 0, length - count - 1, q, got);
+    kvq::reference_attention(layered.layer(l), 0, length - count - 1, q, oracle);
+    double worst = 0, scale = 0;
+    for (std::size_t i = 0; i < q.size(); ++i)
+      worst = std::max(worst, double(std::abs(got[i] - oracle[i]))),
+      scale = std::max(scale, double(std::abs(oracle[i])));
+    EXPECT_LT(worst, 1e-5 * std::max(scale, 1.0)) << "layer " << l;
+  }
+
+  // A rotating RoPE with post-RoPE keys still refuses; nothing moves.
+  kvq::LayeredKVCache rotated_post(base, {pre, post, pre});
+  for (std::size_t l = 0; l < 3; ++l) rotated_post.append(l, 0, k, v);
+  try {
+    rotated_post.erase(first, count);
+    ADD_FAILURE() << "a post-RoPE layer of a rotating RoPE shifted";
+  } catch (const kvq::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("post-RoPE"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(rotated_post.length(0), length);
+
+  // Pre-RoPE keys under no RoPE are refused; a none RoPE takes no rotary dims or scaling.
+  try {
+    kvq::LayeredKVCache c(base, {pre, pre, pre}, ropes);
+    ADD_FAILURE() << "pre-RoPE keys without RoPE accepted";
+  } catch (const kvq::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 1: cache config k4c32-v2t24-r16-s1 stores keys pre-RoPE"),
+              std::string::npos)
+        << e.what();
+  }
+  kvq::RopeConfig bad = none;
+  bad.rotary_dims = 8;
+  EXPECT_THROW(kvq::RopeTable(bad, 16), kvq::Error);
+
+  // The table rotates nothing; a cache file keeps the style.
+  std::vector<float> x(24, 1.5f), y = x;
+  layered.rope(1).rotate(y.data(), 77);
+  EXPECT_EQ(x, y);
+  std::stringstream file;
+  kvq::save(layered.layer(1), file);
+  const kvq::BasicKVCache loaded = kvq::load(file);
+  EXPECT_EQ(loaded.shape().rope_style, kvq::RopeStyle::none);
+  EXPECT_EQ(loaded.stored_bytes(), layered.layer(1).stored_bytes());
 }
 
 TEST(LayerConfigs, TextReadsBackAndNamesWhatIsWrong) {

@@ -2,7 +2,8 @@
 // succeeds, after which the target reads back and attends like any cache, or throws kvq::Error
 // and leaves the target exactly as it was; nothing may crash, leak or hit undefined behaviour.
 // The seeds are a cache file, a pool file and a one-sequence file of a pool with a configuration
-// per layer, of the shapes below (partial, scaled RoPE).
+// per layer, of the shapes below (partial, scaled RoPE), the last two in pool format version 1
+// (still read), and a pool file of a pool with a RoPE per layer (version 2).
 #include <cstddef>
 #include <cstdint>
 #include <sstream>
@@ -42,6 +43,14 @@ const kvq::CacheConfig& config() {
 const std::vector<kvq::CacheConfig>& layer_configs() {
   static const std::vector<kvq::CacheConfig> c = kvq::parse_layer_configs("k4c8-v2t8-r4-s1-d6;k2c8-v4t8-r4-s0-d6", 2);
   return c;
+}
+
+/// A RoPE per layer: layer 1 rotated otherwise, so each layer is a group of its own.
+std::vector<kvq::RopeConfig> layer_ropes() {
+  kvq::RopeConfig global = pool_shape().sequence_shape().rope();
+  global.theta = 5.0e5f, global.rotary_dims = 16;
+  global.scaling = {.type = kvq::RopeScalingType::linear, .factor = 4.0f};
+  return {pool_shape().sequence_shape().rope(), global};
 }
 
 /// Reads every row and attends at the newest position of every layer, as an engine would.
@@ -97,6 +106,13 @@ int main(int, char** argv) {
   std::ostringstream session(std::ios::binary);
   layered.save_sequence(b, session);
   std::ofstream(std::string(argv[1]) + "/layers.kvq", std::ios::binary) << session.str();
+  kvq::KVPool rotated(pool_shape(), std::vector<kvq::CacheConfig>(2, config()), layer_ropes());
+  const kvq::SequenceId c = rotated.add_sequence();
+  for (std::size_t l = 0; l < 2; ++l) rotated.append(c, l, 0, k, v);
+  (void)rotated.fork(c, 86);
+  std::ostringstream ropes(std::ios::binary);
+  rotated.save(ropes);
+  std::ofstream(std::string(argv[1]) + "/ropes.kvq", std::ios::binary) << ropes.str();
 }
 #else
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -139,6 +155,19 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
     for (kvq::SequenceId id = 0; id < 8; ++id)
       if (layered.contains(id)) layered.remove_sequence(id);
+  }
+  // A pool with a RoPE per layer.
+  kvq::KVPool rotated(pool_shape(), std::vector<kvq::CacheConfig>(2, config()), layer_ropes());
+  try {
+    std::istringstream in(bytes, std::ios::binary);
+    rotated.load(in);
+    for (kvq::SequenceId id = 0; id < 8; ++id)
+      if (rotated.contains(id))
+        for (std::size_t l = 0; l < 2; ++l) use(rotated.layer(id, l).cache);
+  } catch (const kvq::Error&) {
+    if (rotated.sequence_count() != 0 || rotated.blocks(0).counts().in_use != 0 ||
+        rotated.blocks(1).counts().in_use != 0)
+      __builtin_trap();
   }
   return 0;
 }

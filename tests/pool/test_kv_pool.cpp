@@ -1274,6 +1274,148 @@ TEST(KVPoolPerLayer, PoolAndSequenceFilesKeepEveryLayer) {
   kvq::test::expect_same_state(uniform.sequence(uniform.load_sequence(cache_in)), uniform.sequence(s), "cache file");
 }
 
+// A RoPE per layer (Gemma 3: theta 10,000 on its local layers, 1,000,000 with linear scaling 8 on
+// its global ones): layers of one configuration and RoPE form a group; each layer holds and
+// attends as a cache of its configuration and RoPE, rotated by its own table, through forks and
+// rollbacks; pool and session files keep each layer's RoPE, and a pool rotated otherwise refuses
+// them by layer, as it refuses version 1 files (one RoPE for every layer) that do not fit it.
+TEST(KVPoolPerLayer, EachLayerRotatesAsItsOwnRope) {
+  const PoolShape shape = per_layer_pool();
+  const kvq::RopeConfig local = shape.sequence_shape().rope();
+  kvq::RopeConfig global = local;
+  global.theta = 1.0e6f;
+  global.scaling.type = kvq::RopeScalingType::linear;
+  global.scaling.factor = 8.0f;
+  const std::vector<kvq::RopeConfig> ropes = {local, global, local, local};
+  const CacheConfig pre = config_of("k4c32-v2t32-r20-s3");
+  const std::vector<CacheConfig> configs = {pre, pre, pre, config_of("k2c16-v4t32-r0-s0")};
+  KVPool pool(shape, configs, ropes);
+  EXPECT_FALSE(pool.uniform());
+  EXPECT_EQ(&pool.rope(0), &pool.rope());
+  EXPECT_EQ(&pool.rope(0), &pool.rope(2));
+  EXPECT_EQ(&pool.rope(0), &pool.rope(3)) << "one table per RoPE, whatever the configuration";
+  EXPECT_EQ(pool.rope(1).config(), global);
+  EXPECT_EQ(&pool.blocks(0), &pool.blocks(2));
+  EXPECT_NE(&pool.blocks(0), &pool.blocks(1)) << "one configuration, two RoPEs: two groups";
+
+  const PoolModel model = fill_pool(pool, 200, 41);
+  const std::size_t heads = shape.kv_heads * 2;
+  const auto q = kvq::test::normal_vector(heads * shape.head_dim, 5, 0.3f);
+  auto attend = [&](const BasicKVCache& cache, std::size_t layer, kvq::Tier tier) {
+    std::vector<float> out(q.size());
+    kvq::decode_attention(cache, layer, cache.length(layer) - 1, q, out, {.tier = tier});
+    return out;
+  };
+  for (const auto& [id, tokens] : model) {
+    std::vector<std::vector<float>> outputs;
+    for (std::size_t l = 0; l < 4; ++l) {
+      const KVPool::LayerView v = pool.layer(id, l);
+      CacheShape own = shape.sequence_shape();  // the layer's RoPE, set here and not read from the pool
+      own.layers = 1;
+      own.rope_theta = ropes[l].theta;
+      own.rope_scaling = ropes[l].scaling;
+      EXPECT_EQ(&v.cache.rope(), &pool.rope(l));
+      EXPECT_EQ(v.cache.shape().rope_theta, ropes[l].theta);
+      const BasicKVCache alone = fresh_cache(own, configs[l], tokens);
+      for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer})
+        EXPECT_EQ(attend(v.cache, v.layer, tier), attend(alone, 0, tier))
+            << "sequence " << id << " layer " << l << " tier " << int(tier);
+      outputs.push_back(attend(v.cache, v.layer, kvq::Tier::exact));
+    }
+    EXPECT_EQ(outputs[0], outputs[2]) << "sequence " << id;
+    double moved = 0;  // the same tokens under the global RoPE attend elsewhere
+    for (std::size_t i = 0; i < q.size(); ++i) moved = std::max(moved, double(std::abs(outputs[1][i] - outputs[0][i])));
+    EXPECT_GT(moved, 1e-3) << "sequence " << id;
+  }
+
+  // Pool and session files keep each layer's RoPE.
+  const std::string bytes = saved_pool(pool);
+  KVPool copy(shape, configs, ropes);
+  load_pool(copy, bytes);
+  for (const auto& [id, tokens] : model) expect_same_layers(copy, id, pool, id, "sequence " + std::to_string(id));
+  EXPECT_TRUE(saved_pool(copy) == bytes);
+  std::stringstream session;
+  pool.save_sequence(model.begin()->first, session);
+  const std::string session_bytes = session.str();
+  const SequenceId restored = copy.load_sequence(session);
+  expect_same_layers(copy, restored, pool, model.begin()->first, "session file");
+
+  // A pool rotated otherwise refuses them, naming the layer; nothing changes.
+  auto expect_refused = [&](KVPool& target, const std::string& file, bool whole, const std::string& needle) {
+    expect_load_refused(
+        target,
+        [&] {
+          std::istringstream in(file, std::ios::binary);
+          if (whole)
+            target.load(in);
+          else
+            (void)target.load_sequence(in);
+        },
+        kvq::ErrorCode::shape_mismatch, needle);
+  };
+  KVPool one_rope(shape, configs);
+  const std::string layer1 = "kvq pool file rotates layer 1 by RoPE adjacent_pairs theta 1000000";
+  expect_refused(one_rope, bytes, true, layer1);
+  expect_refused(one_rope, session_bytes, false, layer1);
+  std::vector<kvq::RopeConfig> other = ropes;
+  other[3] = global;
+  KVPool other_ropes(shape, configs, other);
+  expect_refused(other_ropes, bytes, true, "layer 3 by RoPE adjacent_pairs theta 10000");
+
+  // Version 1 (no "ropes" section): every layer rotated by the header's RoPE.
+  KVPool uniform(shape, configs);
+  (void)fill_pool(uniform, 130, 43);
+  const std::string v2 = saved_pool(uniform);
+  const auto sections = kvq::test::file_sections(v2);
+  ASSERT_EQ(kvq::test::section_tag(v2, sections[1].first), kvq::detail::tag_ropes);
+  std::string v1 = v2.substr(0, sections[1].first) + v2.substr(sections[2].first);
+  v1[8] = 1;
+  KVPool from_v1(shape, configs);
+  load_pool(from_v1, v1);
+  for (std::size_t id = 0; id < 8; ++id)
+    if (uniform.contains(id)) expect_same_layers(from_v1, id, uniform, id, "version 1, sequence " + std::to_string(id));
+  EXPECT_TRUE(saved_pool(from_v1) == v2) << "saved again as version 2";
+  KVPool rotated(shape, configs, ropes);
+  expect_refused(rotated, v1, true,
+                 "rotates layer 1 by RoPE adjacent_pairs theta 10000.000000; this pool's layer 1 by RoPE "
+                 "adjacent_pairs theta 1000000");
+
+  // Every layer rotated one way, other than the shape's: a uniform pool, whose sequences are
+  // caches of that RoPE, cache files included.
+  KVPool all_global(shape, std::vector<CacheConfig>(4, pre), std::vector<kvq::RopeConfig>(4, global));
+  EXPECT_TRUE(all_global.uniform());
+  Tokens t;
+  const SequenceId g = add_tokens(all_global, t, 150, 47);
+  EXPECT_EQ(all_global.sequence(g).shape().rope_theta, 1.0e6f);
+  std::stringstream cache_file;
+  kvq::save(all_global.sequence(g), cache_file);
+  kvq::test::expect_same_state(all_global.sequence(all_global.load_sequence(cache_file)), all_global.sequence(g),
+                               "cache file of a pool rotated otherwise than its shape");
+
+  // Bad RoPE lists are named.
+  for (const auto& [broken, part] :
+       {std::pair{0, "pool: 3 RoPE configurations for 4 layers"},
+        std::pair{1, "pool: layer 1's RoPE is for head_dim 32"}, std::pair{2, "pool, layer 2: RoPE theta"}}) {
+    std::vector<kvq::RopeConfig> bad = ropes;
+    if (broken == 0) bad.pop_back();
+    if (broken == 1) bad[1].head_dim = 32;
+    if (broken == 2) bad[2].theta = 0.5f;
+    try {
+      KVPool p(shape, configs, bad);
+      ADD_FAILURE() << "accepted: " << part;
+    } catch (const kvq::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  }
+  try {
+    (void)pool.sequence(0);
+    ADD_FAILURE() << "sequence() of a pool with a RoPE per layer";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::unsupported);
+    EXPECT_NE(std::string(e.what()).find("differ in configuration or RoPE"), std::string::npos) << e.what();
+  }
+}
+
 TEST(KVPool, BadArgumentsAreNamed) {
   const CacheConfig config = config_of("k4c32-v2t32-r16-s1");
   PoolShape shape = small_pool();

@@ -109,11 +109,13 @@ inline void validate(const CacheShape& shape, const CacheConfig& config) {
     throw Error(ErrorCode::invalid_argument, "cache shape: head_dim must be in 1.." + std::to_string(max_head_dim) +
                                                  ", got " + std::to_string(shape.head_dim));
   check_limit(shape.capacity, max_capacity, "cache shape: capacity");
-  if (shape.rope_style != RopeStyle::adjacent_pairs && shape.rope_style != RopeStyle::half_split)
-    throw Error(ErrorCode::invalid_argument,
-                "cache shape: rope_style " + std::to_string(int(shape.rope_style)) + " is not a RopeStyle");
   validate(shape.rope());
   validate(config);
+  if (shape.rope_style == RopeStyle::none && config.key_rope == KeyRope::pre)
+    throw Error(ErrorCode::invalid_argument,
+                "cache config " + to_string(config) +
+                    " stores keys pre-RoPE, but the shape's rope_style is none (a layer without RoPE): its keys "
+                    "are stored as given, with -post");
   if (config.quantize_keys) validate(config.key, shape.head_dim, "key quantizer");
   if (config.quantize_values) validate(config.value, shape.head_dim, "value quantizer");
   const std::size_t unit = block_unit(config);
@@ -371,7 +373,8 @@ class BasicKVCache {
   /// Context shift: drops positions [first, first + count) from every layer and moves the later
   /// tokens down by count, e.g. to keep the sinks and the recent past when a conversation outgrows
   /// the capacity. Moved keys must be stored pre-RoPE (KeyRope::pre): their bytes do not depend on
-  /// the position, and attention rotates them at the new one, so nothing is re-quantized. Packed
+  /// the position, and attention rotates them at the new one, so nothing is re-quantized (or
+  /// carry no position: a layer without RoPE, rope_style none). Packed
   /// groups move whole: in a stream quantized per channel (group G), a range that reaches into the
   /// quantized positions must start at sinks + a multiple of G, and one that moves quantized
   /// groups must span a multiple of G. Positions quantized before the shift stay quantized.
@@ -1010,7 +1013,7 @@ class BasicKVCache {
                                                   " positions, not a multiple of their " + std::to_string(g));
       }
     }
-    if (moves && config_.key_rope == KeyRope::post)
+    if (moves && config_.key_rope == KeyRope::post && shape_.rope_style != RopeStyle::none)
       throw Error(ErrorCode::unsupported, range +
                                               ": keys are stored post-RoPE and would keep their old positions' "
                                               "rotation; a cache that shifts its context stores keys pre-RoPE");

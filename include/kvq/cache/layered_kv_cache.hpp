@@ -55,6 +55,30 @@ inline std::string rename_layers(const std::string& message, std::span<const std
   }
   return out + message.substr(i);
 }
+
+/// `shape` with `rope` in place of its RoPE fields: a layer's own RoPE (LayeredKVCache, KVPool),
+/// which must be for the shape's head_dim at position offset 0 (`who` and `layer` name it).
+inline CacheShape with_rope(CacheShape shape, const RopeConfig& rope, const std::string& who, std::size_t layer) {
+  if (rope.head_dim != shape.head_dim || rope.position_offset != 0)
+    throw Error(ErrorCode::shape_mismatch, who + ": layer " + std::to_string(layer) + "'s RoPE is for head_dim " +
+                                               std::to_string(rope.head_dim) + " at offset " +
+                                               std::to_string(rope.position_offset) + ", not the shape's head_dim " +
+                                               std::to_string(shape.head_dim) + " at offset 0");
+  shape.rope_style = rope.style;
+  shape.rope_theta = rope.theta;
+  shape.rope_dims = rope.rotary_dims;
+  shape.rope_scaling = rope.scaling;
+  return shape;
+}
+
+/// The table of `rope` for `positions` among `tables`, made and added when none is: layers of
+/// one RoPE share a table.
+inline std::shared_ptr<const RopeTable> shared_table(std::vector<std::shared_ptr<const RopeTable>>& tables,
+                                                     const RopeConfig& rope, std::size_t positions) {
+  for (const auto& t : tables)
+    if (t->config() == rope) return t;
+  return tables.emplace_back(std::make_shared<const RopeTable>(rope, positions));
+}
 }  // namespace detail
 
 /// "a;b*3;c" -> {a, b, b, b, c}. Throws kvq::Error (invalid_argument) naming the item that is
@@ -127,9 +151,9 @@ class LayeredKVCache {
   /// As above with each layer's own RoPE, `ropes` (one per layer, for the shape's head_dim and
   /// position_offset 0), in place of the shape's: Gemma 3 rotates its sliding-window layers with
   /// theta 10,000 and its global layers with theta 1,000,000 and linear scaling 8. A layer
-  /// without RoPE (Llama 4's NoPE layers) takes a post-RoPE configuration instead, and unrotated
-  /// keys and queries (any valid RoPE here: its table goes unread; erase() refuses post-RoPE
-  /// layers). layer(l).shape() carries layer l's RoPE; layers of equal RoPE share a table.
+  /// without RoPE (Llama 4's NoPE layers) takes RopeConfig{.style = RopeStyle::none} and a
+  /// post-RoPE configuration: its keys and queries are used as given, and erase() shifts it with
+  /// the others. layer(l).shape() carries layer l's RoPE; layers of equal RoPE share a table.
   LayeredKVCache(const CacheShape& shape, const std::vector<CacheConfig>& configs, std::span<const RopeConfig> ropes)
       : shape_(shape) {
     if (configs.size() != shape.layers)
@@ -140,20 +164,10 @@ class LayeredKVCache {
                                                  " RoPE configurations for " + std::to_string(shape.layers) +
                                                  " layers");
     if (configs.empty()) throw Error(ErrorCode::invalid_argument, "layered cache: the shape needs at least one layer");
-    std::vector<CacheShape> shapes(configs.size(), shape);
+    std::vector<CacheShape> shapes;
     for (std::size_t l = 0; l < configs.size(); ++l) {
-      const RopeConfig& r = ropes[l];
-      if (r.head_dim != shape.head_dim || r.position_offset != 0)
-        throw Error(ErrorCode::shape_mismatch,
-                    "layered cache: layer " + std::to_string(l) + "'s RoPE is for head_dim " +
-                        std::to_string(r.head_dim) + " at offset " + std::to_string(r.position_offset) +
-                        ", not the shape's head_dim " + std::to_string(shape.head_dim) + " at offset 0");
-      CacheShape& one = shapes[l];
+      CacheShape& one = shapes.emplace_back(detail::with_rope(shape, ropes[l], "layered cache", l));
       one.layers = 1;
-      one.rope_style = r.style;
-      one.rope_theta = r.theta;
-      one.rope_dims = r.rotary_dims;
-      one.rope_scaling = r.scaling;
       try {
         validate(one, configs[l]);
       } catch (const Error& e) {
@@ -162,13 +176,9 @@ class LayeredKVCache {
     }
     std::vector<std::shared_ptr<const RopeTable>> tables;
     layers_.reserve(configs.size());
-    for (std::size_t l = 0; l < configs.size(); ++l) {
-      auto same =
-          std::find_if(tables.begin(), tables.end(), [&](const auto& t) { return t->config() == shapes[l].rope(); });
-      if (same == tables.end())
-        same = tables.insert(tables.end(), std::make_shared<const RopeTable>(shapes[l].rope(), shape.capacity));
-      layers_.emplace_back(shapes[l], configs[l], nullptr, *same);
-    }
+    for (std::size_t l = 0; l < configs.size(); ++l)
+      layers_.emplace_back(shapes[l], configs[l], nullptr,
+                           detail::shared_table(tables, shapes[l].rope(), shape.capacity));
   }
 
   /// Every layer with the same configuration.

@@ -65,8 +65,9 @@ inline constexpr std::uint32_t tag_header = 0x44414548, tag_table = 0x4C424154,
                                tag_layer = 0x5259414C;  // "HEAD" "TABL" "LAYR"
 // A pool file (kv_pool.hpp): its own magic and version, the same header, blocks and own rows.
 inline constexpr char pool_file_magic[8] = {'K', 'V', 'Q', '_', 'P', 'O', 'O', 'L'};
-inline constexpr std::uint32_t pool_file_version = 1;
-inline constexpr std::uint32_t tag_block = 0x4B4F4C42, tag_own = 0x524E574F;  // "BLOK" "OWNR"
+inline constexpr std::uint32_t pool_file_version = 2;                         // 1 is still read
+inline constexpr std::uint32_t tag_block = 0x4B4F4C42, tag_own = 0x524E574F,  // "BLOK" "OWNR"
+    tag_ropes = 0x45504F52;                                                   // "ROPE"
 inline constexpr std::size_t max_config_text = 256;
 inline constexpr std::size_t max_layer_config_text = std::size_t(1) << 18;  // a pool's text per layer
 // The header's fixed fields: kvq version, shape, RoPE style and theta, config text length; and
@@ -547,9 +548,9 @@ class PayloadReader {
     return x;
   }
   std::size_t remaining() const noexcept { return bytes_.size() - at_; }
+  [[noreturn]] void fail(const std::string& why) const { file_.fail(section_, start_, why); }
   void bytes(void* dest, std::size_t n) {
-    if (n > bytes_.size() - at_)
-      file_.fail(section_, start_, "its fields run past its " + std::to_string(bytes_.size()) + " bytes");
+    if (n > bytes_.size() - at_) fail("its fields run past its " + std::to_string(bytes_.size()) + " bytes");
     if (n != 0) std::memcpy(dest, bytes_.data() + at_, n);  // dest may be null then (an empty vector's data)
     at_ += n;
   }
@@ -610,13 +611,14 @@ inline void write_preamble(std::ostream& out, const char (&magic)[8], std::uint3
   out.write(reinterpret_cast<const char*>(&byte_order_marker), 4);
 }
 
-/// The header section (format version 2) of a cache of `s` configured `config`.
-inline void write_header(std::ostream& out, const CacheShape& s, const std::string& config) {
+/// Bytes of the RoPE fields write_rope writes.
+inline std::uint64_t rope_bytes(const CacheShape& s) {
+  return 4 + 4 + rope_extension_bytes + 4 * s.rope_scaling.frequency_divisors.size();
+}
+
+/// The RoPE of `s` as a header (format version 2) holds it: style, theta, rotary dims, scaling.
+inline void write_rope(SectionWriter& w, const CacheShape& s) {
   const RopeScaling& r = s.rope_scaling;
-  SectionWriter w(out, tag_header,
-                  header_fixed_bytes + rope_extension_bytes + 4 * r.frequency_divisors.size() + config.size());
-  for (const int v : {version_major, version_minor, version_patch}) w.put_value(std::uint32_t(v));
-  for (const std::size_t v : {s.layers, s.kv_heads, s.head_dim, s.capacity}) w.put_value(std::uint64_t(v));
   w.put_value(std::uint32_t(s.rope_style));
   w.put_value(s.rope_theta);
   w.put_value(std::uint64_t(s.rope().dims()));
@@ -627,6 +629,50 @@ inline void write_header(std::ostream& out, const CacheShape& s, const std::stri
     w.put_value(x);
   w.put_value(std::uint32_t(r.frequency_divisors.size()));
   w.put(r.frequency_divisors.data(), 4 * r.frequency_divisors.size());
+}
+
+/// Reads what write_rope wrote (format version 1: the style and theta only, every channel
+/// rotated, no scaling) into the RoPE fields of `s`, whose head_dim is set, and validates it.
+inline void read_rope(PayloadReader& in, std::uint32_t version, CacheShape& s) {
+  const auto style = in.value<std::uint32_t>();
+  s.rope_theta = in.value<float>();
+  std::uint64_t dims = s.head_dim;
+  s.rope_scaling = RopeScaling{};
+  if (version >= 2) {
+    dims = in.value<std::uint64_t>();
+    RopeScaling& scaling = s.rope_scaling;
+    const auto type = in.value<std::uint32_t>();
+    if (type > std::uint32_t(RopeScalingType::yarn)) in.fail("unknown RoPE scaling type " + std::to_string(type));
+    scaling.type = RopeScalingType(type);
+    scaling.factor = in.value<float>();
+    const auto context = in.value<std::uint64_t>();
+    for (float* x : {&scaling.low_freq_factor, &scaling.high_freq_factor, &scaling.beta_fast, &scaling.beta_slow,
+                     &scaling.attention_factor})
+      *x = in.value<float>();
+    const auto divisors = in.value<std::uint32_t>();
+    if (divisors > max_frequency_divisors || context > std::numeric_limits<std::size_t>::max())
+      in.fail("implausible RoPE scaling (" + std::to_string(divisors) + " frequency divisors)");
+    scaling.original_context = std::size_t(context);
+    scaling.frequency_divisors.resize(divisors);
+    in.bytes(scaling.frequency_divisors.data(), 4 * std::size_t(divisors));
+  }
+  if (style > std::uint32_t(RopeStyle::none)) in.fail("unknown RoPE style " + std::to_string(style));
+  if (dims > std::numeric_limits<std::size_t>::max()) in.fail("a shape field exceeds this machine's size_t");
+  s.rope_style = RopeStyle(style);
+  s.rope_dims = dims == s.head_dim ? 0 : std::size_t(dims);
+  try {
+    validate(s.rope());
+  } catch (const Error& e) {
+    in.fail(std::string("the RoPE it records is invalid: ") + e.what());
+  }
+}
+
+/// The header section (format version 2) of a cache of `s` configured `config`.
+inline void write_header(std::ostream& out, const CacheShape& s, const std::string& config) {
+  SectionWriter w(out, tag_header, header_fixed_bytes - 8 + rope_bytes(s) + config.size());
+  for (const int v : {version_major, version_minor, version_patch}) w.put_value(std::uint32_t(v));
+  for (const std::size_t v : {s.layers, s.kv_heads, s.head_dim, s.capacity}) w.put_value(std::uint64_t(v));
+  write_rope(w, s);
   w.put_value(std::uint32_t(config.size()));
   w.put(config.data(), config.size());
   w.finish();
@@ -644,58 +690,22 @@ inline FileHeader read_header(FileReader& file, std::uint32_t version, ConfigTex
   for (int i = 0; i < 3; ++i) (void)in.value<std::uint32_t>();  // the writing kvq's version: for people, not checked
   const auto layers = in.value<std::uint64_t>(), heads = in.value<std::uint64_t>(), dim = in.value<std::uint64_t>(),
              capacity = in.value<std::uint64_t>();
-  const auto style = in.value<std::uint32_t>();
-  const auto theta = in.value<float>();
-  std::uint64_t rope_dims = dim;  // version 1: every channel rotated, no scaling
-  RopeScaling scaling;
-  if (version >= 2) {
-    rope_dims = in.value<std::uint64_t>();
-    const auto type = in.value<std::uint32_t>();
-    if (type > std::uint32_t(RopeScalingType::yarn))
-      file.fail("header", start, "unknown RoPE scaling type " + std::to_string(type));
-    scaling.type = RopeScalingType(type);
-    scaling.factor = in.value<float>();
-    const auto context = in.value<std::uint64_t>();
-    for (float* x : {&scaling.low_freq_factor, &scaling.high_freq_factor, &scaling.beta_fast, &scaling.beta_slow,
-                     &scaling.attention_factor})
-      *x = in.value<float>();
-    const auto divisors = in.value<std::uint32_t>();
-    if (divisors > max_frequency_divisors || context > std::numeric_limits<std::size_t>::max())
-      file.fail("header", start, "implausible RoPE scaling (" + std::to_string(divisors) + " frequency divisors)");
-    scaling.original_context = std::size_t(context);
-    scaling.frequency_divisors.resize(divisors);
-    in.bytes(scaling.frequency_divisors.data(), 4 * std::size_t(divisors));
-  }
+  constexpr std::uint64_t most = std::numeric_limits<std::size_t>::max();
+  if (layers > most || heads > most || dim > most || capacity > most)
+    in.fail("a shape field exceeds this machine's size_t");
+  h.shape = CacheShape{std::size_t(layers), std::size_t(heads), std::size_t(dim), std::size_t(capacity)};
+  read_rope(in, version, h.shape);
   const auto n = in.value<std::uint32_t>();
-  if (n != in.remaining())
-    file.fail("header", start, "configuration text of " + std::to_string(n) + " bytes does not fill the section");
+  if (n != in.remaining()) in.fail("configuration text of " + std::to_string(n) + " bytes does not fill the section");
   h.config_text.resize(n);
   in.bytes(h.config_text.data(), n);
-  if (style > std::uint32_t(RopeStyle::half_split))
-    file.fail("header", start, "unknown RoPE style " + std::to_string(style));
-  constexpr std::uint64_t most = std::numeric_limits<std::size_t>::max();
-  if (layers > most || heads > most || dim > most || capacity > most || rope_dims > most)
-    file.fail("header", start, "a shape field exceeds this machine's size_t");
-  h.shape = CacheShape{std::size_t(layers),
-                       std::size_t(heads),
-                       std::size_t(dim),
-                       std::size_t(capacity),
-                       RopeStyle(style),
-                       theta,
-                       rope_dims == dim ? 0 : std::size_t(rope_dims),
-                       std::move(scaling)};
-  try {
-    validate(h.shape.rope());
-  } catch (const Error& e) {
-    file.fail("header", start, std::string("the RoPE it records is invalid: ") + e.what());
-  }
   try {
     if (text == ConfigText::one)
       h.config = parse_cache_config(h.config_text);
     else
       (void)parse_layer_configs(h.config_text);
   } catch (const Error& e) {
-    file.fail("header", start, std::string("configuration is unreadable: ") + e.what());
+    in.fail(std::string("configuration is unreadable: ") + e.what());
   }
   return h;
 }
@@ -732,10 +742,9 @@ inline bool has_rope_extension(const CacheShape& s) {
   return s.rope().dims() != s.head_dim || s.rope_scaling != RopeScaling{};
 }
 
-inline std::string describe(const CacheShape& s) {
-  return std::to_string(s.layers) + " layers x " + std::to_string(s.kv_heads) + " KV heads x head_dim " +
-         std::to_string(s.head_dim) + ", capacity " + std::to_string(s.capacity) + ", RoPE " + to_string(s.rope_style) +
-         " theta " + std::to_string(s.rope_theta) +
+/// The RoPE fields of `s` for people: "adjacent_pairs theta 10000.000000, ...".
+inline std::string describe_rope(const CacheShape& s) {
+  return std::string(to_string(s.rope_style)) + " theta " + std::to_string(s.rope_theta) +
          (has_rope_extension(s)
               ? ", rotary dims " + std::to_string(s.rope().dims()) + ", " + to_string(s.rope_scaling.type) +
                     " scaling factor " + std::to_string(s.rope_scaling.factor) +
@@ -743,6 +752,11 @@ inline std::string describe(const CacheShape& s) {
                          ? std::string()
                          : ", " + std::to_string(s.rope_scaling.frequency_divisors.size()) + " frequency divisors")
               : std::string());
+}
+
+inline std::string describe(const CacheShape& s) {
+  return std::to_string(s.layers) + " layers x " + std::to_string(s.kv_heads) + " KV heads x head_dim " +
+         std::to_string(s.head_dim) + ", capacity " + std::to_string(s.capacity) + ", RoPE " + describe_rope(s);
 }
 
 inline bool same_shape(const CacheShape& a, const CacheShape& b) {

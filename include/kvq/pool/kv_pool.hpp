@@ -14,16 +14,17 @@
 //   block_hashes / share_prefixes       -> find and share a common prompt prefix across sequences
 //
 // Memory is committed as sequences reach new positions (in slabs of about 2 MiB of blocks), up
-// to the pool's limit of blocks; every sequence shares one RoPE table. fork(id, length) shares
+// to the pool's limit of blocks; every sequence shares the RoPE tables. fork(id, length) shares
 // the parent's blocks by reference count and copies only its own rows (sinks, ring, rollback
 // copies): a block is copied only when a sequence holding a shared one writes to it, so a shared
 // prompt costs its packed bytes once. A sequence's bytes do not depend on how its tokens
 // arrived, so attention over a pool sequence is bit-identical to attention over a KVCache of the
 // same shape, configuration and block length that received the same tokens.
 //
-// A pool may hold a configuration per layer (kvq-eval --advise chooses one): the layers of one
-// configuration share a block store, and a sequence is one cache per such group. Truncate and
-// erase check, and copy the shared blocks they write to, in every group before changing any.
+// A pool may hold a configuration per layer (kvq-eval --advise chooses one) and a RoPE per layer
+// (Gemma 3 rotates its local and global layers differently): the layers of one configuration and
+// RoPE form a group with a block store, and a sequence is one cache per group. Truncate and erase
+// check, and copy the shared blocks they write to, in every group before changing any.
 //
 // Thread safety: const operations may run concurrently with each other and with append,
 // truncate and erase of other sequences; append, truncate and erase of different sequences may
@@ -31,11 +32,12 @@
 // load and share_prefixes wait for the operations in flight and run alone. Two operations on one
 // sequence need the caller's synchronisation.
 //
-// Pool file (format version 1), in the writer's byte order and with the sections of a cache file
+// Pool file (format version 2), in the writer's byte order and with the sections of a cache file
 // (serialize.hpp: u32 tag | u64 size | payload | u32 CRC-32C):
 //   "KVQ_POOL"  u32 format version  u32 byte-order marker 0x01020304
 //   section "header": as a cache file's (version 2) for sequence_shape(): shape, RoPE, and the
 //                     configuration text: one configuration, or one per layer (parse_layer_configs)
+//   section "ropes":  per layer, its RoPE as the header holds one (style, theta, extension)
 //   section "table":  u64 block_tokens, memory_blocks, next sequence id, sequences S, blocks N |
 //                     per sequence: u64 id | per layer: its cache-file table entry, u64 n, n u64
 //                     indices of the blocks it refers to (position order)
@@ -44,7 +46,8 @@
 //   per sequence, per layer, a section "own rows": its sinks, ring and rollback rows (as in a
 //                     cache file's layer section, without what lives in blocks)
 // Shared prefixes stay shared: after load, sequences refer to one copy of each block as they did,
-// and memory().used and .shared are what they were when saved.
+// and memory().used and .shared are what they were when saved. Version 1 files (no "ropes": every
+// layer rotated by the header's RoPE) are still read.
 
 #include <algorithm>
 #include <cstddef>
@@ -80,7 +83,7 @@ struct PoolShape {
   std::size_t layers = 1;
   std::size_t kv_heads = 1;
   std::size_t head_dim = 128;
-  std::size_t max_tokens = 4096;  // longest sequence: the shared RoPE table covers these positions
+  std::size_t max_tokens = 4096;  // longest sequence: the RoPE tables cover these positions
   // Positions per block, a multiple of block_unit(config): memory is committed and shared in
   // these steps, and decode attention sets up once per block (256: 1.04x to 1.15x the time of
   // one block per step at 32K; bench/RESULTS.md).
@@ -144,52 +147,67 @@ class KVPool {
   KVPool(const PoolShape& shape, const CacheConfig& config)
       : KVPool(shape, std::vector<CacheConfig>(shape.layers, config)) {}
 
-  /// A configuration per layer (parse_layer_configs; kvq-eval --advise prints one). Layers of one
-  /// configuration share a block store; shape.memory_blocks is split between the stores by their
-  /// share of the layers (every layer of a sequence holds the same number of blocks), and
+  /// A configuration per layer (parse_layer_configs; kvq-eval --advise prints one), every layer
+  /// rotated by the shape's RoPE.
+  KVPool(const PoolShape& shape, const std::vector<CacheConfig>& configs)
+      : KVPool(shape, configs, std::vector<RopeConfig>(shape.layers, shape.sequence_shape().rope())) {}
+
+  /// As above with each layer's own RoPE, `ropes` (one per layer, for the shape's head_dim and
+  /// position_offset 0; see LayeredKVCache for layers without RoPE). Layers of one configuration
+  /// and RoPE form a group with a block store; shape.memory_blocks is split between the stores by
+  /// their share of the layers (every layer of a sequence holds the same number of blocks), and
   /// block_tokens must be a multiple of every configuration's block_unit.
-  KVPool(const PoolShape& shape, const std::vector<CacheConfig>& configs) : shape_(shape) {
+  KVPool(const PoolShape& shape, const std::vector<CacheConfig>& configs, std::span<const RopeConfig> ropes)
+      : shape_(shape) {
     if (configs.size() != shape.layers)
       throw Error(ErrorCode::shape_mismatch, "pool: " + std::to_string(configs.size()) + " configurations for " +
+                                                 std::to_string(shape.layers) + " layers");
+    if (ropes.size() != shape.layers)
+      throw Error(ErrorCode::shape_mismatch, "pool: " + std::to_string(ropes.size()) + " RoPE configurations for " +
                                                  std::to_string(shape.layers) + " layers");
     if (shape.layers == 0) throw Error(ErrorCode::invalid_argument, "pool shape needs at least one layer");
     check_limit(shape.memory_blocks, BlockStore::max_blocks_limit, "pool shape: memory_blocks");
     if (shape.block_tokens == 0)
       throw Error(ErrorCode::invalid_argument,
                   "pool shape: block_tokens must be a positive multiple of " + std::to_string(block_unit(configs[0])));
-    const CacheShape cache = shape.sequence_shape();  // validated with each configuration below
+    const CacheShape cache = shape.sequence_shape();  // its RoPE is what pool files' headers record
+    try {
+      validate(cache.rope());
+    } catch (const Error& e) {
+      throw Error(e.code(), "pool shape: " + e.message());
+    }
     where_.resize(shape.layers);
     for (std::size_t l = 0; l < shape.layers; ++l) {
       const CacheConfig& config = configs[l];
-      const std::string where = "pool, layer " + std::to_string(l) + ": ";
+      const CacheShape own = detail::with_rope(cache, ropes[l], "pool", l);
       try {
-        validate(cache, config);
+        validate(own, config);
       } catch (const Error& e) {
-        throw Error(e.code(), where + e.message());
+        throw Error(e.code(), "pool, layer " + std::to_string(l) + ": " + e.message());
       }
       std::size_t g = 0;
-      while (g < groups_.size() && !(groups_[g].config == config)) ++g;
-      if (g == groups_.size()) groups_.push_back(LayerGroup{config, {}, 0, nullptr});
+      while (g < groups_.size() && !(groups_[g].config == config && groups_[g].shape.rope() == own.rope())) ++g;
+      if (g == groups_.size()) groups_.push_back(LayerGroup{config, own, {}, 0, nullptr, nullptr});
       where_[l] = {g, groups_[g].layers.size()};
       groups_[g].layers.push_back(l);
     }
+    std::vector<std::shared_ptr<const RopeTable>> tables;
     for (LayerGroup& group : groups_) {
-      CacheShape one = cache;
-      one.layers = group.layers.size();
-      group.block_bytes = BasicKVCache::block_bytes(one, group.config);
+      group.shape.layers = group.layers.size();
+      group.block_bytes = BasicKVCache::block_bytes(group.shape, group.config);
       const std::size_t share =
           checked_mul(shape.memory_blocks, group.layers.size(), "pool shape: memory_blocks x layers");
       const std::size_t blocks = share / shape.layers + (share % shape.layers != 0);
       group.store = std::make_shared<BlockStore>(group.block_bytes, blocks);
+      group.rope = detail::shared_table(tables, group.shape.rope(), shape.max_tokens);
     }
-    rope_ = std::make_shared<const RopeTable>(cache.rope(), shape.max_tokens);
   }
   KVPool(const KVPool&) = delete;
   KVPool& operator=(const KVPool&) = delete;
 
   const PoolShape& shape() const noexcept { return shape_; }
-  /// True when every layer has one configuration: sequence(id), config(), block_bytes() and
-  /// blocks() need that, and load_sequence reads cache files only then.
+  /// True when every layer has one configuration and one RoPE: sequence(id), config(),
+  /// block_bytes() and blocks() need that, and load_sequence reads cache files only then.
   bool uniform() const noexcept { return groups_.size() == 1; }
   const CacheConfig& config() const { return uniform_group("config()").config; }
   const CacheConfig& config(std::size_t layer) const { return groups_[locate(layer, "config").group].config; }
@@ -202,15 +220,17 @@ class KVPool {
   std::size_t block_bytes() const { return uniform_group("block_bytes()").block_bytes; }
   std::size_t block_bytes(std::size_t layer) const { return groups_[locate(layer, "block_bytes").group].block_bytes; }
   const BlockStore& blocks() const { return *uniform_group("blocks()").store; }
-  /// The store holding `layer`'s blocks (shared with the layers of the same configuration).
+  /// The store holding `layer`'s blocks (shared with the layers of the same configuration and RoPE).
   const BlockStore& blocks(std::size_t layer) const { return *groups_[locate(layer, "blocks").group].store; }
-  const RopeTable& rope() const noexcept { return *rope_; }
+  /// Layer 0's RoPE table: every layer's unless the pool was built with a RoPE per layer.
+  const RopeTable& rope() const noexcept { return *groups_[where_[0].group].rope; }
+  /// Layer `layer`'s RoPE table (shared by the layers of one RoPE).
+  const RopeTable& rope(std::size_t layer) const { return *groups_[locate(layer, "rope").group].rope; }
 
   /// A new, empty sequence. Its own rows (sinks, ring, rollback copies) are allocated now.
   SequenceId add_sequence() {
     Sequence seq;
-    for (std::size_t g = 0; g < groups_.size(); ++g)
-      seq.push_back(std::make_unique<BasicKVCache>(group_shape(g), groups_[g].config, groups_[g].store, rope_));
+    for (std::size_t g = 0; g < groups_.size(); ++g) seq.push_back(empty_cache(g));
     std::unique_lock lock(mutex_);
     return insert(std::move(seq));
   }
@@ -436,12 +456,14 @@ class KVPool {
   }
 
  private:
-  /// Layers of one configuration: one block store, and one cache per sequence holding them.
+  /// Layers of one configuration and RoPE: one block store, and one cache per sequence holding them.
   struct LayerGroup {
     CacheConfig config;
+    CacheShape shape;                 // a sequence's cache of the group: its layers, their RoPE
     std::vector<std::size_t> layers;  // the pool's layer indices, ascending
     std::size_t block_bytes = 0;
     std::shared_ptr<BlockStore> store;
+    std::shared_ptr<const RopeTable> rope;
   };
   /// Where a pool layer lives: its group, and its index in that group's caches.
   struct Place {
@@ -450,10 +472,9 @@ class KVPool {
   /// A sequence: one cache per layer group (a uniform pool's sequence is one cache).
   using Sequence = std::vector<std::unique_ptr<BasicKVCache>>;
 
-  CacheShape group_shape(std::size_t g) const {
-    CacheShape s = shape_.sequence_shape();
-    s.layers = groups_[g].layers.size();
-    return s;
+  /// A new, empty cache of group g's layers, over its store and RoPE table.
+  std::unique_ptr<BasicKVCache> empty_cache(std::size_t g) const {
+    return std::make_unique<BasicKVCache>(groups_[g].shape, groups_[g].config, groups_[g].store, groups_[g].rope);
   }
 
   Place locate(std::size_t layer, const char* operation) const {
@@ -466,7 +487,7 @@ class KVPool {
   const LayerGroup& uniform_group(const char* operation) const {
     if (groups_.size() != 1)
       throw Error(ErrorCode::unsupported,
-                  std::string("pool ") + operation + ": this pool has a configuration per layer (" +
+                  std::string("pool ") + operation + ": this pool's layers differ in configuration or RoPE (" +
                       to_string(std::span<const CacheConfig>(configs())) + "); read its layers through layer(id, l)");
     return groups_[0];
   }
@@ -557,6 +578,13 @@ class KVPool {
     detail::write_preamble(out, detail::pool_file_magic, detail::pool_file_version);
     detail::write_header(out, shape_.sequence_shape(), config_text());
     {
+      std::uint64_t bytes = 0;
+      for (std::size_t l = 0; l < shape_.layers; ++l) bytes += detail::rope_bytes(groups_[where_[l].group].shape);
+      detail::SectionWriter w(out, detail::tag_ropes, bytes);
+      for (std::size_t l = 0; l < shape_.layers; ++l) detail::write_rope(w, groups_[where_[l].group].shape);
+      w.finish();
+    }
+    {
       detail::SectionWriter w(out, detail::tag_table, table_bytes);
       for (const std::size_t v :
            {shape_.block_tokens, shape_.memory_blocks, std::size_t(next_id), seqs.size(), blocks.size()})
@@ -601,9 +629,10 @@ class KVPool {
   /// on any error every block taken is let go of. Blocks are read straight into their stores.
   LoadedPool read_pool_file(detail::FileReader& file) const {
     using Access = detail::CacheAccess;
-    (void)detail::read_version(file, detail::pool_file_version);  // version 1 is the only one yet
+    const std::uint32_t version = detail::read_version(file, detail::pool_file_version);
     const detail::FileHeader h = detail::read_header(file, 2, detail::ConfigText::per_layer);
-    expect_header(h, "kvq pool file holds a pool");
+    expect_header(h, shape_.sequence_shape(), "kvq pool file holds a pool");
+    expect_ropes(file, version, h.shape);
 
     // The table: every sequence's layer states and block references, checked before any block is taken.
     const std::uint64_t table_start = file.offset();
@@ -621,8 +650,7 @@ class KVPool {
     if (count > t.remaining() / entry)
       file.fail("table", table_start, std::to_string(count) + " sequences do not fit the section");
     std::vector<std::unique_ptr<BasicKVCache>> layouts;  // the layouts every sequence has, per group
-    for (std::size_t g = 0; g < groups_.size(); ++g)
-      layouts.push_back(std::make_unique<BasicKVCache>(group_shape(g), groups_[g].config, groups_[g].store, rope_));
+    for (std::size_t g = 0; g < groups_.size(); ++g) layouts.push_back(empty_cache(g));
     struct Saved {
       SequenceId id;
       std::vector<Access::LayerState> states;  // per pool layer
@@ -702,8 +730,7 @@ class KVPool {
     Access::CheckedPieces checked;  // what check_section has read of the blocks
     for (const Saved& q : saved) {
       Sequence seq;
-      for (std::size_t g = 0; g < groups_.size(); ++g)
-        seq.push_back(std::make_unique<BasicKVCache>(group_shape(g), groups_[g].config, groups_[g].store, rope_));
+      for (std::size_t g = 0; g < groups_.size(); ++g) seq.push_back(empty_cache(g));
       std::vector<std::vector<std::uint8_t>> payloads(shape_.layers);
       std::vector<std::uint64_t> section_at(shape_.layers);  // where each layer's own section starts
       for (std::size_t l = 0; l < shape_.layers; ++l) {
@@ -743,9 +770,9 @@ class KVPool {
   }
 
   /// Throws shape_mismatch unless a file's header (`holds`: what the file holds, for the message)
-  /// names this pool's sequence shape and configuration text.
-  void expect_header(const detail::FileHeader& h, const std::string& holds) const {
-    const CacheShape mine = shape_.sequence_shape();
+  /// names `mine` (the pool's sequence shape, or a uniform pool's cache shape) and this pool's
+  /// configuration text.
+  void expect_header(const detail::FileHeader& h, const CacheShape& mine, const std::string& holds) const {
     if (!detail::same_shape(h.shape, mine))
       throw Error(ErrorCode::shape_mismatch,
                   holds + " of " + detail::describe(h.shape) + "; this pool's sequences are " + detail::describe(mine));
@@ -754,11 +781,35 @@ class KVPool {
                   holds + " configured '" + h.config_text + "'; this pool is configured '" + text + "'");
   }
 
+  /// Throws shape_mismatch unless every layer of a pool file (of format `version`, its header
+  /// `saved`) is rotated as this pool's layer is; reads the "ropes" section of version 2.
+  void expect_ropes(detail::FileReader& file, std::uint32_t version, const CacheShape& saved) const {
+    const std::uint64_t start = file.offset(), least = detail::rope_bytes(CacheShape{});
+    const std::vector<std::uint8_t> payload =
+        version >= 2 ? file.section(detail::tag_ropes, shape_.layers * least,
+                                    shape_.layers * (least + 4 * detail::max_frequency_divisors), "ropes")
+                     : std::vector<std::uint8_t>();
+    detail::PayloadReader in(payload, file, "ropes", start);
+    for (std::size_t l = 0; l < shape_.layers; ++l) {
+      const CacheShape& mine = groups_[where_[l].group].shape;
+      CacheShape theirs = mine;
+      if (version >= 2)
+        detail::read_rope(in, version, theirs);
+      else
+        theirs = detail::with_rope(mine, saved.rope(), "kvq pool file", l);
+      if (!detail::same_shape(theirs, mine))
+        throw Error(ErrorCode::shape_mismatch, "kvq pool file rotates layer " + std::to_string(l) + " by RoPE " +
+                                                   detail::describe_rope(theirs) + "; this pool's layer " +
+                                                   std::to_string(l) + " by RoPE " + detail::describe_rope(mine));
+    }
+    if (in.remaining() != 0) in.fail(std::to_string(in.remaining()) + " bytes after the last layer's RoPE");
+  }
+
   /// A sequence of a uniform pool from a cache file, after its magic.
   std::unique_ptr<BasicKVCache> read_cache_file(detail::FileReader& file) const {
     const detail::FileHeader h = detail::read_header(file, detail::read_version(file, detail::cache_file_version));
-    expect_header(h, "kvq cache file holds a cache");
-    auto cache = std::make_unique<BasicKVCache>(shape_.sequence_shape(), groups_[0].config, groups_[0].store, rope_);
+    expect_header(h, uniform() ? groups_[0].shape : shape_.sequence_shape(), "kvq cache file holds a cache");
+    auto cache = empty_cache(0);
     detail::read_body(file, *cache);
     return cache;
   }
@@ -821,8 +872,7 @@ class KVPool {
 
   PoolShape shape_;
   std::vector<LayerGroup> groups_;
-  std::vector<Place> where_;  // per pool layer
-  std::shared_ptr<const RopeTable> rope_;
+  std::vector<Place> where_;         // per pool layer
   mutable std::shared_mutex mutex_;  // guards the map, not the sequences
   struct VersionedHash {
     std::uint64_t version = 0, hash = 0;

@@ -26,10 +26,12 @@
 
 namespace kvq::inline v0 {
 
-enum class RopeStyle : unsigned char { adjacent_pairs, half_split };
+/// Which channels RoPE rotates together; `none` rotates none (a layer without RoPE: Llama 4's
+/// NoPE layers, Command R7B's global ones), so its keys carry no position.
+enum class RopeStyle : unsigned char { adjacent_pairs, half_split, none };
 
 constexpr const char* to_string(RopeStyle style) noexcept {
-  return style == RopeStyle::adjacent_pairs ? "adjacent_pairs" : "half_split";
+  return style == RopeStyle::adjacent_pairs ? "adjacent_pairs" : style == RopeStyle::half_split ? "half_split" : "none";
 }
 
 enum class RopeScalingType : unsigned char { none, linear, llama3, yarn };
@@ -81,7 +83,8 @@ struct RopeConfig {
   std::ptrdiff_t position_offset = 0;  // added to every position (context shift)
   RopeScaling scaling{};
 
-  std::size_t dims() const noexcept { return rotary_dims == 0 ? head_dim : rotary_dims; }
+  /// Channels rotated: none for RopeStyle::none.
+  std::size_t dims() const noexcept { return style == RopeStyle::none ? 0 : rotary_dims == 0 ? head_dim : rotary_dims; }
   bool operator==(const RopeConfig&) const = default;
 };
 
@@ -89,8 +92,11 @@ inline void validate(const RopeConfig& config) {
   auto fail = [](const std::string& what) { throw Error(ErrorCode::invalid_argument, "RoPE " + what); };
   auto number = [](float x) { return std::to_string(x); };
   if (config.head_dim == 0) fail("head_dim must be positive");
-  if (config.style != RopeStyle::adjacent_pairs && config.style != RopeStyle::half_split)
+  if (config.style != RopeStyle::adjacent_pairs && config.style != RopeStyle::half_split &&
+      config.style != RopeStyle::none)
     fail("style " + std::to_string(int(config.style)) + " is not a RopeStyle");
+  if (config.style == RopeStyle::none && (config.rotary_dims != 0 || config.scaling != RopeScaling{}))
+    fail("style none rotates no channel: rotary_dims must be 0 and scaling none (one spelling per RoPE)");
   const std::size_t dims = config.dims();
   if (dims % 2 != 0 || dims > config.head_dim)
     fail("rotary_dims must be even and at most head_dim (got " + std::to_string(dims) + " for head_dim " +
