@@ -2,6 +2,10 @@
 //   prefill/<cache>/<tier>: a chunk of 512 new tokens (exact, causal) over a 32K stored prefix,
 //     2 KV heads x 128 and 8 query heads; counter GFLOP/s counts 4 x d flops per (query row,
 //     visible position): q.k and p.v. The per-core peaks to compare with: ../shared/PERF-NOTES.md.
+//   prefill_chunked/...: the same chunk under Llama 4's chunked local attention (attention chunks
+//     of 8192 positions) over a prefix of 32K - 256, so the chunk crosses a boundary halfway and
+//     attend cuts it in two: GFLOP/s counts the positions each query sees, so it compares with
+//     prefill's when the cut costs nothing.
 //   batch/<cache>/<tier>/threads:<n>: one decode step of 64 sequences of random lengths 1K-8K (Llama
 //     shapes: 8 KV heads x 128, 32 query heads) in one call; batch_separate/...: the same step as
 //     64 decode_attention calls, each parallel over its own KV heads and chunks.
@@ -52,10 +56,11 @@ kvq::Executor* threads_of(std::size_t threads) {
   return threads == 1 ? static_cast<kvq::Executor*>(&one) : &two;
 }
 
-void prefill(benchmark::State& state, std::string config, kvq::Tier tier) {
-  constexpr std::size_t prefix = 32768, tokens = 512, kv_heads = 2, heads = 8;
+void prefill(benchmark::State& state, std::string config, kvq::Tier tier, std::size_t attention_chunk) {
+  constexpr std::size_t tokens = 512, kv_heads = 2, heads = 8, chunked_prefix = 32768 - tokens / 2;
+  const std::size_t prefix = attention_chunk == 0 ? 32768 : chunked_prefix;
   static std::map<std::string, std::unique_ptr<kvq::BasicKVCache>> caches;
-  auto& cache = caches[config];
+  auto& cache = caches[config + "/" + std::to_string(prefix)];
   if (!cache) {
     cache = std::make_unique<kvq::BasicKVCache>(kvq::CacheShape{1, kv_heads, kDim, prefix + tokens},
                                                 kvq::parse_cache_config(config));
@@ -64,6 +69,8 @@ void prefill(benchmark::State& state, std::string config, kvq::Tier tier) {
   const auto q = normal_values(tokens * heads * kDim, 3), nk = normal_values(tokens * kv_heads * kDim, 4),
              nv = normal_values(tokens * kv_heads * kDim, 5);
   std::vector<float> out(q.size());
+  kvq::DecodeOptions options{.tier = tier};
+  if (attention_chunk != 0) options.scores.attention_chunk = attention_chunk;
   for (auto _ : state) {
     kvq::attend({.cache = cache.get(),
                  .first_position = prefix,
@@ -72,10 +79,12 @@ void prefill(benchmark::State& state, std::string config, kvq::Tier tier) {
                  .new_keys = nk,
                  .new_values = nv,
                  .out = out},
-                {.tier = tier});
+                options);
     benchmark::DoNotOptimize(out.data());
   }
-  const double pairs = double(heads) * (double(tokens) * prefix + double(tokens) * (tokens + 1) / 2);
+  double pairs = 0;  // (query row, visible position)
+  for (std::size_t p = prefix; p < prefix + tokens; ++p)
+    pairs += double(heads) * double(p + 1 - (attention_chunk == 0 ? 0 : p / attention_chunk * attention_chunk));
   state.counters["GFLOP/s"] =
       benchmark::Counter(4.0 * kDim * pairs * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -215,10 +224,12 @@ int main(int argc, char** argv) {
       if (name == "fp16" && tier == kvq::Tier::integer) continue;
       const std::string row = name + "/" + kvq::to_string(tier);
       if (name == "fp16" || name.starts_with("K4V2"))
-        benchmark::RegisterBenchmark(("prefill/" + row).c_str(), prefill, std::string(c.config), tier)
-            ->Unit(benchmark::kMillisecond)
-            ->UseRealTime()
-            ->Iterations(2);
+        for (const std::size_t chunk : {0, 8192})
+          benchmark::RegisterBenchmark(((chunk == 0 ? "prefill/" : "prefill_chunked/") + row).c_str(), prefill,
+                                       std::string(c.config), tier, chunk)
+              ->Unit(benchmark::kMillisecond)
+              ->UseRealTime()
+              ->Iterations(2);
       for (const std::size_t threads : {1, 2})
         for (const bool separate : {false, true})
           benchmark::RegisterBenchmark(
