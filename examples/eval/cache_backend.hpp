@@ -95,7 +95,7 @@ class CacheBackend {
   void append(std::size_t layer, std::size_t position, std::span<const float> k, std::span<const float> v) {
     if (pre_rope(layer)) return cache_.append(layer, position, k, v);
     k_.assign(k.begin(), k.end());  // a post-RoPE cache receives rotated keys
-    cache_.rope().rotate_heads(k_, position);
+    cache_.rope(layer).rotate_heads(k_, position);
     cache_.append(layer, position, k_, v);
   }
 
@@ -103,7 +103,7 @@ class CacheBackend {
     const BasicKVCache& one = cache_.layer(layer);
     if (pre_rope(layer)) return attention_.decode(one, 0, position, q, out);
     q_.assign(q.begin(), q.end());
-    cache_.rope().rotate_heads(q_, position);
+    cache_.rope(layer).rotate_heads(q_, position);
     attention_.decode(one, 0, position, q_, out);
   }
 
@@ -125,8 +125,8 @@ class CacheBackend {
     chunk_q_.assign(q.begin(), q.end());
     chunk_k_.assign(k.begin(), k.end());
     for (std::size_t t = 0; t < tokens; ++t) {
-      cache_.rope().rotate_heads(std::span<float>(chunk_q_).subspan(t * q_dim, q_dim), first_position + t);
-      cache_.rope().rotate_heads(std::span<float>(chunk_k_).subspan(t * kv_dim, kv_dim), first_position + t);
+      cache_.rope(layer).rotate_heads(std::span<float>(chunk_q_).subspan(t * q_dim, q_dim), first_position + t);
+      cache_.rope(layer).rotate_heads(std::span<float>(chunk_k_).subspan(t * kv_dim, kv_dim), first_position + t);
     }
     attention_.chunk(one, 0, first_position, tokens, chunk_q_, chunk_k_, v, out);
   }

@@ -158,6 +158,7 @@ TEST(LayeredKVCache, EachLayerRotatesAsItsOwnRope) {
   kvq::LayeredKVCache layered(base, configs, ropes);
   EXPECT_EQ(&layered.rope(0), &layered.rope(2));
   EXPECT_NE(&layered.rope(0), &layered.rope(1));
+  EXPECT_THROW((void)layered.rope(), kvq::Error) << "the layers rotate differently: no one table";
   EXPECT_EQ(layered.rope(1).config(), global);
   EXPECT_EQ(layered.layer(1).shape().rope_theta, 1.0e6f);
 

@@ -1291,7 +1291,7 @@ TEST(KVPoolPerLayer, EachLayerRotatesAsItsOwnRope) {
   const std::vector<CacheConfig> configs = {pre, pre, pre, config_of("k2c16-v4t32-r0-s0")};
   KVPool pool(shape, configs, ropes);
   EXPECT_FALSE(pool.uniform());
-  EXPECT_EQ(&pool.rope(0), &pool.rope());
+  EXPECT_THROW((void)pool.rope(), kvq::Error) << "the layers rotate differently: no one table";
   EXPECT_EQ(&pool.rope(0), &pool.rope(2));
   EXPECT_EQ(&pool.rope(0), &pool.rope(3)) << "one table per RoPE, whatever the configuration";
   EXPECT_EQ(pool.rope(1).config(), global);
@@ -1379,6 +1379,77 @@ TEST(KVPoolPerLayer, EachLayerRotatesAsItsOwnRope) {
   expect_refused(rotated, v1, true,
                  "rotates layer 1 by RoPE adjacent_pairs theta 10000.000000; this pool's layer 1 by RoPE "
                  "adjacent_pairs theta 1000000");
+
+  // One configuration on every layer, two RoPEs: a pool of one RoPE refuses its file for the RoPE
+  // (the file's configuration text is the one configuration), and it refuses cache files.
+  KVPool same_configs(shape, std::vector<CacheConfig>(4, pre), ropes);
+  (void)fill_pool(same_configs, 100, 44);
+  KVPool one_rope_same_configs(shape, std::vector<CacheConfig>(4, pre));
+  expect_refused(one_rope_same_configs, saved_pool(same_configs), true, layer1);
+  {
+    Tokens u;
+    std::stringstream cache_file;
+    kvq::save(one_rope_same_configs.sequence(add_tokens(one_rope_same_configs, u, 70, 45)), cache_file);
+    expect_refused(same_configs, cache_file.str(), false, "under one RoPE; this pool's layers differ");
+  }
+  // A RoPE spelled with rotary_dims = head_dim is the one spelled with 0: one group, one table.
+  std::vector<kvq::RopeConfig> spelled = ropes;
+  spelled[2].rotary_dims = shape.head_dim;
+  KVPool respelled(shape, configs, spelled);
+  EXPECT_EQ(&respelled.blocks(0), &respelled.blocks(2));
+  EXPECT_EQ(&respelled.rope(0), &respelled.rope(2));
+  load_pool(respelled, bytes);
+  EXPECT_TRUE(saved_pool(respelled) == bytes);
+
+  // A forged "ropes" section (an unknown style under a right CRC) is refused by name.
+  {
+    std::string forged = bytes;
+    const auto [start, size] = kvq::test::file_sections(forged)[1];
+    forged[start + 12] = 7;  // layer 0's style
+    kvq::test::reseal(forged, start, size);
+    KVPool target(shape, configs, ropes);
+    expect_load_refused(
+        target, [&] { load_pool(target, forged); }, kvq::ErrorCode::io, "section 'ropes' at offset");
+    expect_load_refused(
+        target, [&] { load_pool(target, forged); }, kvq::ErrorCode::io, "unknown RoPE style 7");
+  }
+
+  // A layer without RoPE (RopeStyle::none, keys stored as given): erase shifts the whole pool, each
+  // layer then holding what a cache of its own fed the kept tokens holds, and files keep it.
+  {
+    const std::vector<kvq::RopeConfig> nope = {
+        local, {.head_dim = shape.head_dim, .style = kvq::RopeStyle::none}, global, local};
+    const std::vector<CacheConfig> nope_configs = {pre, config_of("k4c32-v2t32-r20-s3-post"), pre, pre};
+    KVPool shifting(shape, nope_configs, nope);
+    Tokens kept;
+    const SequenceId s = add_tokens(shifting, kept, 260, 46);
+    shifting.erase(s, 35, 64);  // sinks 3 + a whole group of 32; two groups
+    const std::size_t row = row_of(shape.sequence_shape());
+    Tokens fresh;
+    fresh.keys.assign(kept.keys.begin(), kept.keys.begin() + 35 * row);
+    fresh.keys.insert(fresh.keys.end(), kept.keys.begin() + 99 * row, kept.keys.end());
+    fresh.values.assign(kept.values.begin(), kept.values.begin() + 35 * row);
+    fresh.values.insert(fresh.values.end(), kept.values.begin() + 99 * row, kept.values.end());
+    for (std::size_t l = 0; l < 4; ++l) {
+      CacheShape own = kvq::detail::with_rope(shape.sequence_shape(), nope[l], "test", l);
+      own.layers = 1;
+      const KVPool::LayerView v = shifting.layer(s, l);
+      const BasicKVCache alone = fresh_cache(own, nope_configs[l], fresh);
+      ASSERT_EQ(v.cache.length(v.layer), alone.length(0)) << "layer " << l;
+      std::vector<float> a(shape.head_dim), b(shape.head_dim);
+      for (const kvq::Tensor t : {kvq::Tensor::keys, kvq::Tensor::values})
+        for (std::size_t h = 0; h < shape.kv_heads; ++h)
+          for (std::size_t p = 0; p < alone.length(0); ++p) {
+            v.cache.read_row(t, v.layer, h, p, a.data());
+            alone.read_row(t, 0, h, p, b.data());
+            ASSERT_EQ(a, b) << "layer " << l << " head " << h << " position " << p;
+          }
+      EXPECT_EQ(attend(v.cache, v.layer, kvq::Tier::exact), attend(alone, 0, kvq::Tier::exact)) << "layer " << l;
+    }
+    KVPool reloaded(shape, nope_configs, nope);
+    load_pool(reloaded, saved_pool(shifting));
+    expect_same_layers(reloaded, s, shifting, s, "a pool with a layer without RoPE, saved and loaded");
+  }
 
   // Every layer rotated one way, other than the shape's: a uniform pool, whose sequences are
   // caches of that RoPE, cache files included.

@@ -186,6 +186,8 @@ class BasicKVCache {
       throw Error(ErrorCode::shape_mismatch, "cache: the RoPE table covers " + std::to_string(rope->max_positions()) +
                                                  " positions, fewer than the capacity of " +
                                                  std::to_string(shape.capacity));
+    else if (!same_rotation(rope->config(), shape.rope()))
+      throw Error(ErrorCode::shape_mismatch, "cache: the RoPE table rotates otherwise than the shape's RoPE");
     rope_ = std::move(rope);
     for (const Tensor t : {Tensor::keys, Tensor::values}) {
       const Rotation r = t == Tensor::keys ? config.key_rotation : config.value_rotation;

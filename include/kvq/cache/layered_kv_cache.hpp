@@ -76,7 +76,7 @@ inline CacheShape with_rope(CacheShape shape, const RopeConfig& rope, const std:
 inline std::shared_ptr<const RopeTable> shared_table(std::vector<std::shared_ptr<const RopeTable>>& tables,
                                                      const RopeConfig& rope, std::size_t positions) {
   for (const auto& t : tables)
-    if (t->config() == rope) return t;
+    if (same_rotation(t->config(), rope)) return t;
   return tables.emplace_back(std::make_shared<const RopeTable>(rope, positions));
 }
 }  // namespace detail
@@ -151,7 +151,7 @@ class LayeredKVCache {
   /// As above with each layer's own RoPE, `ropes` (one per layer, for the shape's head_dim and
   /// position_offset 0), in place of the shape's: Gemma 3 rotates its sliding-window layers with
   /// theta 10,000 and its global layers with theta 1,000,000 and linear scaling 8. A layer
-  /// without RoPE (Llama 4's NoPE layers) takes RopeConfig{.style = RopeStyle::none} and a
+  /// without RoPE (Llama 4's NoPE layers) takes {.head_dim = d, .style = RopeStyle::none} and a
   /// post-RoPE configuration: its keys and queries are used as given, and erase() shifts it with
   /// the others. layer(l).shape() carries layer l's RoPE; layers of equal RoPE share a table.
   LayeredKVCache(const CacheShape& shape, const std::vector<CacheConfig>& configs, std::span<const RopeConfig> ropes)
@@ -194,8 +194,14 @@ class LayeredKVCache {
     for (const BasicKVCache& c : layers_) out.push_back(c.config());
     return out;
   }
-  /// Layer 0's RoPE table: every layer's unless the cache was built with a RoPE per layer.
-  const RopeTable& rope() const noexcept { return layers_.front().rope(); }
+  /// The RoPE table of every layer; kvq::Error (unsupported) when the layers rotate differently:
+  /// read each layer's with rope(layer) then.
+  const RopeTable& rope() const {
+    for (const BasicKVCache& c : layers_)
+      if (&c.rope() != &layers_.front().rope())
+        throw Error(ErrorCode::unsupported, "layered cache rope(): the layers rotate differently; read rope(layer)");
+    return layers_.front().rope();
+  }
   /// Layer `layer`'s RoPE table.
   const RopeTable& rope(std::size_t layer) const { return at(layer, "rope").rope(); }
 

@@ -744,6 +744,7 @@ inline bool has_rope_extension(const CacheShape& s) {
 
 /// The RoPE fields of `s` for people: "adjacent_pairs theta 10000.000000, ...".
 inline std::string describe_rope(const CacheShape& s) {
+  if (s.rope_style == RopeStyle::none) return "none";
   return std::string(to_string(s.rope_style)) + " theta " + std::to_string(s.rope_theta) +
          (has_rope_extension(s)
               ? ", rotary dims " + std::to_string(s.rope().dims()) + ", " + to_string(s.rope_scaling.type) +
@@ -761,9 +762,7 @@ inline std::string describe(const CacheShape& s) {
 
 inline bool same_shape(const CacheShape& a, const CacheShape& b) {
   return a.layers == b.layers && a.kv_heads == b.kv_heads && a.head_dim == b.head_dim && a.capacity == b.capacity &&
-         a.rope_style == b.rope_style &&
-         std::bit_cast<std::uint32_t>(a.rope_theta) == std::bit_cast<std::uint32_t>(b.rope_theta) &&
-         a.rope().dims() == b.rope().dims() && a.rope_scaling == b.rope_scaling;
+         same_rotation(a.rope(), b.rope());
 }
 
 /// Reads the table and layer sections after the header into `target` (its shape and config

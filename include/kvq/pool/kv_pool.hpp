@@ -89,7 +89,8 @@ struct PoolShape {
   // one block per step at 32K; bench/RESULTS.md).
   std::size_t block_tokens = 256;
   std::size_t memory_blocks = 1024;  // the most blocks the pool commits (split between the stores
-                                     // of a pool with a configuration per layer by their layers)
+                                     // of a pool whose layers differ in configuration or RoPE by
+                                     // their layers)
   RopeStyle rope_style = RopeStyle::adjacent_pairs;
   float rope_theta = 10000.0f;
   std::size_t rope_dims = 0;  // channels RoPE rotates from the start of each head; 0 = head_dim
@@ -186,7 +187,8 @@ class KVPool {
         throw Error(e.code(), "pool, layer " + std::to_string(l) + ": " + e.message());
       }
       std::size_t g = 0;
-      while (g < groups_.size() && !(groups_[g].config == config && groups_[g].shape.rope() == own.rope())) ++g;
+      while (g < groups_.size() && !(groups_[g].config == config && same_rotation(groups_[g].shape.rope(), own.rope())))
+        ++g;
       if (g == groups_.size()) groups_.push_back(LayerGroup{config, own, {}, 0, nullptr, nullptr});
       where_[l] = {g, groups_[g].layers.size()};
       groups_[g].layers.push_back(l);
@@ -222,8 +224,14 @@ class KVPool {
   const BlockStore& blocks() const { return *uniform_group("blocks()").store; }
   /// The store holding `layer`'s blocks (shared with the layers of the same configuration and RoPE).
   const BlockStore& blocks(std::size_t layer) const { return *groups_[locate(layer, "blocks").group].store; }
-  /// Layer 0's RoPE table: every layer's unless the pool was built with a RoPE per layer.
-  const RopeTable& rope() const noexcept { return *groups_[where_[0].group].rope; }
+  /// The RoPE table of every layer; kvq::Error (unsupported) when the layers rotate differently:
+  /// read each layer's with rope(layer) then.
+  const RopeTable& rope() const {
+    for (const LayerGroup& g : groups_)
+      if (g.rope != groups_[0].rope)
+        throw Error(ErrorCode::unsupported, "pool rope(): the layers rotate differently; read rope(layer)");
+    return *groups_[0].rope;
+  }
   /// Layer `layer`'s RoPE table (shared by the layers of one RoPE).
   const RopeTable& rope(std::size_t layer) const { return *groups_[locate(layer, "rope").group].rope; }
 
@@ -375,8 +383,9 @@ class KVPool {
   }
 
   /// Restores a pool saved by save() into this pool, which must hold no sequence (else
-  /// kvq::Error invalid_argument) and have the saved shape (block_tokens included), RoPE and
-  /// configurations (else shape_mismatch); it may have another memory limit, and throws
+  /// kvq::Error invalid_argument) and have the saved shape (block_tokens and the shape's own RoPE
+  /// fields included), each layer's RoPE and the configurations (else shape_mismatch); it may
+  /// have another memory limit, and throws
   /// capacity_exceeded when the saved blocks do not fit it. Sequence ids are kept, and blocks
   /// shared when saved are shared again. A damaged file throws io naming the section and offset.
   /// On any error the pool is left exactly as it was.
@@ -547,9 +556,13 @@ class KVPool {
     return hash;
   }
 
-  /// The configuration text of pool files: one configuration, or parse_layer_configs' text.
+  /// The configuration text of pool files: one configuration, or parse_layer_configs' text
+  /// (whether or not the layers' RoPEs differ).
   std::string config_text() const {
-    return uniform() ? to_string(groups_[0].config) : to_string(std::span<const CacheConfig>(configs()));
+    const std::vector<CacheConfig> all = configs();
+    return std::all_of(all.begin(), all.end(), [&](const CacheConfig& c) { return c == all[0]; })
+               ? to_string(all[0])
+               : to_string(std::span<const CacheConfig>(all));
   }
 
   /// The cache holding pool layer `l` of a sequence, and the layer's index there.
@@ -808,7 +821,12 @@ class KVPool {
   /// A sequence of a uniform pool from a cache file, after its magic.
   std::unique_ptr<BasicKVCache> read_cache_file(detail::FileReader& file) const {
     const detail::FileHeader h = detail::read_header(file, detail::read_version(file, detail::cache_file_version));
-    expect_header(h, uniform() ? groups_[0].shape : shape_.sequence_shape(), "kvq cache file holds a cache");
+    if (!uniform())
+      throw Error(ErrorCode::shape_mismatch, "kvq cache file holds a cache configured '" + h.config_text +
+                                                 "' under one RoPE; this pool's layers differ in configuration or "
+                                                 "RoPE ('" +
+                                                 config_text() + "'): it reads pool and session files");
+    expect_header(h, groups_[0].shape, "kvq cache file holds a cache");
     auto cache = empty_cache(0);
     detail::read_body(file, *cache);
     return cache;

@@ -88,6 +88,14 @@ struct RopeConfig {
   bool operator==(const RopeConfig&) const = default;
 };
 
+/// Whether two RoPEs rotate alike: rotary_dims 0 and head_dim are one spelling, and a none RoPE
+/// reads nothing but its head_dim.
+inline bool same_rotation(const RopeConfig& a, const RopeConfig& b) noexcept {
+  if (a.head_dim != b.head_dim || a.style != b.style) return false;
+  return a.style == RopeStyle::none || (a.theta == b.theta && a.dims() == b.dims() &&
+                                        a.position_offset == b.position_offset && a.scaling == b.scaling);
+}
+
 inline void validate(const RopeConfig& config) {
   auto fail = [](const std::string& what) { throw Error(ErrorCode::invalid_argument, "RoPE " + what); };
   auto number = [](float x) { return std::to_string(x); };
