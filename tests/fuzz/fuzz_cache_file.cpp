@@ -70,6 +70,29 @@ void use(const kvq::BasicKVCache& cache) {
   }
 }
 
+/// Loads `bytes` into an empty pool whose layers may differ (a whole pool, or one sequence) and
+/// uses every layer it then holds; a refused load must leave the pool holding nothing. Empties
+/// the pool again.
+void load_and_use(kvq::KVPool& pool, const std::string& bytes, bool whole) {
+  const std::size_t layers = pool.shape().layers;
+  try {
+    std::istringstream in(bytes, std::ios::binary);
+    if (whole)
+      pool.load(in);
+    else
+      (void)pool.load_sequence(in);
+    for (kvq::SequenceId id = 0; id < 8; ++id)
+      if (pool.contains(id))
+        for (std::size_t l = 0; l < layers; ++l) use(pool.layer(id, l).cache);
+  } catch (const kvq::Error&) {
+    if (pool.sequence_count() != 0) __builtin_trap();
+    for (std::size_t l = 0; l < layers; ++l)
+      if (pool.blocks(l).counts().in_use != 0) __builtin_trap();
+  }
+  for (kvq::SequenceId id = 0; id < 8; ++id)
+    if (pool.contains(id)) pool.remove_sequence(id);
+}
+
 void fill(kvq::BasicKVCache& cache, std::size_t tokens) {
   std::vector<float> k(tokens * cache.shape().kv_heads * cache.shape().head_dim), v(k.size());
   for (std::size_t i = 0; i < k.size(); ++i) k[i] = float(i % 13) - 6.0f, v[i] = float(i % 7) * 0.5f - 1.5f;
@@ -136,39 +159,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   } catch (const kvq::Error&) {
     if (pool.sequence_count() != 0 || pool.blocks().counts().in_use != 0) __builtin_trap();
   }
-  // A pool with a configuration per layer, as a whole pool and as one sequence (either file kind).
+  // A pool with a configuration per layer, as a whole pool and as one sequence (either file kind),
+  // and a pool with a RoPE per layer.
   kvq::KVPool layered(pool_shape(), layer_configs());
-  for (const bool whole : {true, false}) {
-    try {
-      std::istringstream in(bytes, std::ios::binary);
-      if (whole)
-        layered.load(in);
-      else
-        (void)layered.load_sequence(in);
-      for (kvq::SequenceId id = 0; id < 8; ++id)
-        if (layered.contains(id))
-          for (std::size_t l = 0; l < 2; ++l) use(layered.layer(id, l).cache);
-    } catch (const kvq::Error&) {
-      if (layered.sequence_count() != 0 || layered.blocks(0).counts().in_use != 0 ||
-          layered.blocks(1).counts().in_use != 0)
-        __builtin_trap();
-    }
-    for (kvq::SequenceId id = 0; id < 8; ++id)
-      if (layered.contains(id)) layered.remove_sequence(id);
-  }
-  // A pool with a RoPE per layer.
+  for (const bool whole : {true, false}) load_and_use(layered, bytes, whole);
   kvq::KVPool rotated(pool_shape(), std::vector<kvq::CacheConfig>(2, config()), layer_ropes());
-  try {
-    std::istringstream in(bytes, std::ios::binary);
-    rotated.load(in);
-    for (kvq::SequenceId id = 0; id < 8; ++id)
-      if (rotated.contains(id))
-        for (std::size_t l = 0; l < 2; ++l) use(rotated.layer(id, l).cache);
-  } catch (const kvq::Error&) {
-    if (rotated.sequence_count() != 0 || rotated.blocks(0).counts().in_use != 0 ||
-        rotated.blocks(1).counts().in_use != 0)
-      __builtin_trap();
-  }
+  load_and_use(rotated, bytes, true);
   return 0;
 }
 #endif
