@@ -132,7 +132,7 @@ void stage_bench(benchmark::State& state, std::string config, kvq::Tier tier, in
   k::int_init(S, setup.task);
   S.h0 = 0;
   S.nh = kGroup;
-  for (std::size_t h = 0; h < k::int_heads; ++h) {
+  for (std::size_t h = 0; h < kvq::kernels::attention::register_heads; ++h) {
     S.mx[h] = -std::numeric_limits<float>::infinity();
     S.sm[h] = 0.0f;
   }

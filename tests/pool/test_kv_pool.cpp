@@ -1392,12 +1392,16 @@ TEST(KVPoolPerLayer, EachLayerRotatesAsItsOwnRope) {
     kvq::save(one_rope_same_configs.sequence(add_tokens(one_rope_same_configs, u, 70, 45)), cache_file);
     expect_refused(same_configs, cache_file.str(), false, "under one RoPE; this pool's layers differ");
   }
-  // A RoPE spelled with rotary_dims = head_dim is the one spelled with 0: one group, one table.
+  // A RoPE spelled with rotary_dims = head_dim is the one spelled with 0, and scaling fields its
+  // type does not read tell none apart: one group, one table, and the file loads.
   std::vector<kvq::RopeConfig> spelled = ropes;
   spelled[2].rotary_dims = shape.head_dim;
+  spelled[1].scaling.beta_fast = 64.0f;  // yarn's; layer 1 scales linearly
+  spelled[3].scaling.factor = 2.0f;      // no scaling on layer 3
   KVPool respelled(shape, configs, spelled);
   EXPECT_EQ(&respelled.blocks(0), &respelled.blocks(2));
   EXPECT_EQ(&respelled.rope(0), &respelled.rope(2));
+  EXPECT_EQ(&respelled.rope(0), &respelled.rope(3));
   load_pool(respelled, bytes);
   EXPECT_TRUE(saved_pool(respelled) == bytes);
 

@@ -281,6 +281,54 @@ TEST(RopeScaling, EachScalingChangesWhatItShould) {
   EXPECT_EQ(r1, r3);
 }
 
+// A scaling type reads its own fields (rope_frequencies, rope_attention_factor): one it does not
+// read, left over from another type, changes neither the table, nor same_rotation (which layer
+// groups, shared tables and file checks go by), nor the spelling files record; every field it
+// reads changes all three.
+TEST(RopeScaling, OnlyTheFieldsATypeReadsTellRotationsApart) {
+  const kvq::RopeConfig plain{64, kvq::RopeStyle::half_split, 10000.0f};
+  kvq::RopeConfig linear = plain, llama3 = plain, yarn = plain;
+  linear.scaling = linear_scaling(4.0f);
+  llama3.scaling = llama3_scaling(8.0f, 1024);
+  yarn.scaling = yarn_scaling(16.0f, 512);
+  using Edit = void (*)(kvq::RopeScaling&);
+  const std::vector<std::pair<const char*, Edit>> edits = {
+      {"factor", [](kvq::RopeScaling& s) { s.factor = 3.0f; }},
+      {"original_context", [](kvq::RopeScaling& s) { s.original_context = 4096; }},
+      {"low_freq_factor", [](kvq::RopeScaling& s) { s.low_freq_factor = 0.5f; }},
+      {"high_freq_factor", [](kvq::RopeScaling& s) { s.high_freq_factor = 6.0f; }},
+      {"beta_fast", [](kvq::RopeScaling& s) { s.beta_fast = 40.0f; }},
+      {"beta_slow", [](kvq::RopeScaling& s) { s.beta_slow = 2.0f; }},
+      {"attention_factor", [](kvq::RopeScaling& s) { s.attention_factor = 1.5f; }},
+      {"frequency_divisors", [](kvq::RopeScaling& s) { s.frequency_divisors.assign(32, 2.0f); }},
+  };
+  // Per type, whether it reads each field above.
+  const std::vector<std::pair<kvq::RopeConfig, std::vector<bool>>> types = {
+      {plain, {false, false, false, false, false, false, false, true}},
+      {linear, {true, false, false, false, false, false, false, true}},
+      {llama3, {true, true, true, true, false, false, false, true}},
+      {yarn, {true, true, false, false, true, true, true, true}},
+  };
+  auto table = [](const kvq::RopeConfig& c) {  // the rotation at one position and the factor
+    const kvq::RopeTable t(c, 600);
+    std::vector<float> v(t.cos_row(599), t.cos_row(599) + 32);
+    v.insert(v.end(), t.sin_row(599), t.sin_row(599) + 32);
+    v.push_back(t.attention_factor());
+    return v;
+  };
+  for (const auto& [base, reads] : types) {
+    for (std::size_t i = 0; i < edits.size(); ++i) {
+      SCOPED_TRACE(std::string(kvq::to_string(base.scaling.type)) + " scaling, " + edits[i].first);
+      kvq::RopeConfig edited = base;
+      edits[i].second(edited.scaling);
+      kvq::validate(edited);
+      EXPECT_EQ(kvq::same_rotation(base, edited), !reads[i]);
+      EXPECT_EQ(kvq::canonical(base.scaling) == kvq::canonical(edited.scaling), !reads[i]) << "as files spell it";
+      EXPECT_EQ(table(base) == table(edited), !reads[i]);
+    }
+  }
+}
+
 TEST(RopeScaling, BadParametersAreRejectedByName) {
   auto error_of = [](const kvq::RopeScaling& s, std::size_t rotary = 0) {
     kvq::RopeConfig c{64, kvq::RopeStyle::adjacent_pairs, 10000.0f, rotary};

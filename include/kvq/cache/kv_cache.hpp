@@ -800,9 +800,7 @@ class BasicKVCache {
   }
   /// Byte offset of the first parameter of packed row `row` (position sinks + row).
   static std::size_t param_offset(const StreamLayout& lay, std::size_t row) noexcept {
-    return (lay.spec.axis == Axis::per_channel ? row / lay.spec.group * lay.head_dim
-                                               : row * groups_per_row(lay.spec, lay.head_dim)) *
-           size_of(lay.spec.param);
+    return lay.params_before(row) * size_of(lay.spec.param);
   }
 
   std::string where(Tensor t, std::size_t layer, std::size_t head, std::size_t position) const {

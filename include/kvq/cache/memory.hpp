@@ -35,9 +35,7 @@ inline MemoryUsage stream_usage(const StreamLayout& layout, std::size_t length, 
   const std::size_t quantized_rows = length > layout.sinks ? q_end - layout.sinks : 0;
   u.code_bytes = quantized_rows * layout.row_bytes;
   if (layout.quantized) {
-    const std::size_t pairs = layout.spec.axis == Axis::per_channel
-                                  ? quantized_rows / layout.spec.group * layout.head_dim
-                                  : quantized_rows * groups_per_row(layout.spec, layout.head_dim);
+    const std::size_t pairs = layout.params_before(quantized_rows);
     u.param_bytes = pairs * (size_of(layout.spec.param) * (layout.spec.has_zero_point() ? 2 : 1) +
                              layout.spec.outliers * (2 + size_of(layout.spec.param)));
   }

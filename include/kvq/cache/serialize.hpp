@@ -618,7 +618,7 @@ inline std::uint64_t rope_bytes(const CacheShape& s) {
 
 /// The RoPE of `s` as a header (format version 2) holds it: style, theta, rotary dims, scaling.
 inline void write_rope(SectionWriter& w, const CacheShape& s) {
-  const RopeScaling& r = s.rope_scaling;
+  const RopeScaling r = canonical(s.rope_scaling);  // one RoPE, one spelling, one file
   w.put_value(std::uint32_t(s.rope_style));
   w.put_value(s.rope_theta);
   w.put_value(std::uint64_t(s.rope().dims()));
@@ -739,7 +739,7 @@ inline CacheAccess::LayerState read_table_entry(PayloadReader& in) {
 
 /// Partial rotary or scaled RoPE, which describe() names.
 inline bool has_rope_extension(const CacheShape& s) {
-  return s.rope().dims() != s.head_dim || s.rope_scaling != RopeScaling{};
+  return s.rope().dims() != s.head_dim || canonical(s.rope_scaling) != RopeScaling{};
 }
 
 /// The RoPE fields of `s` for people: "adjacent_pairs theta 10000.000000, ...".
@@ -748,7 +748,7 @@ inline std::string describe_rope(const CacheShape& s) {
   return std::string(to_string(s.rope_style)) + " theta " + std::to_string(s.rope_theta) +
          (has_rope_extension(s)
               ? ", rotary dims " + std::to_string(s.rope().dims()) + ", " + to_string(s.rope_scaling.type) +
-                    " scaling factor " + std::to_string(s.rope_scaling.factor) +
+                    " scaling factor " + std::to_string(canonical(s.rope_scaling).factor) +
                     (s.rope_scaling.frequency_divisors.empty()
                          ? std::string()
                          : ", " + std::to_string(s.rope_scaling.frequency_divisors.size()) + " frequency divisors")

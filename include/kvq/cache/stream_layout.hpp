@@ -122,9 +122,7 @@ struct StreamLayout {
 
   /// Parameter pairs of the first `rows` packed rows (rows: whole groups when per channel); also
   /// the index of row `rows`' first pair, counted from the start of its block or of the stream.
-  std::size_t params_before(std::size_t rows) const noexcept {
-    return spec.axis == Axis::per_channel ? rows / spec.group * head_dim : rows * groups_per_row(spec, head_dim);
-  }
+  std::size_t params_before(std::size_t rows) const noexcept { return kvq::params_before(spec, head_dim, rows); }
 
   /// First position that is not quantized when the stream holds `length` tokens.
   std::size_t quantized_end(std::size_t length) const noexcept {

@@ -45,24 +45,30 @@ struct StreamView {
   const std::uint8_t* pending_row(std::size_t position) const noexcept {
     return ring + ((position - ring_origin) % ring_rows) * residual_row_bytes();
   }
+  /// Whether the segment holds `position` in the residual type (a sink or a ring row), and that row.
+  bool residual_at(std::size_t position) const noexcept {
+    return position < first_quantized || position >= end_quantized;
+  }
+  const std::uint8_t* residual_row(std::size_t position) const noexcept {
+    return position < first_quantized ? sink_row(position) : pending_row(position);
+  }
   const std::uint8_t* code_row(std::size_t position) const noexcept {
     return codes + (position - first_quantized) * row_bytes;
   }
   /// Index of the first parameter pair that applies to `position` (a packed position of the segment).
   std::size_t param_index(std::size_t position) const noexcept {
-    const std::size_t row = position - first_quantized;
-    return spec.axis == Axis::per_channel ? row / spec.group * head_dim : row * groups_per_row(spec, head_dim);
+    return params_before(spec, head_dim, position - first_quantized);
   }
 
   /// The stored row at `position` as floats (dequantized when packed): out (head_dim).
   void read_row(std::size_t position, float* out) const noexcept {
-    const std::uint8_t* residual_row = nullptr;
+    const std::uint8_t* stored = nullptr;
     if (position < sinks_stored)
-      residual_row = sink_row(position);
+      stored = sink_row(position);
     else if (position >= end_quantized)
-      residual_row = pending_row(position);
-    if (residual_row != nullptr) {
-      load_row(residual, residual_row, head_dim, out);
+      stored = pending_row(position);
+    if (stored != nullptr) {
+      load_row(residual, stored, head_dim, out);
       return;
     }
     const std::size_t p = param_index(position);

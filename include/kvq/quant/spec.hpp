@@ -225,6 +225,13 @@ constexpr std::size_t groups_per_row(const QuantizerSpec& spec, std::size_t head
   return (head_dim + spec.group - 1) / spec.group;
 }
 
+/// Parameter pairs of the first `rows` packed rows of a stream (whole groups when per channel),
+/// which is also the index of row `rows`' first pair: the one parameter layout of caches, views
+/// and kernels.
+constexpr std::size_t params_before(const QuantizerSpec& spec, std::size_t head_dim, std::size_t rows) noexcept {
+  return spec.axis == Axis::per_channel ? rows / spec.group * head_dim : rows * groups_per_row(spec, head_dim);
+}
+
 /// "k4c32": tensor letter, bits, axis letter (c per channel, t per token), group; then optional
 /// "o<n>" for n outliers per group, a mode suffix ("s" symmetric; "g" ggml's levels, so "k4t32g"
 /// is llama.cpp's q4_0 and "k8t32g" its q8_0; "n" NormalFloat and "l" Lloyd-Max levels; "i"

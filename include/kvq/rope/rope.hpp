@@ -88,12 +88,46 @@ struct RopeConfig {
   bool operator==(const RopeConfig&) const = default;
 };
 
-/// Whether two RoPEs rotate alike: rotary_dims 0 and head_dim are one spelling, and a none RoPE
-/// reads nothing but its head_dim.
+namespace detail {
+/// The fields of a scaling its type reads (rope_frequencies, rope_attention_factor), the others at
+/// their defaults; the divisors, which every type reads, left out.
+inline RopeScaling read_fields(const RopeScaling& s) noexcept {
+  RopeScaling r;
+  r.type = s.type;
+  if (s.type != RopeScalingType::none) r.factor = s.factor;
+  if (s.type == RopeScalingType::llama3 || s.type == RopeScalingType::yarn) r.original_context = s.original_context;
+  if (s.type == RopeScalingType::llama3) {
+    r.low_freq_factor = s.low_freq_factor;
+    r.high_freq_factor = s.high_freq_factor;
+  }
+  if (s.type == RopeScalingType::yarn) {
+    r.beta_fast = s.beta_fast;
+    r.beta_slow = s.beta_slow;
+    r.attention_factor = s.attention_factor;
+  }
+  return r;
+}
+}  // namespace detail
+
+/// Whether two scalings scale alike: a field their type does not read tells none apart.
+inline bool same_scaling(const RopeScaling& a, const RopeScaling& b) noexcept {
+  return a.frequency_divisors == b.frequency_divisors && detail::read_fields(a) == detail::read_fields(b);
+}
+
+/// The one spelling of a scaling (files record it): the fields its type does not read at their
+/// defaults.
+inline RopeScaling canonical(const RopeScaling& s) {
+  RopeScaling r = detail::read_fields(s);
+  r.frequency_divisors = s.frequency_divisors;
+  return r;
+}
+
+/// Whether two RoPEs rotate alike: rotary_dims 0 and head_dim are one spelling, a none RoPE
+/// reads nothing but its head_dim, and a scaling only the fields its type reads.
 inline bool same_rotation(const RopeConfig& a, const RopeConfig& b) noexcept {
   if (a.head_dim != b.head_dim || a.style != b.style) return false;
   return a.style == RopeStyle::none || (a.theta == b.theta && a.dims() == b.dims() &&
-                                        a.position_offset == b.position_offset && a.scaling == b.scaling);
+                                        a.position_offset == b.position_offset && same_scaling(a.scaling, b.scaling));
 }
 
 inline void validate(const RopeConfig& config) {

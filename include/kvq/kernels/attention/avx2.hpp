@@ -13,7 +13,7 @@
 //     int8 q~ of reference.hpp;
 //   post-RoPE residual rows (sinks, window, fp16/bf16/fp32 caches): read in place;
 //   everything else (pre-RoPE keys, keys per token): rows dequantized into a small buffer and,
-//     pre-RoPE, rotated there with the cache's cos/sin rows.
+//     pre-RoPE, rotated there (vector.hpp's rope_row).
 // Values, 16 channels x 4 heads of accumulators in registers over the rows of a tile:
 //   residual rows in place, weighted by p;
 //   rows quantized per token (2/4/8 bits, groups of a multiple of 8 channels, a power of two up
@@ -55,6 +55,7 @@
 
 #include "kvq/isa.hpp"
 #include "kvq/kernels/attention/task.hpp"
+#include "kvq/kernels/attention/vector.hpp"
 #include "kvq/kernels/ops/avx2.hpp"
 
 #define KVQ_TARGET_AVX2_ATTENTION __attribute__((target("avx2,fma,f16c,bmi2")))
@@ -78,8 +79,8 @@ inline bool supports(const StreamView& keys, const StreamView& values, std::size
 namespace detail {
 
 using DecodeTask = attention::DecodeTask;
+using Vector = x86_avx2::VectorKernel<ops::Avx2>;  // the steps written once: RoPE, online softmax
 
-inline constexpr std::size_t heads_per_pass = 4;     // query heads whose accumulators share registers
 inline constexpr std::size_t buffer_floats = 4096;   // produced rows at once (16 KB)
 inline constexpr std::size_t max_value_groups = 16;  // per-token value groups per row, packed value path
 
@@ -105,23 +106,6 @@ KVQ_TARGET_AVX2_ATTENTION inline __m256 load8(Scalar s, const std::uint8_t* base
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 2 * i));
   if (s == Scalar::f16) return _mm256_cvtph_ps(h);
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-/// Codes of channels [8i, 8i + 8) of a packed row as floats: the Bits bytes holding them are
-/// broadcast and each lane shifts its own field down.
-template <int Bits>
-KVQ_TARGET_AVX2_ATTENTION inline __m256 code_vec(const std::uint8_t* row, std::size_t i) noexcept {
-  if constexpr (Bits == 8) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * i))));
-  } else {
-    static_assert(Bits == 2 || Bits == 4);
-    std::uint32_t word = 0;
-    std::memcpy(&word, row + std::size_t(Bits) * i, std::size_t(Bits));
-    const __m256i shifts =
-        Bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28) : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    const __m256i fields = _mm256_srlv_epi32(_mm256_set1_epi32(int(word)), shifts);
-    return _mm256_cvtepi32_ps(_mm256_and_si256(fields, _mm256_set1_epi32((1 << Bits) - 1)));
-  }
 }
 
 /// v[0..7] -> lane j = sum of v[j]'s lanes.
@@ -211,18 +195,6 @@ KVQ_TARGET_AVX2_ATTENTION inline void value_code_pairs(__m128i a, __m128i b, __m
   }
 }
 
-KVQ_TARGET_AVX2_ATTENTION inline float hsum(__m256 v) noexcept {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
-KVQ_TARGET_AVX2_ATTENTION inline float hmax(__m256 v) noexcept {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
-
 /// Lanes [0, n) of a vector (n < 8 masks the tail).
 KVQ_TARGET_AVX2_ATTENTION inline __m256 first_lanes(std::size_t n) noexcept {
   return _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(float(n)), _CMP_LT_OQ);
@@ -245,7 +217,7 @@ struct CodeRows {
   const std::uint8_t* base;
   std::size_t row_bytes;
   KVQ_TARGET_AVX2_ATTENTION __m256 operator()(std::size_t t, std::size_t i) const noexcept {
-    return code_vec<Bits>(base + t * row_bytes, i);
+    return ops::Avx2::codes<Bits>(base + t * row_bytes + std::size_t(Bits) * i);
   }
   KVQ_TARGET_AVX2_ATTENTION void prefetch(std::size_t t) const noexcept {
     const std::size_t at = t * row_bytes;  // rows under 64 bytes: once per cache line
@@ -287,20 +259,20 @@ struct Kernel {
   // keys: the block's parameters, folded queries of up to 4 heads, and per head (lanes h and
   // 4 + h) score = bias + alpha * (dot - offset)
   alignas(32) float kscale[max_head_dim], kzero[max_head_dim];
-  alignas(32) float qt[heads_per_pass][max_head_dim];
+  alignas(32) float qt[register_heads][max_head_dim];
   alignas(32) float bias[8], alpha[8], offset[8];
   // values quantized per token: per (row, group) scale and centre value, weights per head; per
   // head and group acc += beta * sum w * (code - mid) + vconst
   alignas(32) float vscale[max_tile * max_value_groups + 8], vcentre[max_tile * max_value_groups + 8];
-  alignas(32) float weight[heads_per_pass][max_tile * max_value_groups + 8];
-  float vbeta[heads_per_pass], vconst[heads_per_pass][max_value_groups];
+  alignas(32) float weight[register_heads][max_tile * max_value_groups + 8];
+  float vbeta[register_heads], vconst[register_heads][max_value_groups];
   // integer tier, vpmaddubsw paths: int8 folded queries with the channels of each 32-channel
   // chunk at key_byte(); per-token value scales and centre values group-major, and per head the
   // u8 weights group-major (row pairs adjacent) with their sums per group
-  alignas(32) std::int8_t qkey[heads_per_pass][max_head_dim + 32];
+  alignas(32) std::int8_t qkey[register_heads][max_head_dim + 32];
   alignas(32) float sgm[max_value_groups][max_tile + 8], cgm[max_value_groups][max_tile + 8];
-  alignas(32) std::uint8_t wb[heads_per_pass][max_value_groups][max_tile + 8];
-  float vwsum[heads_per_pass][max_value_groups];
+  alignas(32) std::uint8_t wb[register_heads][max_value_groups][max_tile + 8];
+  float vwsum[register_heads][max_value_groups];
 
   KVQ_TARGET_AVX2_ATTENTION explicit Kernel(const DecodeTask& t) noexcept
       : task(t),
@@ -310,12 +282,6 @@ struct Kernel {
         nv(t.keys.head_dim / 8),
         sub(std::min<std::size_t>(16, buffer_floats / t.keys.head_dim)) {}
 
-  static bool residual(const StreamView& s, std::size_t p) noexcept {
-    return p < s.first_quantized || p >= s.end_quantized;
-  }
-  static const std::uint8_t* residual_row(const StreamView& s, std::size_t p) noexcept {
-    return p < s.first_quantized ? s.sink_row(p) : s.pending_row(p);
-  }
   /// First position after p where the kind of row (residual or packed) may change.
   static std::size_t kind_end(const StreamView& s, std::size_t p) noexcept {
     return p < s.first_quantized ? s.first_quantized : p < s.end_quantized ? s.end_quantized : ~std::size_t(0);
@@ -340,14 +306,14 @@ struct Kernel {
         scale = _mm256_set1_ps(sc);
         zero = _mm256_set1_ps(s.zeros != nullptr ? kvq::detail::load_scalar_f16c(s.spec.param, s.zeros, g) : -mid * sc);
       }
-      _mm256_store_ps(out + 8 * i, _mm256_fmadd_ps(code_vec<Bits>(row, i), scale, zero));
+      _mm256_store_ps(out + 8 * i, _mm256_fmadd_ps(ops::Avx2::codes<Bits>(row + std::size_t(Bits) * i), scale, zero));
     }
   }
 
   /// Row p of stream s as floats (dequantized when packed): out (dim).
   KVQ_TARGET_AVX2_ATTENTION void produce_row(const StreamView& s, std::size_t p, float* out) const noexcept {
-    if (residual(s, p)) {
-      const std::uint8_t* row = residual_row(s, p);
+    if (s.residual_at(p)) {
+      const std::uint8_t* row = s.residual_row(p);
       for (std::size_t i = 0; i < nv; ++i) _mm256_store_ps(out + 8 * i, load8(s.residual, row, 8 * i));
       return;
     }
@@ -362,38 +328,6 @@ struct Kernel {
       }
     }
     s.read_row(p, out);
-  }
-
-  /// Rotates a produced key row to its position p (pairs of 4, or 8 pairs half-split, per vector).
-  KVQ_TARGET_AVX2_ATTENTION void rotate(float* x, std::size_t p) const noexcept {
-    const RopeTable& rope = *task.rope;
-    const float* c = rope.cos_row(p);
-    const float* s = rope.sin_row(p);
-    const std::size_t dims = rope.config().dims(), pairs = dims / 2;
-    std::size_t i = 0;  // pairs done
-    if (rope.config().style == RopeStyle::adjacent_pairs) {
-      const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-      for (; i + 4 <= pairs; i += 4) {
-        const __m256 cv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(c + i)), dup);
-        const __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + i)), dup);
-        const __m256 xv = _mm256_load_ps(x + 2 * i);
-        // even lanes a c - b s, odd lanes b c + a s
-        _mm256_store_ps(x + 2 * i, _mm256_fmaddsub_ps(xv, cv, _mm256_mul_ps(_mm256_permute_ps(xv, 0xB1), sv)));
-      }
-    } else {
-      for (; i + 8 <= pairs; i += 8) {
-        const __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
-        const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + pairs);
-        _mm256_storeu_ps(x + i, _mm256_fmsub_ps(a, cv, _mm256_mul_ps(b, sv)));
-        _mm256_storeu_ps(x + i + pairs, _mm256_fmadd_ps(a, sv, _mm256_mul_ps(b, cv)));
-      }
-    }
-    for (; i < pairs; ++i) {  // partial rotary dims or a half that is not a multiple of 8
-      const auto [ia, ib] = rope_pair(rope.config().style, dims, i);
-      const float a = x[ia], b = x[ib];
-      x[ia] = a * c[i] - b * s[i];
-      x[ib] = a * s[i] + b * c[i];
-    }
   }
 
   // ---- keys --------------------------------------------------------------------------------
@@ -434,16 +368,7 @@ struct Kernel {
   template <bool IntegerSums, class Src>
   KVQ_TARGET_AVX2_ATTENTION void dots_heads(const Src& src, std::size_t n, const float* q, std::size_t qs,
                                             std::size_t h0, std::size_t nh, std::size_t off) noexcept {
-    switch (nh) {
-      case 4:
-        return dots<4, IntegerSums>(src, n, q, qs, h0, off);
-      case 3:
-        return dots<3, IntegerSums>(src, n, q, qs, h0, off);
-      case 2:
-        return dots<2, IntegerSums>(src, n, q, qs, h0, off);
-      default:
-        return dots<1, IntegerSums>(src, n, q, qs, h0, off);
-    }
+    with_heads(nh, [&]<int NH>() { dots<NH, IntegerSums>(src, n, q, qs, h0, off); });
   }
 
   /// Integer tier, post-RoPE keys of 2 or 4 bits per channel: the key bits take vpmaddubsw.
@@ -498,16 +423,7 @@ struct Kernel {
   template <int Bits>
   KVQ_TARGET_AVX2_ATTENTION void int_dots_heads(const std::uint8_t* base, std::size_t n, std::size_t h0, std::size_t nh,
                                                 std::size_t off) noexcept {
-    switch (nh) {
-      case 4:
-        return int_dots<Bits, 4>(base, k.row_bytes, n, h0, off);
-      case 3:
-        return int_dots<Bits, 3>(base, k.row_bytes, n, h0, off);
-      case 2:
-        return int_dots<Bits, 2>(base, k.row_bytes, n, h0, off);
-      default:
-        return int_dots<Bits, 1>(base, k.row_bytes, n, h0, off);
-    }
+    with_heads(nh, [&]<int NH>() { int_dots<Bits, NH>(base, k.row_bytes, n, h0, off); });
   }
 
   /// Key block holding p: scales and zero points per channel as floats.
@@ -567,9 +483,9 @@ struct Kernel {
         b = _mm256_fmadd_ps(qv, integer ? _mm256_fmadd_ps(s, _mm256_set1_ps(mid), z) : z, b);
         amax = _mm256_max_ps(amax, _mm256_and_ps(t, abs_mask));
       }
-      bias[h] = bias[4 + h] = hsum(b);
+      bias[h] = bias[4 + h] = ops::Avx2::sum(b);
       if (!integer) continue;
-      const float m = hmax(amax);
+      const float m = ops::Avx2::largest(amax);
       // A tiny maximum would give an infinite inverse (and an undefined int conversion).
       const __m256 inv = _mm256_set1_ps(inverse_step(127.0f, m));
       __m256 qsum = _mm256_setzero_ps();
@@ -580,7 +496,7 @@ struct Kernel {
         qsum = _mm256_add_ps(qsum, r);
       }
       alpha[h] = alpha[4 + h] = m / 127.0f;
-      offset[h] = offset[4 + h] = mid * hsum(qsum);
+      offset[h] = offset[4 + h] = mid * ops::Avx2::sum(qsum);
       if (int_keys()) key_query_bytes(h);
     }
   }
@@ -589,8 +505,8 @@ struct Kernel {
   KVQ_TARGET_AVX2_ATTENTION void folded_scores(std::size_t s0, std::size_t s1, std::size_t tile) noexcept {
     const bool integer = task.tier == Tier::integer;
     load_key_block(s0);
-    for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
-      const std::size_t nh = std::min(heads_per_pass, task.group - h0);
+    for (std::size_t h0 = 0; h0 < task.group; h0 += register_heads) {
+      const std::size_t nh = std::min(register_heads, task.group - h0);
       fold(h0, nh, integer);
       for (std::size_t p = s0; p < s1;) {
         const std::size_t n = std::min(s1 - p, fast_bits(k.spec.bits) ? max_tile : sub);
@@ -641,8 +557,8 @@ struct Kernel {
     const bool pre = task.rope != nullptr;
     for (std::size_t p = s0; p < s1;) {
       const std::size_t e = std::min({s1, p + sub, kind_end(k, p)}), n = e - p;
-      if (!pre && residual(k, p)) {
-        for (std::size_t r = 0; r < n; ++r) rowptr[r] = residual_row(k, p + r);
+      if (!pre && k.residual_at(p)) {
+        for (std::size_t r = 0; r < n; ++r) rowptr[r] = k.residual_row(p + r);
         switch (k.residual) {
           case Scalar::f16:
             all_heads(ResidualRows<Scalar::f16>{rowptr, k.residual_row_bytes()}, n, p - tile);
@@ -657,7 +573,7 @@ struct Kernel {
       } else {
         for (std::size_t r = 0; r < n; ++r) {
           produce_row(k, p + r, buffer + r * dim);
-          if (pre) rotate(buffer + r * dim, p + r);
+          if (pre) Vector::rope_row(*task.rope, p + r, buffer + r * dim);
         }
         all_heads(BufferRows{buffer, dim}, n, p - tile);
       }
@@ -667,50 +583,19 @@ struct Kernel {
 
   template <class Src>
   KVQ_TARGET_AVX2_ATTENTION void all_heads(const Src& src, std::size_t n, std::size_t off) noexcept {
-    for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass)
-      dots_heads<false>(src, n, task.queries + h0 * dim, dim, h0, std::min(heads_per_pass, task.group - h0), off);
+    for (std::size_t h0 = 0; h0 < task.group; h0 += register_heads)
+      dots_heads<false>(src, n, task.queries + h0 * dim, dim, h0, std::min(register_heads, task.group - h0), off);
   }
 
   /// Scores of tile [a, b) into scores[h][0 .. b - a), key block by key block as the reference.
   KVQ_TARGET_AVX2_ATTENTION void key_scores(std::size_t a, std::size_t b) noexcept {
     for (std::size_t s0 = a; s0 < b;) {
-      std::size_t s1 = b;
-      if (k.quantized && k.spec.axis == Axis::per_channel && s0 >= k.first_quantized && s0 < k.end_quantized)
-        s1 = std::min(b, k.first_quantized + ((s0 - k.first_quantized) / k.spec.group + 1) * k.spec.group);
+      const std::size_t s1 = key_block_end(k, s0, b);
       if (task.rope == nullptr && quantized_key_block(k, s0, s1))
         folded_scores(s0, s1, a);
       else
         row_scores(s0, s1, a);
       s0 = s1;
-    }
-  }
-
-  /// Online-softmax update of every head with the tile's n scores; scores become the weights.
-  KVQ_TARGET_AVX2_ATTENTION void softmax(std::size_t n) noexcept {
-    const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    for (std::size_t h = 0; h < task.group; ++h) {
-      float* s = scores[h];
-      cap_scores(s, n, task.softcap);
-      __m256 m8 = _mm256_set1_ps(task.max[h]);
-      for (std::size_t t = 0; t < n; t += 8)
-        m8 = _mm256_max_ps(m8, _mm256_blendv_ps(neg_inf, _mm256_load_ps(s + t), first_lanes(n - t)));
-      const float m = hmax(m8), old = task.max[h];
-      if (old != m) {
-        const float correction = old == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(old - m);
-        task.sum[h] *= correction;
-        float* acc = task.acc + h * dim;
-        for (std::size_t i = 0; i < nv; ++i)
-          _mm256_storeu_ps(acc + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * i), _mm256_set1_ps(correction)));
-        task.max[h] = m;
-      }
-      const __m256 mv = _mm256_set1_ps(m);
-      __m256 sum = _mm256_setzero_ps();
-      for (std::size_t t = 0; t < n; t += 8) {
-        const __m256 p = _mm256_and_ps(ops::Avx2::exp(_mm256_sub_ps(_mm256_load_ps(s + t), mv)), first_lanes(n - t));
-        _mm256_store_ps(s + t, p);
-        sum = _mm256_add_ps(sum, p);
-      }
-      task.sum[h] += hsum(sum);
     }
   }
 
@@ -752,28 +637,15 @@ struct Kernel {
 
   template <class Src>
   KVQ_TARGET_AVX2_ATTENTION void value_rows(const Src& src, std::size_t n, std::size_t off) noexcept {
-    for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
-      switch (std::min(heads_per_pass, task.group - h0)) {
-        case 4:
-          weighted_rows_all<4>(src, n, h0, off);
-          break;
-        case 3:
-          weighted_rows_all<3>(src, n, h0, off);
-          break;
-        case 2:
-          weighted_rows_all<2>(src, n, h0, off);
-          break;
-        default:
-          weighted_rows_all<1>(src, n, h0, off);
-          break;
-      }
+    for (std::size_t h0 = 0; h0 < task.group; h0 += register_heads) {
+      with_heads(task.group - h0, [&]<int NH>() { weighted_rows_all<NH>(src, n, h0, off); });
     }
   }
 
   /// Residual value rows [x, y) of the tile starting at `tile`.
   KVQ_TARGET_AVX2_ATTENTION void residual_values(std::size_t tile, std::size_t x, std::size_t y) noexcept {
     if (x >= y) return;
-    for (std::size_t p = x; p < y; ++p) rowptr[p - x] = residual_row(v, p);
+    for (std::size_t p = x; p < y; ++p) rowptr[p - x] = v.residual_row(p);
     switch (v.residual) {
       case Scalar::f16:
         return value_rows(ResidualRows<Scalar::f16>{rowptr, v.residual_row_bytes()}, y - x, x - tile);
@@ -831,9 +703,10 @@ struct Kernel {
       if (integer) {
         // The step: codes of up to 7 bits bound the weights by (largest weight) x (largest scale)
         // of the rows, 8-bit codes (127 levels) use the exact maximum (reference.hpp).
-        const float bound = v.spec.bits <= 7 ? hmax(pmax) * smax : hmax(wmax);
-        // Tiles far below the running maximum weigh about exp(-87) (ops::Avx2::exp), a bound whose plain
-        // inverse overflows: infinite weights would turn the accumulators into inf and NaN.
+        const float bound = v.spec.bits <= 7 ? ops::Avx2::largest(pmax) * smax : ops::Avx2::largest(wmax);
+        // Tiles far below the running maximum weigh about exp(-87) (ops::Avx2::exp; 0 or subnormal
+        // in a tile's scalar tail), a bound whose plain inverse overflows: infinite weights would
+        // turn the accumulators into inf and NaN (inverse_step gives 0 instead).
         const __m256 inv = _mm256_set1_ps(inverse_step(levels, bound));
         beta = bound / levels;
         for (std::size_t f = 0; f < np; f += 8)
@@ -897,16 +770,7 @@ struct Kernel {
   template <int Bits>
   KVQ_TARGET_AVX2_ATTENTION void packed_rows_heads(std::size_t x, std::size_t n, std::size_t G, std::size_t h0,
                                                    std::size_t nh) noexcept {
-    switch (nh) {
-      case 4:
-        return packed_rows_all<Bits, 4>(x, n, G, h0);
-      case 3:
-        return packed_rows_all<Bits, 3>(x, n, G, h0);
-      case 2:
-        return packed_rows_all<Bits, 2>(x, n, G, h0);
-      default:
-        return packed_rows_all<Bits, 1>(x, n, G, h0);
-    }
+    with_heads(nh, [&]<int NH>() { packed_rows_all<Bits, NH>(x, n, G, h0); });
   }
 
   /// Integer tier, 2/4-bit values in groups of a multiple of 32 channels: the vpmaddubsw path.
@@ -925,7 +789,7 @@ struct Kernel {
       __m256 pmax = _mm256_setzero_ps();
       for (std::size_t t = 0; t < n; t += 8)
         pmax = _mm256_max_ps(pmax, _mm256_and_ps(_mm256_loadu_ps(p + t), first_lanes(n - t)));
-      const float bound = hmax(pmax) * smax;
+      const float bound = ops::Avx2::largest(pmax) * smax;
       const __m256 inv = _mm256_set1_ps(inverse_step(levels, bound));
       vbeta[h] = bound / levels;
       for (std::size_t g = 0; g < G; ++g) {
@@ -944,7 +808,7 @@ struct Kernel {
           _mm_storel_epi64(reinterpret_cast<__m128i*>(wb[h][g] + t), b8);
         }
         vwsum[h][g] = float(hsum_epi32(ws));
-        vconst[h][g] = hsum(z);
+        vconst[h][g] = ops::Avx2::sum(z);
       }
     }
   }
@@ -1010,22 +874,8 @@ struct Kernel {
 
   template <int Bits>
   KVQ_TARGET_AVX2_ATTENTION void int_value_rows(std::size_t x, std::size_t n, std::size_t h0, std::size_t nh) noexcept {
-    for (std::size_t c0 = 0; c0 < dim; c0 += 32) {
-      switch (nh) {
-        case 4:
-          int_value_chunk<Bits, 4>(x, n, h0, c0);
-          break;
-        case 3:
-          int_value_chunk<Bits, 3>(x, n, h0, c0);
-          break;
-        case 2:
-          int_value_chunk<Bits, 2>(x, n, h0, c0);
-          break;
-        default:
-          int_value_chunk<Bits, 1>(x, n, h0, c0);
-          break;
-      }
-    }
+    for (std::size_t c0 = 0; c0 < dim; c0 += 32)
+      with_heads(nh, [&]<int NH>() { int_value_chunk<Bits, NH>(x, n, h0, c0); });
   }
 
   /// Packed per-token value rows [x, y) of the tile at `tile`, both tiers, G groups per row.
@@ -1047,7 +897,7 @@ struct Kernel {
     for (; f % 8 != 0; ++f) vscale[f] = vcentre[f] = 0.0f;
     __m256 sm = _mm256_setzero_ps();
     for (f = 0; f < np; f += 8) sm = _mm256_max_ps(sm, _mm256_load_ps(vscale + f));
-    const float smax = hmax(sm);
+    const float smax = ops::Avx2::largest(sm);
     if (int_values()) {
       // scales and centre values group-major, zero up to a multiple of 8 rows
       const __m256i rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int(G)));
@@ -1057,15 +907,15 @@ struct Kernel {
           _mm256_store_ps(sgm[g] + t, _mm256_mask_i32gather_ps(_mm256_setzero_ps(), vscale + t * G + g, rows, m, 4));
           _mm256_store_ps(cgm[g] + t, _mm256_mask_i32gather_ps(_mm256_setzero_ps(), vcentre + t * G + g, rows, m, 4));
         }
-      for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
-        const std::size_t nh = std::min(heads_per_pass, task.group - h0);
+      for (std::size_t h0 = 0; h0 < task.group; h0 += register_heads) {
+        const std::size_t nh = std::min(register_heads, task.group - h0);
         int_value_weights(tile, x, n, G, h0, nh, smax);
         v.spec.bits == 4 ? int_value_rows<4>(x, n, h0, nh) : int_value_rows<2>(x, n, h0, nh);
       }
       return;
     }
-    for (std::size_t h0 = 0; h0 < task.group; h0 += heads_per_pass) {
-      const std::size_t nh = std::min(heads_per_pass, task.group - h0);
+    for (std::size_t h0 = 0; h0 < task.group; h0 += register_heads) {
+      const std::size_t nh = std::min(register_heads, task.group - h0);
       value_weights(tile, x, n, G, h0, nh, smax);
       switch (v.spec.bits) {
         case 2:
@@ -1106,7 +956,7 @@ struct Kernel {
     for (std::size_t a = task.begin; a < task.end;) {
       const std::size_t b = tile_end(k, a, task.end);
       key_scores(a, b);
-      softmax(b - a);
+      for (std::size_t h = 0; h < task.group; ++h) Vector::softmax_head(task, h, scores[h], b - a);
       values(a, b);
       a = b;
     }

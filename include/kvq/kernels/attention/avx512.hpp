@@ -39,6 +39,7 @@
 #include "kvq/kernels/attention/avx512_exact.hpp"
 #include "kvq/kernels/attention/avx512_int.hpp"
 #include "kvq/kernels/attention/avx512_rope.hpp"
+#include "kvq/kernels/attention/vector.hpp"
 #include "kvq/kernels/ops/avx512.hpp"
 
 KVQ_INTRINSIC_WARNINGS_OFF
@@ -74,6 +75,8 @@ inline Kernel kernel_for(const DecodeTask& task) noexcept {
 }
 
 namespace detail {
+
+using Vector = x86_avx512::VectorKernel<ops::Avx512>;  // the online softmax, written once
 
 template <int NV>
 struct Kernels {
@@ -169,8 +172,8 @@ struct Kernels {
   /// packed per token (2, 4 or 8 bits, groups of a multiple of 16 channels) are dequantized in
   /// registers.
   KVQ_TARGET_AVX512_ATTENTION void load_key_row(std::size_t p, __m512* x) const noexcept {
-    if (p < k.first_quantized || p >= k.end_quantized) {
-      const std::uint8_t* row = p < k.first_quantized ? k.sink_row(p) : k.pending_row(p);
+    if (k.residual_at(p)) {
+      const std::uint8_t* row = k.residual_row(p);
       for (int i = 0; i < NV; ++i) x[i] = load16(k.residual, row, 16 * std::size_t(i));
     } else if (key_token_fast) {
       for (unsigned u = 0; u < NU; ++u) token_quarter(k, ku, key_groups, key_group_of, key_map, p, u, x + 4 * u);
@@ -305,42 +308,12 @@ struct Kernels {
     }
   }
 
-  /// Online-softmax update; scores become the weights exp(score - max).
-  KVQ_TARGET_AVX512_ATTENTION void softmax(std::size_t n) noexcept {
-    for (std::size_t h = 0; h < task.group; ++h) {
-      cap_scores(scores[h], n, task.softcap);
-      __m512 m = _mm512_set1_ps(task.max[h]);
-      for (std::size_t t = 0; t < n; t += 16) {
-        const __mmask16 mk = n - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - t)) - 1u);
-        m = _mm512_mask_max_ps(m, mk, m, _mm512_maskz_loadu_ps(mk, scores[h] + t));
-      }
-      const float mx = _mm512_reduce_max_ps(m), old = task.max[h];
-      const __m512 mv = _mm512_set1_ps(mx);
-      if (old != mx) {
-        const float corr = old == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(old - mx);
-        task.sum[h] *= corr;
-        float* acc = task.acc + h * dim;
-        const __m512 cv = _mm512_set1_ps(corr);
-        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), cv));
-        task.max[h] = mx;
-      }
-      __m512 sum = _mm512_setzero_ps();
-      for (std::size_t t = 0; t < n; t += 16) {
-        const __mmask16 mk = n - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - t)) - 1u);
-        const __m512 p = _mm512_maskz_mov_ps(mk, ops::Avx512::exp(_mm512_sub_ps(_mm512_loadu_ps(scores[h] + t), mv)));
-        _mm512_storeu_ps(scores[h] + t, p);
-        sum = _mm512_add_ps(sum, p);
-      }
-      task.sum[h] += _mm512_reduce_add_ps(sum);
-    }
-  }
-
   // ---- values -------------------------------------------------------------------------------
 
   /// Channels [64u, 64u + 64) of value row p as 4 vectors (residual or fast-packed rows).
   KVQ_TARGET_AVX512_ATTENTION void value_quarter(std::size_t p, unsigned u, __m512* x) const noexcept {
-    if (p < v.first_quantized || p >= v.end_quantized) {
-      const std::uint8_t* row = p < v.first_quantized ? v.sink_row(p) : v.pending_row(p);
+    if (v.residual_at(p)) {
+      const std::uint8_t* row = v.residual_row(p);
       for (unsigned i = 0; i < 4; ++i) x[i] = load16(v.residual, row, 64 * u + 16 * i);
       return;
     }
@@ -356,7 +329,7 @@ struct Kernels {
     const std::uint8_t* row = s.code_row(p);
     code_floats(un.codes(row, un.load(row), u), x, map);
     // The row's parameters (at most 8 groups: 16 channels or more each) converted at once.
-    const std::size_t pi = (p - s.first_quantized) * groups;  // StreamView::param_index, per token
+    const std::size_t pi = (p - s.first_quantized) * groups;  // StreamView::param_index without its division
     alignas(64) float scale[16], zero[16];
     const __m512 sv = load_n(s.spec.param, s.scales, pi, groups);
     _mm512_store_ps(scale, _mm512_mul_ps(sv, _mm512_set1_ps(map.unit)));
@@ -394,21 +367,8 @@ struct Kernels {
 
   KVQ_TARGET_AVX512_ATTENTION void value_rows(std::size_t tile, std::size_t a, std::size_t b, std::size_t skip_a,
                                               std::size_t skip_b) noexcept {
-    std::size_t h = 0;
-    for (; h + 4 <= task.group; h += 4) value_rows_heads<4>(tile, a, b, h, skip_a, skip_b);
-    switch (task.group - h) {
-      case 3:
-        value_rows_heads<3>(tile, a, b, h, skip_a, skip_b);
-        break;
-      case 2:
-        value_rows_heads<2>(tile, a, b, h, skip_a, skip_b);
-        break;
-      case 1:
-        value_rows_heads<1>(tile, a, b, h, skip_a, skip_b);
-        break;
-      default:
-        break;
-    }
+    for (std::size_t h0 = 0; h0 < task.group; h0 += register_heads)
+      with_heads(task.group - h0, [&]<int HB>() { value_rows_heads<HB>(tile, a, b, h0, skip_a, skip_b); });
   }
 
   /// Integer tier: rows [a, b) hold fast-packed per-token values.
@@ -548,7 +508,7 @@ struct Kernels {
     for (std::size_t a = begin; a < end;) {
       const std::size_t b = tile_end(k, a, end);
       key_scores(a, b);
-      softmax(b - a);
+      for (std::size_t h = 0; h < task.group; ++h) Vector::softmax_head(task, h, scores[h], b - a);
       // Values: fast-packed quantized rows (integer tier), register-blocked rows, generic rows.
       std::size_t qa = a, qb = a;  // quantized value rows of the tile, whatever their axis
       if (v.quantized && std::max(a, v.first_quantized) < std::min(b, v.end_quantized)) {

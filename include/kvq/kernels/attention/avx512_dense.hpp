@@ -188,22 +188,8 @@ template <bool Half, int NV>
 KVQ_TARGET_AVX512_ATTENTION void dense_rows(const DecodeTask& t, const std::uint8_t* krows, const std::uint8_t* vrows,
                                             std::size_t rb, std::size_t n, const RowRegion& kregion,
                                             const RowRegion& vregion) noexcept {
-  for (std::size_t h0 = 0; h0 < t.group; h0 += 4) {
-    switch (t.group - h0 < 4 ? t.group - h0 : 4) {
-      case 4:
-        dense_run<Half, NV, 4>(t, h0, krows, vrows, rb, n, kregion, vregion);
-        break;
-      case 3:
-        dense_run<Half, NV, 3>(t, h0, krows, vrows, rb, n, kregion, vregion);
-        break;
-      case 2:
-        dense_run<Half, NV, 2>(t, h0, krows, vrows, rb, n, kregion, vregion);
-        break;
-      default:
-        dense_run<Half, NV, 1>(t, h0, krows, vrows, rb, n, kregion, vregion);
-        break;
-    }
-  }
+  for (std::size_t h0 = 0; h0 < t.group; h0 += register_heads)
+    with_heads(t.group - h0, [&]<int NH>() { dense_run<Half, NV, NH>(t, h0, krows, vrows, rb, n, kregion, vregion); });
 }
 
 /// Both streams unquantized with the same residual type: the dense kernel takes the task.

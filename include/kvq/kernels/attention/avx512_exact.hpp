@@ -34,10 +34,10 @@ KVQ_INTRINSIC_WARNINGS_OFF
 namespace kvq::inline v0::kernels::attention::avx512::detail {
 
 struct ExactState {
-  alignas(64) float qf[max_tile / 16][int_heads][max_head_dim];  // folded queries per block slot
-  alignas(64) float bias[max_tile / 16][16];                     // lane 4h
-  alignas(64) float w[int_heads][max_tile * 4 + 16];             // p' * scale per (row, group)
-  alignas(64) float zs[int_heads][4];                            // sum p' * zero per group
+  alignas(64) float qf[max_tile / 16][register_heads][max_head_dim];  // folded queries per block slot
+  alignas(64) float bias[max_tile / 16][16];                          // lane 4h
+  alignas(64) float w[register_heads][max_tile * 4 + 16];             // p' * scale per (row, group)
+  alignas(64) float zs[register_heads][4];                            // sum p' * zero per group
 };
 
 /// The calling thread's scratch (one per thread, not one per kernel instantiation: thread-local

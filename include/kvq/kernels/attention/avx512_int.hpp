@@ -46,7 +46,6 @@ KVQ_INTRINSIC_WARNINGS_OFF
 
 namespace kvq::inline v0::kernels::attention::avx512::detail {
 
-inline constexpr std::size_t int_heads = 4;  // query heads per pass over a tile
 // Software prefetch of the code rows into L2, this many bytes ahead (measured on Zen 4 at 32K:
 // 12% faster than 8 KB into L1, which was no better than the hardware prefetcher alone).
 inline constexpr std::size_t prefetch_bytes = 64 * 1024;
@@ -70,10 +69,10 @@ struct IntState {
   alignas(64) std::int32_t kperm[16];             // lane l of a permuted 16-channel vector <- channel
   alignas(64) float qp[max_group][max_head_dim];  // queries, channels permuted like the key fields
   // int8 folded queries, alpha and bias of the key blocks of the current tile (slot = block in tile)
-  alignas(64) std::int8_t qb[max_tile / 16][int_heads][max_head_dim];
-  alignas(64) float fold[max_tile / 16][2][16];   // [slot][alpha, bias][4 * head]
-  alignas(64) float qt[int_heads][max_head_dim];  // q * scale of the block being folded
-  alignas(64) float kcode[16];                    // what 2/3/4-bit key codes stand for (code_values)
+  alignas(64) std::int8_t qb[max_tile / 16][register_heads][max_head_dim];
+  alignas(64) float fold[max_tile / 16][2][16];        // [slot][alpha, bias][4 * head]
+  alignas(64) float qt[register_heads][max_head_dim];  // q * scale of the block being folded
+  alignas(64) float kcode[16];                         // what 2/3/4-bit key codes stand for (code_values)
 
   // values
   alignas(64) std::uint8_t vidx[8][64];          // vpermt2b indices per byte vector (rows of <= 32 bytes)
@@ -83,13 +82,13 @@ struct IntState {
   alignas(64) std::int32_t vchan[max_head_dim];  // channel of lane l of accumulator a: vchan[16a + l]
   alignas(64) std::int32_t tperm[16], pidx[16];
   alignas(64) float st[max_tile * 4 / 16][16], zt[max_tile * 4 / 16][16];  // scales, centre values
-  alignas(64) float score[int_heads][max_tile + 16];
-  alignas(64) std::uint8_t wb[int_heads][max_tile * 4 + 64];
-  alignas(64) float accf[int_heads][max_head_dim];  // permuted channel order
-  alignas(16) float mx[int_heads], sm[int_heads];
+  alignas(64) float score[register_heads][max_tile + 16];
+  alignas(64) std::uint8_t wb[register_heads][max_tile * 4 + 64];
+  alignas(64) float accf[register_heads][max_head_dim];  // permuted channel order
+  alignas(16) float mx[register_heads], sm[register_heads];
   alignas(64) float corr[16], scale[16];  // lane 4h: exp(old max - new max), exp(tile max - new max)
-  float beta[int_heads];
-  alignas(64) float cg[int_heads][16];
+  float beta[register_heads];
+  alignas(64) float cg[register_heads][16];
   alignas(64) float vcode[16];  // what 2/3/4-bit value codes stand for (code_values)
 };
 
@@ -648,37 +647,24 @@ KVQ_TARGET_AVX512_ATTENTION void int_tiles(IntState& S, std::size_t a0, std::siz
   }
 }
 
-/// The packed span [a0, a1) (whole tiles of whole key blocks) for every head of the task, int_heads
+/// The packed span [a0, a1) (whole tiles of whole key blocks) for every head of the task, register_heads
 /// query heads per pass: each pass loads the heads' online-softmax state into S, runs
 /// Span::tiles<NH> and stores the state back (Span::load/store move the accumulators).
 template <class Span>
 KVQ_TARGET_AVX512_ATTENTION void head_passes(IntState& S, std::size_t a0, std::size_t a1) noexcept {
   const DecodeTask& t = *S.task;
   const std::size_t T = tile_tokens(t.keys);
-  for (std::size_t h0 = 0; h0 < t.group; h0 += int_heads) {
-    const std::size_t nh = t.group - h0 < int_heads ? t.group - h0 : int_heads;
+  for (std::size_t h0 = 0; h0 < t.group; h0 += register_heads) {
+    const std::size_t nh = t.group - h0 < register_heads ? t.group - h0 : register_heads;
     S.h0 = h0;
     S.nh = nh;
-    for (std::size_t h = 0; h < int_heads; ++h) S.mx[h] = S.sm[h] = 0.0f;
+    for (std::size_t h = 0; h < register_heads; ++h) S.mx[h] = S.sm[h] = 0.0f;
     for (std::size_t h = 0; h < nh; ++h) {
       S.mx[h] = t.max[h0 + h];
       S.sm[h] = t.sum[h0 + h];
     }
     Span::load(S);
-    switch (nh) {
-      case 4:
-        Span::template tiles<4>(S, a0, a1, T);
-        break;
-      case 3:
-        Span::template tiles<3>(S, a0, a1, T);
-        break;
-      case 2:
-        Span::template tiles<2>(S, a0, a1, T);
-        break;
-      default:
-        Span::template tiles<1>(S, a0, a1, T);
-        break;
-    }
+    with_heads(nh, [&]<int NH>() { Span::template tiles<NH>(S, a0, a1, T); });
     for (std::size_t h = 0; h < nh; ++h) {
       t.max[h0 + h] = S.mx[h];
       t.sum[h0 + h] = S.sm[h];

@@ -43,7 +43,7 @@ static_assert(RopeTable::steps >= 32, "rotation units of 32 positions need 32 st
 struct RopeKeyState {
   alignas(64) float lut[max_head_dim][16];  // zero + scale * code per channel (2/3/4 bits)
   alignas(64) float scale[max_head_dim], zero[max_head_dim];
-  alignas(64) float qr[int_heads][max_head_dim];          // query heads rotated back to the unit's start
+  alignas(64) float qr[register_heads][max_head_dim];     // query heads rotated back to the unit's start
   alignas(64) std::uint32_t codes[max_head_dim / 4][16];  // transposed dwords of 16 rows
   std::size_t block = ~std::size_t(0);                    // key block whose tables are loaded
 };

@@ -47,6 +47,26 @@ namespace kvq::inline v0::kernels::attention {
 inline constexpr std::size_t max_tile = max_tile_tokens;
 /// Most query heads per KV head (GQA ratio) the kernels accept.
 inline constexpr std::size_t max_group = 64;
+/// Query heads a kernel keeps in registers at once: a GQA group runs in passes of up to this many.
+inline constexpr std::size_t register_heads = 4;
+
+/// Calls f.template operator()<h>() with h = heads (1 to register_heads; more run as
+/// register_heads): a pass's head count as a constant, so its sums stay in registers. Every
+/// kernel's head-count dispatch.
+template <class F>
+[[gnu::always_inline]] inline void with_heads(std::size_t heads, F&& f) noexcept {
+  static_assert(register_heads == 4, "one case per head count");
+  switch (heads) {
+    case 1:
+      return f.template operator()<1>();
+    case 2:
+      return f.template operator()<2>();
+    case 3:
+      return f.template operator()<3>();
+    default:
+      return f.template operator()<4>();
+  }
+}
 
 /// Lane j's sign in an in-vector butterfly stage of distance 2^k (k < 4), for rotating key rows
 /// back (DecodeTask::unrotate) in vectors of up to 16 lanes, and (k = 0) for RoPE's adjacent
@@ -127,6 +147,13 @@ inline std::size_t tile_end(const StreamView& keys, std::size_t p, std::size_t e
   if (p < s) return std::min({s, p + 32, end});
   const std::size_t t = tile_tokens(keys);
   return std::min(end, s + ((p - s) / t + 1) * t);
+}
+
+/// End of the key block holding p, at most b: the next group boundary where keys are quantized
+/// per channel (each block folds its own scales), else b.
+inline std::size_t key_block_end(const StreamView& k, std::size_t p, std::size_t b) noexcept {
+  if (!k.quantized || k.spec.axis != Axis::per_channel || p < k.first_quantized || p >= k.end_quantized) return b;
+  return std::min(b, k.first_quantized + ((p - k.first_quantized) / k.spec.group + 1) * k.spec.group);
 }
 
 /// True when the whole tile [a, b) holds quantized per-channel keys of one block.

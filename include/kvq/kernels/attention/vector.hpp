@@ -15,18 +15,20 @@
 // (in vectors where packed per channel, or per token in groups of whole vectors; else through
 // StreamView::read_row), rotated back when stored rotated (DecodeTask::unrotate) and RoPE'd when
 // pre-RoPE. Dense-and-sparse outliers add their corrections: q . e to a folded key's score, e to
-// a dequantized row. Optional ops members, found with `requires`, speed the steps that pay:
-// `codes<bits>` unpacks a vector of codes in registers, `exp` takes the softmax's exponentials in
-// vectors, `load_scalar` converts fp16 parameters in hardware, `doubled` spreads RoPE's table
-// over adjacent pairs (half-split pairs need no member). The integer tier runs on scalar
-// ops only (computes_integer_tier), as task.hpp's definitions; vector kernels compute the exact
-// tier for both tiers.
+// a dequantized row. Ops of more than one lane have `exp`, `max` and `largest` for the online
+// softmax (softmax_head, which the AVX2 kernel and the generic AVX-512 kernel call too; the
+// AVX2 kernel calls rope_row as well). Optional ops members, found with `requires`, speed the steps that pay:
+// `codes<bits>` unpacks a vector of codes in registers, `load_scalar` converts fp16 parameters in
+// hardware, `doubled` spreads RoPE's table over adjacent pairs (half-split pairs need no
+// member). The integer tier runs on scalar ops only (computes_integer_tier), as task.hpp's
+// definitions; vector kernels compute the exact tier for both tiers.
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <utility>
 

@@ -31,6 +31,7 @@ struct Avx2 {
   KVQ_TARGET_AVX2_OPS static Vec sub(Vec a, Vec b) noexcept { return _mm256_sub_ps(a, b); }
   KVQ_TARGET_AVX2_OPS static Vec mul(Vec a, Vec b) noexcept { return _mm256_mul_ps(a, b); }
   KVQ_TARGET_AVX2_OPS static Vec fma(Vec a, Vec b, Vec c) noexcept { return _mm256_fmadd_ps(a, b, c); }
+  KVQ_TARGET_AVX2_OPS static Vec max(Vec a, Vec b) noexcept { return _mm256_max_ps(a, b); }
   /// Lane j takes lane j ^ len (len a power of two below the width).
   template <std::size_t len>
   KVQ_TARGET_AVX2_OPS static Vec exchange(Vec x) noexcept {
@@ -78,6 +79,12 @@ struct Avx2 {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  }
+  /// The largest lane.
+  KVQ_TARGET_AVX2_OPS static float largest(Vec v) noexcept {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
   }
 };
 

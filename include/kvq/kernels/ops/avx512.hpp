@@ -31,6 +31,7 @@ struct Avx512 {
   KVQ_TARGET_AVX512_OPS static Vec sub(Vec a, Vec b) noexcept { return _mm512_sub_ps(a, b); }
   KVQ_TARGET_AVX512_OPS static Vec mul(Vec a, Vec b) noexcept { return _mm512_mul_ps(a, b); }
   KVQ_TARGET_AVX512_OPS static Vec fma(Vec a, Vec b, Vec c) noexcept { return _mm512_fmadd_ps(a, b, c); }
+  KVQ_TARGET_AVX512_OPS static Vec max(Vec a, Vec b) noexcept { return _mm512_max_ps(a, b); }
   /// Lane j takes lane j ^ len (len a power of two below the width).
   template <std::size_t len>
   KVQ_TARGET_AVX512_OPS static Vec exchange(Vec x) noexcept {
@@ -79,6 +80,8 @@ struct Avx512 {
     return kvq::detail::load_scalar_f16c(t, base, i);
   }
   KVQ_TARGET_AVX512_OPS static float sum(Vec v) noexcept { return _mm512_reduce_add_ps(v); }
+  /// The largest lane.
+  KVQ_TARGET_AVX512_OPS static float largest(Vec v) noexcept { return _mm512_reduce_max_ps(v); }
 };
 
 }  // namespace kvq::inline v0::kernels::ops

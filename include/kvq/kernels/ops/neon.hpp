@@ -24,6 +24,7 @@ struct Neon {
   static Vec sub(Vec a, Vec b) noexcept { return vsubq_f32(a, b); }
   static Vec mul(Vec a, Vec b) noexcept { return vmulq_f32(a, b); }
   static Vec fma(Vec a, Vec b, Vec c) noexcept { return vfmaq_f32(c, a, b); }
+  static Vec max(Vec a, Vec b) noexcept { return vmaxq_f32(a, b); }
   /// Lane j takes lane j ^ len (len a power of two below the width).
   template <std::size_t len>
   static Vec exchange(Vec x) noexcept {
@@ -67,6 +68,8 @@ struct Neon {
     return float(std::bit_cast<__fp16>(bits));
   }
   static float sum(Vec v) noexcept { return vaddvq_f32(v); }
+  /// The largest lane.
+  static float largest(Vec v) noexcept { return vmaxvq_f32(v); }
 };
 
 }  // namespace kvq::inline v0::kernels::ops
