@@ -4,14 +4,22 @@
 // The calibration text is the model's own greedy continuation from BOS with the fp32 cache, so it
 // shares no token with the evaluation text. One configuration pools the levels over layers and KV
 // heads (one codebook per tensor); per-layer text ("k3c32b-v4t8-r0-s0*5") fits each layer's
-// codebooks to that layer's keys and values alone. Either way the result is text that --configs
-// reads back.
+// codebooks to that layer's keys and values alone. A bare "bh" ("k3c32bh-v4t8-r0-s0") fits one
+// codebook per KV head, so per-layer text with it fits one per layer, head and tensor. A 'w' after
+// either ("k3c32bw", "k3c32bhw") weighs each value by what its error costs where it is consumed
+// (KVQuant weighs its k-means by sensitivity): a key channel by the squared queries that meet it,
+// a value row by the squared attention weights it receives, on the same text. Either way the
+// result is text that --configs reads back.
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
+#include <limits>
 #include <optional>
 #include <regex>
+#include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "eval/cache_backend.hpp"
@@ -30,6 +38,8 @@ inline constexpr std::size_t calibration_tokens = 512;
 struct CodebookRequest {
   CacheConfig config;  // the codebook streams hold the uniform grid until calibrated
   bool keys = false, values = false;
+  bool key_heads = false, value_heads = false;        // a codebook per KV head ("bh")
+  bool key_weighted = false, value_weighted = false;  // a sensitivity-weighted fit ("bw")
 };
 
 /// The request a configuration string makes, or nothing when no quantizer ends in a bare 'b'.
@@ -42,10 +52,13 @@ inline std::optional<CodebookRequest> codebook_request(const std::string& text) 
   for (int part = 0; part < 2 && start < spelled.size(); ++part) {
     const std::size_t end = std::min(spelled.find('-', start), spelled.size());
     const std::string q = spelled.substr(start, end - start);
-    static const std::regex bare(R"([kv][0-9]+[ct][0-9]+(o[0-9]+)?b(\.[a-z0-9]+)?)");
+    static const std::regex bare(R"([kv][0-9]+[ct][0-9]+(o[0-9]+)?bh?w?(\.[a-z0-9]+)?)");
     const std::size_t dot = std::min(q.find('.'), q.size());
     if (std::regex_match(q, bare)) {
-      QuantizerSpec spec = parse_quantizer(q.substr(0, dot - 1) + q.substr(dot), q[0]);  // the same, affine
+      const bool weighted = q[dot - 1] == 'w';
+      const bool per_head = q[dot - 1 - (weighted ? 1 : 0)] == 'h';
+      const std::size_t suffix = 1 + (per_head ? 1 : 0) + (weighted ? 1 : 0);
+      QuantizerSpec spec = parse_quantizer(q.substr(0, dot - suffix) + q.substr(dot), q[0]);  // the same, affine
       spec.mode = Mode::codebook;
       if (spec.bits > 4)  // before the levels: the codebook holds 16
         throw Error(ErrorCode::invalid_argument,
@@ -55,6 +68,8 @@ inline std::optional<CodebookRequest> codebook_request(const std::string& text) 
       const std::string full = to_string(spec, q[0]);
       spelled.replace(start, end - start, full);
       (part == 0 ? r.keys : r.values) = true;
+      (part == 0 ? r.key_heads : r.value_heads) = per_head;
+      (part == 0 ? r.key_weighted : r.value_weighted) = weighted;
       start += full.size() + 1;
     } else {
       start = end + 1;
@@ -102,7 +117,13 @@ inline std::optional<LayerCodebookRequest> layer_codebook_request(const std::str
   LayerCodebookRequest r;
   for (std::size_t i = 0; i < items.size(); ++i)
     for (const CacheConfig& c : parse_layer_configs(items[i]))
-      r.layers.push_back({c, requests[i] && requests[i]->keys, requests[i] && requests[i]->values});
+      if (requests[i]) {
+        CodebookRequest layer = *requests[i];
+        layer.config = c;
+        r.layers.push_back(layer);
+      } else {
+        r.layers.push_back({c});
+      }
   return r;
 }
 
@@ -111,28 +132,96 @@ class CalibrationText {
  public:
   explicit CalibrationText(const llama::Model& model)
       : m_(model.config()),
+        rope_(model.rope_config()),
         kv_(llama::FullPrecisionBackend(model, std::min(calibration_tokens, m_.context_length)), m_.layers) {
     (void)llama::greedy_generate(model, kv_, std::min(calibration_tokens, m_.context_length) - 1);
   }
 
-  /// `spec`'s codebook fitted to the keys (or values) of layers [first, last), every KV head.
-  QuantizerSpec fit(const QuantizerSpec& spec, bool keys, std::size_t first, std::size_t last) const {
+  /// What an error in each channel of KV head h's (pre-RoPE) keys in layer l costs the scores:
+  /// the mean squared query of the head's group, averaged over each RoPE pair, since an error
+  /// turns with its pair by the angle between the key's position and the query's.
+  std::vector<float> key_channel_weights(std::size_t l, std::size_t h) const {
+    const std::vector<float>& q = kv_.queries(l);  // (T, heads, d)
+    const std::size_t d = m_.head_dim, group = m_.heads / m_.kv_heads, tokens = q.size() / (m_.heads * d);
+    std::vector<double> energy(d, 0.0);
+    for (std::size_t t = 0; t < tokens; ++t)
+      for (std::size_t g = h * group; g < (h + 1) * group; ++g)
+        for (std::size_t c = 0; c < d; ++c)
+          energy[c] += double(q[(t * m_.heads + g) * d + c]) * q[(t * m_.heads + g) * d + c];
+    std::vector<float> w(d);
+    for (std::size_t c = 0; c < d; ++c) w[c] = float(energy[c] / double(tokens * group));
+    const std::size_t dims = rope_.dims();
+    for (std::size_t i = 0; i < dims / 2; ++i) {
+      const auto [a, b] = rope_pair(rope_.style, dims, i);
+      w[a] = w[b] = 0.5f * (w[a] + w[b]);
+    }
+    return w;
+  }
+
+  /// What an error in each row of KV head h's values in layer l costs the attention outputs: the
+  /// squared attention weights the row receives from the queries of the head's group (exact
+  /// attention of the calibration text), summed.
+  std::vector<float> value_row_weights(std::size_t l, std::size_t h) const {
+    const std::vector<float>&q = kv_.queries(l), &k = kv_.keys(l);
+    const std::size_t d = m_.head_dim, group = m_.heads / m_.kv_heads, tokens = k.size() / (m_.kv_heads * d);
+    const RopeTable table(rope_, tokens);
+    std::vector<float> keys(tokens * d), query(d), p(tokens);
+    for (std::size_t t = 0; t < tokens; ++t) {
+      std::copy_n(k.data() + (t * m_.kv_heads + h) * d, d, keys.data() + t * d);
+      table.rotate(keys.data() + t * d, t);
+    }
+    std::vector<double> w(tokens, 0.0);
+    const double scale = 1.0 / std::sqrt(double(d));
+    for (std::size_t s = 0; s < std::min(tokens, q.size() / (m_.heads * d)); ++s)
+      for (std::size_t g = h * group; g < (h + 1) * group; ++g) {
+        std::copy_n(q.data() + (s * m_.heads + g) * d, d, query.data());
+        table.rotate(query.data(), s);
+        double top = -std::numeric_limits<double>::infinity(), sum = 0.0;
+        for (std::size_t t = 0; t <= s; ++t) {
+          double dot = 0.0;
+          for (std::size_t c = 0; c < d; ++c) dot += double(query[c]) * keys[t * d + c];
+          p[t] = float(dot * scale);
+          top = std::max(top, double(p[t]));
+        }
+        for (std::size_t t = 0; t <= s; ++t) sum += std::exp(double(p[t]) - top);
+        for (std::size_t t = 0; t <= s; ++t) {
+          const double weight = std::exp(double(p[t]) - top) / sum;
+          w[t] += weight * weight;
+        }
+      }
+    return std::vector<float>(w.begin(), w.end());
+  }
+
+  /// `spec`'s codebook fitted to the keys (or values) of layers [first, last), of KV head `head`
+  /// or, without one, every KV head; `weighted`: each value weighed by what its error costs
+  /// (key_channel_weights, value_row_weights).
+  QuantizerSpec fit(const QuantizerSpec& spec, bool keys, std::size_t first, std::size_t last,
+                    std::optional<std::size_t> head = std::nullopt, bool weighted = false) const {
     if (first >= last || last > m_.layers)
       throw Error(ErrorCode::invalid_argument, "codebook calibration: layers [" + std::to_string(first) + ", " +
                                                    std::to_string(last) + ") of a model of " +
                                                    std::to_string(m_.layers));
+    if (head && *head >= m_.kv_heads)
+      throw Error(ErrorCode::invalid_argument, "codebook calibration: KV head " + std::to_string(*head) +
+                                                   " of a model of " + std::to_string(m_.kv_heads));
     CodebookCalibration calibration(spec, m_.head_dim);
     std::vector<float> rows;
     for (std::size_t l = first; l < last; ++l) {
       const std::vector<float>& all = keys ? kv_.keys(l) : kv_.values(l);  // (T, kv_heads, d)
       const std::size_t tokens = all.size() / (m_.kv_heads * m_.head_dim);
-      for (std::size_t h = 0; h < m_.kv_heads; ++h) {
+      for (std::size_t h = head.value_or(0); h < (head ? *head + 1 : m_.kv_heads); ++h) {
         rows.clear();
         for (std::size_t t = 0; t < tokens; ++t) {
           const float* row = all.data() + (t * m_.kv_heads + h) * m_.head_dim;
           rows.insert(rows.end(), row, row + m_.head_dim);
         }
-        calibration.add(rows);
+        if (!weighted) {
+          calibration.add(rows);
+        } else {
+          const std::vector<float> w = keys ? key_channel_weights(l, h) : value_row_weights(l, h);
+          calibration.add(rows, keys ? CodebookCalibration::Weights{.channels = w}
+                                     : CodebookCalibration::Weights{.rows = std::span(w).first(tokens)});
+        }
       }
     }
     return calibration.fit();
@@ -141,13 +230,27 @@ class CalibrationText {
   /// `request`'s configuration with the codebooks it asks for fitted to layers [first, last).
   CacheConfig calibrate(const CodebookRequest& request, std::size_t first, std::size_t last) const {
     CacheConfig out = request.config;
-    if (request.keys) out.key = fit(out.key, true, first, last);
-    if (request.values) out.value = fit(out.value, false, first, last);
+    for (const auto& [spec, heads, asked, per_head, weighted, keys] :
+         {std::tuple{&out.key, &out.key_head_codebooks, request.keys, request.key_heads, request.key_weighted, true},
+          std::tuple{&out.value, &out.value_head_codebooks, request.values, request.value_heads, request.value_weighted,
+                     false}}) {
+      if (!asked) continue;
+      if (!per_head || m_.kv_heads == 1) {
+        *spec = fit(*spec, keys, first, last, std::nullopt, weighted);
+        continue;
+      }
+      for (std::size_t h = 0; h < m_.kv_heads; ++h)
+        heads->push_back(fit(*spec, keys, first, last, h, weighted).codebook);
+      spec->codebook = heads->front();
+      if (std::all_of(heads->begin(), heads->end(), [&](const Codebook& c) { return c == heads->front(); }))
+        heads->clear();  // one codebook after all: one spelling
+    }
     return out;
   }
 
  private:
   const llama::LlamaConfig& m_;
+  RopeConfig rope_;
   RecordingBackend<llama::FullPrecisionBackend> kv_;
 };
 

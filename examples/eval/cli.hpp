@@ -57,7 +57,10 @@ usage: kvq-eval [options]
                        a quantizer ending in a bare 'b' (k3c32b-v4t8-r0-s0) gets codebook levels
                        fitted to the model's own greedy text from BOS (pre-RoPE keys, values;
                        one codebook per tensor over layers and heads, or, in per-layer text
-                       such as 'k3c32b-v4t8-r0-s0*5', per layer), printed in the table
+                       such as 'k3c32b-v4t8-r0-s0*5', per layer), printed in the table;
+                       a bare 'bh' (k3c32bh-v4t8-r0-s0) fits one codebook per KV head, and a
+                       'w' after either ('bw', 'bhw') weighs each value by what its error costs
+                       (keys: squared queries per channel; values: squared attention weights)
   --stories N          evaluate the first N stories (default: all)
   --context N          truncate each story to N tokens (default: 512, or the model's
                        context length if shorter; more than that length is an error)

@@ -339,7 +339,7 @@ TEST(Attend, BadScoreOptionsThrowBeforeWritingAnything) {
   std::vector<float> logits(4, 1.0f), infinite(4, 1.0f), three(3, 1.0f);  // queries of 4 heads
   logits[3] = std::nanf("");
   infinite[0] = -std::numeric_limits<float>::infinity();
-  std::vector<kvq::ScoreOptions> rules(8);
+  std::vector<kvq::ScoreOptions> rules(10);
   rules[0].window = 0;
   rules[1].scale = -1.0f;
   rules[2].scale = std::nanf("");
@@ -348,6 +348,8 @@ TEST(Attend, BadScoreOptionsThrowBeforeWritingAnything) {
   rules[5].attention_chunk = 0;
   rules[6].sink_logits = infinite;
   rules[7].sink_logits = three;
+  rules[8].softcap = 1e-39f;                             // 1 / cap overflows: a score of 0 would be 0 * inf
+  rules[9].sink_logits = std::span(out).subspan(64, 4);  // the merge would overwrite them as it read them
   const char* const parts[] = {"sliding window of 0",
                                "softmax scale -1",
                                "softmax scale nan",
@@ -355,7 +357,9 @@ TEST(Attend, BadScoreOptionsThrowBeforeWritingAnything) {
                                "sink logit of query head 3 is nan",
                                "chunks of 0 positions",
                                "sink logit of query head 0 is -inf",
-                               "3 sink logits for 4 query heads"};
+                               "3 sink logits for 4 query heads",
+                               "finite reciprocal",
+                               "the output overlaps the sink logits"};
   for (std::size_t i = 0; i < rules.size(); ++i) {
     const kvq::DecodeOptions options{.scores = rules[i]};
     for (const std::size_t tokens : {1u, 2u}) {
@@ -430,6 +434,62 @@ TEST(Attend, BadRequestsThrowBeforeWritingAnything) {
   } catch (const kvq::Error& e) {
     EXPECT_NE(std::string(e.what()).find("overlaps the queries"), std::string::npos) << e.what();
   }
+  // One request's output over another's queries: refused as within one request.
+  std::vector<float> shared(q.begin(), q.end());
+  AttentionRequest reads = good, writes = good;
+  reads.queries = shared;
+  writes.out = shared;
+  expect_error({reads, writes}, kvq::ErrorCode::invalid_argument, "request 1: the output overlaps request 0's queries");
+  EXPECT_EQ(shared, q);
+}
+
+// Chunks of any size, up to SIZE_MAX, plan the same single chunk as one that spans the cache (a
+// chunk rounded up to whole tiles must not wrap, nor a chunk boundary past sinks of a tile or more).
+TEST(Attend, HugeChunksAreOneChunk) {
+  const BasicKVCache cache = filled("k16-v16-r0-s80", 1, 64, 100, 61);
+  const auto q = kvq::test::normal_vector(2 * 64, 62);
+  std::vector<float> ref(q.size()), whole(q.size()), block(q.size()), out(q.size());
+  kvq::reference_attention(cache, 0, 60, q, ref);  // one position, two query heads
+  kvq::decode_attention(cache, 0, 60, q, whole, {.chunk_tokens = 1u << 20});
+  EXPECT_LT(relative_error(whole, ref), 1e-5);
+  // Two positions, one query head each.
+  const AttentionRequest two{.cache = &cache, .first_position = 59, .tokens = 2, .queries = q, .out = out};
+  kvq::attend(two, {.chunk_tokens = 1u << 20});
+  block = out;
+  for (const std::size_t chunk : {std::numeric_limits<std::size_t>::max(), std::numeric_limits<std::size_t>::max() - 31,
+                                  std::numeric_limits<std::size_t>::max() / 2 + 1}) {
+    kvq::decode_attention(cache, 0, 60, q, out, {.chunk_tokens = chunk});
+    EXPECT_EQ(out, whole) << chunk;
+    kvq::attend(two, {.chunk_tokens = chunk});
+    EXPECT_EQ(out, block) << chunk;
+  }
+}
+
+// More than 64 query heads per KV head: decode_attention refuses them by name, decode_kernel too,
+// and attend() takes them alone as in a batch.
+TEST(Attend, GroupsBeyondTheDecodeKernelsRunInBatches) {
+  const BasicKVCache cache = filled("k4c32-v2t32-r20-s3", 1, 64, 100, 63);
+  const auto q = kvq::test::normal_vector(65 * 64, 64);
+  std::vector<float> ref(q.size()), alone(q.size()), batched(q.size()), other(q.size());
+  kvq::reference_attention(cache, 0, 99, q, ref);
+  try {
+    kvq::decode_attention(cache, 0, 99, q, alone);
+    ADD_FAILURE() << "65 query heads per KV head accepted";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::unsupported);
+    EXPECT_NE(e.message().find("65 query heads per KV head exceed 64"), std::string::npos) << e.message();
+  }
+  EXPECT_THROW((void)kvq::decode_kernel(cache, 65), kvq::Error);
+  EXPECT_THROW((void)kvq::decode_kernel(cache, 0), kvq::Error);
+  const AttentionRequest one{.cache = &cache, .first_position = 99, .tokens = 1, .queries = q, .out = alone};
+  kvq::attend(one, {.tier = Tier::exact});
+  EXPECT_LT(relative_error(alone, ref), 1e-5);
+  AttentionRequest second = one;
+  second.out = other;
+  AttentionRequest first = one;
+  first.out = batched;
+  kvq::attend(std::vector<AttentionRequest>{first, second}, {.tier = Tier::exact});
+  EXPECT_EQ(alone, batched);
 }
 
 }  // namespace

@@ -306,6 +306,34 @@ TEST(CacheFile, SizeFollowsTheTokensHeldNotTheCapacity) {
   }
 }
 
+// A header names the capacity, and a new cache allocates its own rows, RoPE table and block table
+// for it before the body is read: load(in) refuses a cache that would take more than its limit, so
+// a few bytes cannot ask for gigabytes (capacity 2^27 at head_dim 128: a 64 GiB RoPE table).
+TEST(CacheFile, ANewCacheIsBoundedBeforeItsBodyIsRead) {
+  const CacheConfig config = config_of("k4c32-v2t32-r128-s0");
+  const CacheShape shape{2, 4, 128, 1500};
+  BasicKVCache cache(shape, config);
+  append_random(cache, 300, 7);
+  const std::string file = saved(cache);
+  const std::size_t fixed = BasicKVCache::fixed_bytes(shape, config);
+  EXPECT_GE(fixed, BasicKVCache(shape, config).allocated_bytes());  // own rows, history, scratch, RoPE table
+  EXPECT_LE(fixed, BasicKVCache(shape, config).allocated_bytes() + 64 * 1024);  // and the block table, small
+  std::stringstream exact(file);
+  EXPECT_EQ(snapshot(kvq::load(exact, fixed)), snapshot(cache));
+  std::stringstream over(file);
+  try {
+    (void)kvq::load(over, fixed - 1);
+    ADD_FAILURE() << "a cache beyond the limit was loaded";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::io);
+    EXPECT_NE(e.message().find("would allocate " + std::to_string(fixed) + " bytes before its first token"),
+              std::string::npos)
+        << e.message();
+  }
+  EXPECT_GT(BasicKVCache::fixed_bytes(CacheShape{1, 1, 128, std::size_t(1) << 27}, config), kvq::default_load_bytes);
+  EXPECT_LT(BasicKVCache::fixed_bytes(CacheShape{32, 8, 128, std::size_t(1) << 20}, config), kvq::default_load_bytes);
+}
+
 // Contents no cache writes, in files whose CRCs are right (written by something else): the
 // kernels would trust them (an outlier slot indexes their memory), so load names them and
 // changes nothing.

@@ -152,6 +152,18 @@ TEST(EvalCli, CodebookRequestsAreBareBs) {
   EXPECT_TRUE(r->keys && r->values);
   EXPECT_EQ(r->config.key.mode, kvq::Mode::codebook);
   EXPECT_EQ(r->config.value.param, kvq::Scalar::bf16);
+  EXPECT_FALSE(r->key_heads || r->value_heads);
+  const auto h = kvq::eval::codebook_request("k3c32bh-v2t8b-r0-s0");
+  ASSERT_TRUE(h.has_value());
+  EXPECT_TRUE(h->key_heads && !h->value_heads);
+  EXPECT_EQ(h->config.key, r->config.key);  // the uniform grid until calibrated
+  EXPECT_FALSE(h->key_weighted || h->value_weighted);
+  const auto w = kvq::eval::codebook_request("k3c32bhw-v2t8bw.bf16-r0-s0");
+  ASSERT_TRUE(w.has_value());
+  EXPECT_TRUE(w->key_heads && w->key_weighted && !w->value_heads && w->value_weighted);
+  EXPECT_EQ(w->config.value.param, kvq::Scalar::bf16);
+  EXPECT_FALSE(kvq::eval::codebook_request("k3c32bwh-v2t8-r0-s0").has_value());       // 'w' comes last: no request,
+  EXPECT_THROW((void)kvq::eval::parse_candidate("k3c32bwh-v2t8-r0-s0"), kvq::Error);  // and no configuration
   EXPECT_FALSE(kvq::eval::codebook_request("k4c32-v2t8-r0-s0").has_value());
   EXPECT_FALSE(kvq::eval::codebook_request("ggml-q4_0").has_value());
   // Spelled levels are no request, even when the last hex digit is a 'b'.
@@ -261,6 +273,73 @@ TEST_F(EvalModel, PerLayerCodebooksAreFittedToEachLayer) {
     EXPECT_NE(e.message().find("names 2 layers"), std::string::npos) << e.message();
   }
   // Key error and KL barely move on this model (bench/RESULTS.md), so neither is asserted.
+}
+
+// A 'w' weighs the fit by what each value's error costs: key channels by their queries' energy
+// (the same within a RoPE pair), value rows by the squared attention weights they receive (between
+// 1/(s+1) and 1 per query), and the fitted levels differ from the unweighted ones.
+TEST_F(EvalModel, SensitivityWeightsFollowTheQueriesAndTheAttention) {
+  const kvq::eval::CalibrationText calibration(*model_);
+  const auto& m = model_->config();
+  const std::size_t group = m.heads / m.kv_heads;
+  for (std::size_t l = 0; l < m.layers; ++l)
+    for (std::size_t h = 0; h < m.kv_heads; ++h) {
+      const std::vector<float> k = calibration.key_channel_weights(l, h);
+      ASSERT_EQ(k.size(), m.head_dim);
+      for (std::size_t i = 0; i < m.head_dim / 2; ++i) {  // adjacent pairs (llama)
+        EXPECT_EQ(k[2 * i], k[2 * i + 1]) << "layer " << l << ", head " << h << ", pair " << i;
+        EXPECT_GT(k[2 * i], 0.0f);
+      }
+      const std::vector<float> v = calibration.value_row_weights(l, h);
+      double total = 0.0, least = 0.0;
+      for (std::size_t t = 0; t < v.size(); ++t) {
+        EXPECT_TRUE(std::isfinite(v[t]) && v[t] >= 0.0f);
+        total += v[t];
+      }
+      // Every position but perhaps the last attends; each query's squared weights sum to 1/(s+1)..1.
+      for (std::size_t s = 0; s + 1 < v.size(); ++s) least += double(group) / double(s + 1);
+      EXPECT_GE(total, 0.999 * least) << "layer " << l << ", head " << h;
+      EXPECT_LE(total, 1.001 * double(group * v.size())) << "layer " << l << ", head " << h;
+    }
+  const auto plain = kvq::eval::codebook_request("k3c32b-v2t8b-r0-s0");
+  const auto weighted = kvq::eval::codebook_request("k3c32bw-v2t8bw-r0-s0");
+  const kvq::CacheConfig a = kvq::eval::calibrate_codebooks(*model_, *plain),
+                         b = kvq::eval::calibrate_codebooks(*model_, *weighted);
+  EXPECT_NE(a.key.codebook, b.key.codebook);
+  EXPECT_NE(a.value.codebook, b.value.codebook);
+  EXPECT_EQ(kvq::parse_cache_config(kvq::to_string(b)), b);
+  EXPECT_TRUE(std::isfinite(eval_->evaluate(b).mean_kl));
+}
+
+// A bare "bh" fits one codebook per KV head, to that head's rows alone; in per-layer text, one per
+// layer, head and tensor. The result runs as a cache configuration and reads back as itself.
+TEST_F(EvalModel, PerHeadCodebooksAreFittedToEachHead) {
+  const std::size_t layers = model_->config().layers, heads = model_->config().kv_heads;
+  ASSERT_GE(heads, 2u);
+  const auto request = kvq::eval::layer_codebook_request("k2c32bh-v2t8b-r0-s0*" + std::to_string(layers));
+  ASSERT_TRUE(request.has_value());
+  const std::vector<kvq::CacheConfig> fitted = kvq::eval::calibrate_codebooks(*model_, *request);
+  ASSERT_EQ(fitted.size(), layers);
+  const kvq::eval::CalibrationText calibration(*model_);
+  for (std::size_t l = 0; l < layers; ++l) {
+    const kvq::CacheConfig& asked = request->layers[l].config;
+    ASSERT_EQ(fitted[l].key_head_codebooks.size(), heads) << "layer " << l;
+    EXPECT_TRUE(fitted[l].value_head_codebooks.empty()) << "layer " << l;  // "b": one per tensor
+    EXPECT_EQ(fitted[l].value, calibration.fit(asked.value, false, l, l + 1)) << "layer " << l;
+    for (std::size_t h = 0; h < heads; ++h)
+      EXPECT_EQ(fitted[l].key_head_codebooks[h], calibration.fit(asked.key, true, l, l + 1, h).codebook)
+          << "layer " << l << ", head " << h;
+    EXPECT_NE(fitted[l].key_head_codebooks[0], fitted[l].key_head_codebooks[1]) << "layer " << l;
+  }
+  EXPECT_THROW((void)calibration.fit(request->layers[0].config.key, true, 0, 1, heads), kvq::Error);
+  const kvq::eval::Candidate read_back = kvq::eval::parse_candidate(kvq::to_string(fitted));
+  const auto* back = std::get_if<kvq::eval::LayerConfigs>(&read_back);
+  ASSERT_NE(back, nullptr);
+  EXPECT_EQ(back->configs, fitted);
+  const kvq::CacheConfig pooled =
+      kvq::eval::calibrate_codebooks(*model_, *kvq::eval::codebook_request("k2c32bh-v2t8-r0-s0"));
+  EXPECT_EQ(pooled.key_head_codebooks.size(), heads);  // over every layer, per head
+  EXPECT_TRUE(std::isfinite(eval_->evaluate(pooled).mean_kl));
 }
 
 // The report of a per-layer result: its text as the name, one axes label where the layers agree,

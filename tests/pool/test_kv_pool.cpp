@@ -1118,6 +1118,14 @@ TEST(KVPoolPerLayer, FailuresNameThePoolLayerAndChangeNothing) {
   }
   EXPECT_TRUE(bytes() == before);
   EXPECT_EQ(pool.length(id, 0), 100u);
+  // The same on a fork, whose blocks are shared: the groups before layer 3's copy none of them.
+  const SequenceId child = pool.fork(id, 100);
+  const kvq::PoolMemory forked = pool.memory();
+  EXPECT_THROW(pool.truncate(child, 90), kvq::Error);
+  EXPECT_THROW(pool.erase(child, 1, 32), kvq::Error);
+  EXPECT_EQ(pool.memory().used, forked.used);
+  EXPECT_EQ(pool.memory().shared, forked.shared);
+  pool.remove_sequence(child);
   try {
     pool.erase(id, 1, 32);  // inside layers 0 and 2's sinks
     FAIL() << "erasing sink positions succeeded";

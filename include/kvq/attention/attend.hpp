@@ -61,12 +61,6 @@ struct RequestPlan {
   std::size_t query_offset = 0, partial_offset = 0;  // into the workspace
 };
 
-inline bool overlaps(std::span<const float> a, std::span<const float> b) noexcept {
-  if (a.empty() || b.empty()) return false;
-  const std::less<const float*> before;
-  return before(a.data(), b.data() + b.size()) && before(b.data(), a.data() + a.size());
-}
-
 inline void check_request(const AttentionRequest& r, std::size_t index) {
   const std::string which = "attention request " + std::to_string(index) + ": ";
   if (r.cache == nullptr) throw Error(ErrorCode::invalid_argument, which + "no cache");
@@ -94,6 +88,25 @@ inline void check_request(const AttentionRequest& r, std::size_t index) {
       throw Error(ErrorCode::invalid_argument, which + "the output overlaps the " + what);
 }
 
+/// Throws if request i's output overlaps request j's inputs or output (i != j).
+inline void check_requests_apart(std::span<const AttentionRequest> requests) {
+  for (std::size_t i = 0; i < requests.size(); ++i)
+    for (std::size_t j = 0; j < requests.size(); ++j) {
+      if (i == j) continue;
+      const std::span<const float> out(requests[i].out.data(), requests[i].out.size());
+      const AttentionRequest& r = requests[j];
+      for (const auto& [span, what] :
+           {std::pair{r.queries, "queries"}, std::pair{r.new_keys, "new keys"}, std::pair{r.new_values, "new values"}})
+        if (overlaps(out, span))
+          throw Error(ErrorCode::invalid_argument, "attention request " + std::to_string(i) +
+                                                       ": the output overlaps request " + std::to_string(j) + "'s " +
+                                                       what);
+      if (i < j && overlaps(out, std::span<const float>(r.out.data(), r.out.size())))
+        throw Error(ErrorCode::invalid_argument, "attention requests " + std::to_string(i) + " and " +
+                                                     std::to_string(j) + " write overlapping outputs");
+    }
+}
+
 /// Every check attend() makes before it writes anything, with errors naming the request: each
 /// request's shapes, positions and values, and outputs overlapping inputs or each other.
 inline void check_requests(std::span<const AttentionRequest> requests, const DecodeOptions& options) {
@@ -104,16 +117,12 @@ inline void check_requests(std::span<const AttentionRequest> requests, const Dec
       const float peak = r.new_keys.empty() ? -1.0f : largest_magnitude(r.new_keys.data(), r.new_keys.size());
       check_attention_args(*r.cache, r.layer, r.first_position, r.tokens, r.queries, r.out.size(), peak,
                            options.scores);
+      check_sink_logits_apart(options.scores, std::span<const float>(r.out.data(), r.out.size()));
     } catch (const Error& e) {
       throw Error(e.code(), "attention request " + std::to_string(i) + ": " + e.message());
     }
   }
-  for (std::size_t i = 0; i < requests.size(); ++i)
-    for (std::size_t j = i + 1; j < requests.size(); ++j)
-      if (overlaps(std::span<const float>(requests[i].out.data(), requests[i].out.size()),
-                   std::span<const float>(requests[j].out.data(), requests[j].out.size())))
-        throw Error(ErrorCode::invalid_argument, "attention requests " + std::to_string(i) + " and " +
-                                                     std::to_string(j) + " write overlapping outputs");
+  check_requests_apart(requests);
 }
 
 /// The (checked) requests, each cut where its positions cross a boundary of attention chunks of
@@ -153,8 +162,10 @@ inline std::vector<AttentionRequest> split_at_attention_chunks(std::span<const A
 inline void attend(std::span<const AttentionRequest> original, const DecodeOptions& options = {}) {
   using kernels::attention::max_group;
   detail::check_requests(original, options);
-  // One position without new tokens: decode_attention, bit for bit.
-  if (original.size() == 1 && original[0].tokens == 1 && original[0].new_keys.empty())
+  // One position without new tokens: decode_attention, bit for bit (for the GQA groups it takes).
+  if (original.size() == 1 && original[0].tokens == 1 && original[0].new_keys.empty() &&
+      original[0].queries.size() / original[0].cache->shape().head_dim / original[0].cache->shape().kv_heads <=
+          max_group)
     return decode_attention(*original[0].cache, original[0].layer, original[0].first_position, original[0].queries,
                             original[0].out, options);
 
@@ -178,8 +189,7 @@ inline void attend(std::span<const AttentionRequest> original, const DecodeOptio
     p.rows = p.tokens * p.group;
     p.batches = (p.rows + max_group - 1) / max_group;
     p.prefix = fresh ? r.first_position : r.first_position + 1;
-    const std::size_t tile = kernels::attention::tile_tokens(cache.keys(r.layer, 0, 0));
-    p.chunk = std::max<std::size_t>(1, (options.chunk_tokens + tile - 1) / tile) * tile;
+    p.chunk = detail::chunk_positions(cache, r.layer, options.chunk_tokens);
     p.shared = std::min(p.prefix, detail::window_start(options.scores, r.first_position + r.tokens - 1));
     p.ragged = std::min(p.shared, detail::window_start(options.scores, r.first_position));
     const detail::ChunkGrid grid{cache.config().sinks, p.chunk};

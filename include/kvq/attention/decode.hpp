@@ -84,6 +84,28 @@ struct ChunkGrid {
   }
 };
 
+/// Positions per context chunk: chunk_tokens rounded up to whole tiles (at least one), and at
+/// most the tiles that cover the capacity, so that no chunk boundary (sinks + j * chunk) wraps.
+inline std::size_t chunk_positions(const BasicKVCache& cache, std::size_t layer, std::size_t chunk_tokens) noexcept {
+  const std::size_t tile = kernels::attention::tile_tokens(cache.keys(layer, 0, 0));
+  const std::size_t most = cache.capacity() / tile + 1;
+  return std::clamp<std::size_t>(chunk_tokens / tile + (chunk_tokens % tile != 0), 1, most) * tile;
+}
+
+/// Throws unless `heads` query heads are a positive multiple of the cache's KV heads, at most
+/// max_group per KV head: the groups the decode kernels take.
+inline void check_decode_heads(const BasicKVCache& cache, std::size_t heads) {
+  const std::size_t kv_heads = cache.shape().kv_heads;
+  if (heads == 0 || heads % kv_heads != 0)
+    throw Error(ErrorCode::shape_mismatch, "decode attention: " + std::to_string(heads) +
+                                               " query heads are not a positive multiple of " +
+                                               std::to_string(kv_heads) + " KV heads");
+  if (heads / kv_heads > kernels::attention::max_group)
+    throw Error(ErrorCode::unsupported,
+                "decode attention: " + std::to_string(heads / kv_heads) + " query heads per KV head exceed " +
+                    std::to_string(kernels::attention::max_group) + " (attend() takes more, in batches)");
+}
+
 inline DecodePlan plan_decode(const BasicKVCache& cache, std::size_t layer, std::size_t position,
                               std::span<const float> q, std::size_t out_size, const DecodeOptions& options) {
   check_attention_args(cache, layer, position, 1, q, out_size, -1.0f, options.scores);
@@ -93,16 +115,12 @@ inline DecodePlan plan_decode(const BasicKVCache& cache, std::size_t layer, std:
   p.kv_heads = cache.shape().kv_heads;
   p.heads = q_size / p.dim;
   p.group = p.heads / p.kv_heads;
-  if (p.group > kernels::attention::max_group)
-    throw Error(ErrorCode::unsupported, "decode attention: " + std::to_string(p.group) +
-                                            " query heads per KV head exceed " +
-                                            std::to_string(kernels::attention::max_group));
+  check_decode_heads(cache, p.heads);
   if (p.dim > max_head_dim)
     throw Error(ErrorCode::unsupported,
                 "decode attention: head_dim " + std::to_string(p.dim) + " exceeds " + std::to_string(max_head_dim));
   p.tokens = position + 1;
-  const std::size_t tile = kernels::attention::tile_tokens(cache.keys(layer, 0, 0));
-  p.chunk = std::max<std::size_t>(1, (options.chunk_tokens + tile - 1) / tile) * tile;
+  p.chunk = chunk_positions(cache, layer, options.chunk_tokens);
   const ChunkGrid grid{cache.config().sinks, p.chunk};
   p.first = window_start(options.scores, position);
   p.first_chunk = grid.index(p.first);
@@ -195,6 +213,7 @@ inline void merge_parts(const float* max, const float* sum, const float* acc, st
 inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::size_t position,
                              std::span<const float> q, std::span<float> out, const DecodeOptions& options = {}) {
   const detail::DecodePlan plan = detail::plan_decode(cache, layer, position, q, out.size(), options);
+  detail::check_sink_logits_apart(options.scores, out);
   const bool pre = cache.config().key_rope == KeyRope::pre;
   const RopeTable* rope = pre ? &cache.rope() : nullptr;
   const HadamardTransform* unrotate = detail::key_unrotation(cache);
@@ -247,6 +266,7 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
 /// (DecodeOptions::guard_outliers). Throws kvq::Error as decode_attention does for a kernel the
 /// options name that cannot run here.
 inline const char* decode_kernel(const BasicKVCache& cache, std::size_t heads, const DecodeOptions& options = {}) {
+  detail::check_decode_heads(cache, heads);
   kernels::attention::DecodeTask task;
   task.keys = cache.keys(0, 0, 0);
   task.values = cache.values(0, 0, 0);

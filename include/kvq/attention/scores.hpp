@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <span>
@@ -58,9 +59,11 @@ inline void check_score_options(const ScoreOptions& o) {
     throw Error(ErrorCode::invalid_argument, "attention: a sliding window of 0 positions lets a query see nothing");
   if (o.attention_chunk && *o.attention_chunk == 0)
     throw Error(ErrorCode::invalid_argument, "attention: chunks of 0 positions let a query see nothing");
-  if (o.softcap && !(std::isfinite(*o.softcap) && *o.softcap > 0.0f))
-    throw Error(ErrorCode::invalid_argument,
-                "attention: soft-cap " + std::to_string(*o.softcap) + " is not a finite positive number");
+  // cap_scores multiplies by 1 / cap: a cap whose reciprocal overflows (2^-128 and below) would turn
+  // a score of 0 into 0 * inf = NaN.
+  if (o.softcap && !(std::isfinite(*o.softcap) && *o.softcap > 0.0f && std::isfinite(1.0f / *o.softcap)))
+    throw Error(ErrorCode::invalid_argument, "attention: soft-cap " + std::to_string(*o.softcap) +
+                                                 " is not a finite positive number with a finite reciprocal");
 }
 
 inline float score_scale(const ScoreOptions& o, std::size_t head_dim) noexcept {
@@ -80,6 +83,19 @@ inline float softcap_or_zero(const ScoreOptions& o) noexcept { return o.softcap 
 /// Query head h's sink logit; -inf, which weighs nothing, without sink logits.
 inline float sink_logit(const ScoreOptions& o, std::size_t h) noexcept {
   return o.sink_logits.empty() ? -std::numeric_limits<float>::infinity() : o.sink_logits[h];
+}
+
+/// Whether two spans share a float.
+inline bool overlaps(std::span<const float> a, std::span<const float> b) noexcept {
+  if (a.empty() || b.empty()) return false;
+  const std::less<const float*> before;
+  return before(a.data(), b.data() + b.size()) && before(b.data(), a.data() + a.size());
+}
+
+/// Throws if the output overlaps the sink logits: the merge reads them while it writes the output.
+inline void check_sink_logits_apart(const ScoreOptions& o, std::span<const float> out) {
+  if (overlaps(o.sink_logits, out))
+    throw Error(ErrorCode::invalid_argument, "attention: the output overlaps the sink logits");
 }
 
 /// Throws unless the sink logits are absent or one finite logit for each of `heads` query heads.

@@ -57,6 +57,9 @@ class BlockStore {
   BlockStore(const BlockStore&) = delete;
   BlockStore& operator=(const BlockStore&) = delete;
 
+  /// Bytes of the table a store of max_blocks allocates up front (its blocks come in slabs).
+  static std::size_t table_bytes(std::size_t max_blocks) noexcept { return max_blocks * sizeof(Slot); }
+
   std::size_t block_bytes() const noexcept { return block_bytes_; }
   std::size_t max_blocks() const noexcept { return max_blocks_; }
 
@@ -71,7 +74,7 @@ class BlockStore {
                                                       std::to_string(max_blocks_) + " blocks of " +
                                                       std::to_string(block_bytes_) + " bytes are in use");
       const std::size_t n = std::min(slab_blocks_, max_blocks_ - committed_);
-      free_.reserve(free_.size() + n);
+      free_.reserve(committed_ + n);            // room for every block: release() (noexcept) never allocates
       buffers_.emplace_back(n * block_bytes_);  // may throw: nothing changed yet
       for (std::size_t i = n; i-- > 0;) {       // the slab's first block is handed out first
         slots_[committed_ + i].data.store(buffers_.back().data() + i * block_bytes_, std::memory_order_release);

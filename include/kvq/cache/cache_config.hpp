@@ -3,6 +3,7 @@
 // Compiled policies (kv_policy.hpp) produce one; tools parse one from a string such as
 // "k4c32-v2t32-r128-s1" (see parse_cache_config).
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -55,6 +56,10 @@ struct CacheConfig {
   std::size_t rollback_depth = 16;
   Rotation key_rotation = Rotation::none;  // pre-RoPE keys are rotated back before RoPE, in the kernels
   Rotation value_rotation = Rotation::none;
+  // Codebook quantizers only: one codebook per KV head, the first the quantizer's own, so each
+  // head's levels fit its own activations (KVQuant calibrates per layer, head and tensor); empty:
+  // every head takes the quantizer's. A cache checks that there is one per KV head.
+  std::vector<Codebook> key_head_codebooks, value_head_codebooks;
 
   /// Deepest rollback a cache keeps copies for; bounds that memory (validate refuses more).
   static constexpr std::size_t max_rollback_depth = 4096;
@@ -81,9 +86,9 @@ inline std::string rotation_part(Rotation r, char tensor) {
 /// rotated keys and values, "-f32"/"-bf16" for the residual type and "-d<D>" for a rollback depth
 /// other than 16; "k16"/"v16" keep that tensor unquantized.
 inline std::string to_string(const CacheConfig& c) {
-  std::string s = c.quantize_keys ? to_string(c.key, 'k') : std::string("k16");
+  std::string s = c.quantize_keys ? to_string(c.key, 'k', c.key_head_codebooks) : std::string("k16");
   s += '-';
-  s += c.quantize_values ? to_string(c.value, 'v') : std::string("v16");
+  s += c.quantize_values ? to_string(c.value, 'v', c.value_head_codebooks) : std::string("v16");
   s += "-r" + std::to_string(c.window) + "-s" + std::to_string(c.sinks);
   if (c.key_rope == KeyRope::post) s += "-post";
   if (c.key_rotation != Rotation::none) s += "-" + rotation_part(c.key_rotation, 'k');
@@ -108,6 +113,27 @@ inline void validate(const CacheConfig& c) {
   if (!is_valid(c.residual))
     throw Error(ErrorCode::invalid_argument,
                 "cache configuration: residual type " + std::to_string(int(c.residual)) + " is not a Scalar");
+  for (const auto& [heads, spec, quantized, what] :
+       {std::tuple{&c.key_head_codebooks, &c.key, c.quantize_keys, "key"},
+        std::tuple{&c.value_head_codebooks, &c.value, c.quantize_values, "value"}}) {
+    if (heads->empty()) continue;
+    const std::string prefix = std::string("cache configuration: ") + what + " codebooks per KV head: ";
+    if (!quantized || spec->mode != Mode::codebook)
+      throw Error(ErrorCode::invalid_argument,
+                  prefix + "set, but the " + what + "s are not quantized with codebook levels");
+    if (heads->size() < 2)
+      throw Error(ErrorCode::invalid_argument, prefix + "one codebook is the quantizer's own: leave them empty");
+    if ((*heads)[0] != spec->codebook)
+      throw Error(ErrorCode::invalid_argument, prefix + "KV head 0's differ from the quantizer's own codebook");
+    if (std::all_of(heads->begin(), heads->end(), [&](const Codebook& levels) { return levels == spec->codebook; }))
+      throw Error(ErrorCode::invalid_argument,
+                  prefix + "every KV head has the quantizer's own codebook: leave them empty (one spelling)");
+    for (std::size_t h = 0; h < heads->size(); ++h) {
+      QuantizerSpec head = *spec;
+      head.codebook = (*heads)[h];
+      validate_codebook(head, prefix + "KV head " + std::to_string(h) + "'s ");
+    }
+  }
   for (const auto& [r, quantized, what] :
        {std::tuple{c.key_rotation, c.quantize_keys, "key"}, std::tuple{c.value_rotation, c.quantize_values, "value"}}) {
     if (r != Rotation::none && r != Rotation::hadamard && r != Rotation::signed_hadamard)
@@ -144,9 +170,9 @@ inline CacheConfig parse_cache_config(std::string_view text) {
     const std::string prefix = std::string("kvq: ") + to_string(e.code()) + ": ";
     return fail(std::string(e.what()).substr(prefix.size()));
   };
-  auto quantizer = [&](std::string_view part, char tensor) {
+  auto quantizer = [&](std::string_view part, char tensor, std::vector<Codebook>& heads) {
     try {
-      return parse_quantizer(part, tensor);
+      return parse_quantizer(part, tensor, &heads);
     } catch (const Error& e) {
       fail_naming_text(e);
       return QuantizerSpec{};
@@ -155,11 +181,11 @@ inline CacheConfig parse_cache_config(std::string_view text) {
   if (parts[0] == "k16")
     c.quantize_keys = false;
   else
-    c.key = quantizer(parts[0], 'k');
+    c.key = quantizer(parts[0], 'k', c.key_head_codebooks);
   if (parts[1] == "v16")
     c.quantize_values = false;
   else
-    c.value = quantizer(parts[1], 'v');
+    c.value = quantizer(parts[1], 'v', c.value_head_codebooks);
   if (parts.size() < 4) return fail("needs a window (r<number>) and sinks (s<number>) after the quantizers");
   auto number = [&](std::size_t i, char letter, std::size_t& out) {
     std::string_view p = parts[i];

@@ -118,6 +118,12 @@ inline void validate(const CacheShape& shape, const CacheConfig& config) {
                     "are stored as given, with -post");
   if (config.quantize_keys) validate(config.key, shape.head_dim, "key quantizer");
   if (config.quantize_values) validate(config.value, shape.head_dim, "value quantizer");
+  for (const auto& [heads, what] :
+       {std::pair{&config.key_head_codebooks, "key"}, std::pair{&config.value_head_codebooks, "value"}})
+    if (!heads->empty() && heads->size() != shape.kv_heads)
+      throw Error(ErrorCode::shape_mismatch,
+                  "cache config " + to_string(config) + ": " + std::to_string(heads->size()) + " " + what +
+                      " codebooks per KV head for a shape of " + std::to_string(shape.kv_heads) + " KV heads");
   const std::size_t unit = block_unit(config);
   if (unit > max_block_tokens)
     throw Error(ErrorCode::invalid_argument, "cache config " + to_string(config) +
@@ -168,12 +174,7 @@ class BasicKVCache {
     block_head_bytes_ = layouts_[0].block_bytes + layouts_[1].block_bytes;
     const std::size_t block_bytes = BasicKVCache::block_bytes(shape, config);
     if (store == nullptr) {
-      // Room for every block of the capacity twice: load() fills new blocks before it lets go of the old.
-      const std::size_t per_layer =
-          (std::max<std::size_t>(shape.capacity, config.sinks + 1) - config.sinks + block_rows_ - 1) / block_rows_;
-      const std::size_t blocks = checked_mul(checked_mul(per_layer, shape.layers, "cache blocks"), 2, "cache blocks");
-      check_limit(blocks, BlockStore::max_blocks_limit, "cache blocks");
-      store = std::make_shared<BlockStore>(block_bytes, blocks);
+      store = std::make_shared<BlockStore>(block_bytes, own_store_blocks(shape, config, block_rows_));
     } else if (store->block_bytes() < block_bytes) {
       throw Error(ErrorCode::shape_mismatch, "cache: blocks of " + std::to_string(store->block_bytes()) +
                                                  " bytes cannot hold the " + std::to_string(block_bytes) +
@@ -203,12 +204,7 @@ class BasicKVCache {
     kept_from_.resize(shape.layers * 2);
     for (std::size_t i = 0; i < quantized_ends_.size(); ++i)
       quantized_ends_[i] = history_begins_[i] = kept_from_[i] = layouts_[i % 2].sinks;
-    // Scratch holds one due per-channel group per layer (appends to different layers may run
-    // concurrently); a group longer than the stream never comes due.
-    auto due_rows = [&](const StreamLayout& lay) {
-      return lay.quantized && lay.spec.axis == Axis::per_channel ? std::min(lay.spec.group, lay.ring_rows) : 1;
-    };
-    scratch_.resize(std::max(due_rows(layouts_[0]), due_rows(layouts_[1])) * shape.head_dim * shape.layers);
+    scratch_.resize(scratch_floats(shape, layouts_[0], layouts_[1]));
   }
 
   /// Bytes of one block: every KV head's keys and values for block_tokens(shape, config) positions.
@@ -218,6 +214,25 @@ class BasicKVCache {
     const StreamLayout k(config.key, config.quantize_keys, shape.head_dim, config, shape.capacity, rows);
     const StreamLayout v(config.value, config.quantize_values, shape.head_dim, config, shape.capacity, rows);
     return checked_mul(k.block_bytes + v.block_bytes, shape.kv_heads, "cache block bytes");
+  }
+
+  /// Bytes a new cache allocates before it holds a token (with its own store and RoPE table): its
+  /// own rows (sinks, window ring) and rollback history per layer, KV head and tensor, its RoPE
+  /// table and its store's block table; blocks come as tokens arrive. load() bounds it.
+  static std::size_t fixed_bytes(const CacheShape& shape, const CacheConfig& config) {
+    validate(shape, config);
+    const std::size_t rows = kvq::block_tokens(shape, config);
+    const StreamLayout k(config.key, config.quantize_keys, shape.head_dim, config, shape.capacity, rows);
+    const StreamLayout v(config.value, config.quantize_values, shape.head_dim, config, shape.capacity, rows);
+    const std::size_t per_head =
+        k.bytes + v.bytes + k.history_rows * row_size(k) + v.history_rows * row_size(v);  // each below 2^48
+    const std::size_t own = checked_mul(
+        per_head, checked_mul(shape.layers, shape.kv_heads, "cache shape: layers x kv_heads"), "cache storage bytes");
+    const std::size_t rope = RopeTable::table_bytes(shape.rope(), shape.capacity);
+    const std::size_t table = BlockStore::table_bytes(own_store_blocks(shape, config, rows));
+    const std::size_t scratch = scratch_floats(shape, k, v) * sizeof(float);
+    const std::size_t per_layer = checked_mul(shape.layers, 128, "cache bytes");  // its block table and positions
+    return saturating_add(saturating_add(saturating_add(own, rope), saturating_add(table, scratch)), per_layer);
   }
 
   /// A deep copy with blocks of its own.
@@ -449,7 +464,7 @@ class BasicKVCache {
     const std::uint8_t* own = own_base(t, layer, head);
     const std::size_t s = lay.sinks, first = s + segment * block_rows_;
     StreamView v;
-    v.spec = lay.spec;
+    v.spec = head_spec(t, head);
     v.quantized = lay.quantized;
     v.head_dim = lay.head_dim;
     v.residual = lay.residual;
@@ -908,6 +923,25 @@ class BasicKVCache {
 
   static std::size_t row_size(const StreamLayout& lay) noexcept { return lay.head_dim * size_of(lay.residual); }
 
+  /// Floats of scratch: one due per-channel group per layer (appends to different layers may run
+  /// concurrently); a group longer than the stream never comes due.
+  static std::size_t scratch_floats(const CacheShape& shape, const StreamLayout& k, const StreamLayout& v) noexcept {
+    auto due_rows = [](const StreamLayout& lay) {
+      return lay.quantized && lay.spec.axis == Axis::per_channel ? std::min(lay.spec.group, lay.ring_rows) : 1;
+    };
+    return std::max(due_rows(k), due_rows(v)) * shape.head_dim * shape.layers;
+  }
+
+  /// Blocks of a cache's own store: every block of the capacity twice, since load() fills new
+  /// blocks before it lets go of the old.
+  static std::size_t own_store_blocks(const CacheShape& shape, const CacheConfig& config, std::size_t block_rows) {
+    const std::size_t per_layer =
+        (std::max<std::size_t>(shape.capacity, config.sinks + 1) - config.sinks + block_rows - 1) / block_rows;
+    const std::size_t blocks = checked_mul(checked_mul(per_layer, shape.layers, "cache blocks"), 2, "cache blocks");
+    check_limit(blocks, BlockStore::max_blocks_limit, "cache blocks");
+    return blocks;
+  }
+
   /// Validates truncate(length): every position to re-open must still have its full-precision row.
   void check_truncate(std::size_t length) const {
     for (std::size_t l = 0; l < shape_.layers; ++l) {
@@ -1053,6 +1087,16 @@ class BasicKVCache {
       std::memcpy(ring_row(t, layer, head, p - count), staged + (p - src) * row, row);
   }
 
+  const std::vector<Codebook>& head_codebooks(Tensor t) const noexcept {
+    return t == Tensor::keys ? config_.key_head_codebooks : config_.value_head_codebooks;
+  }
+  /// The quantizer of KV head `head`'s rows of tensor t: the layout's, with the head's own codebook.
+  QuantizerSpec head_spec(Tensor t, std::size_t head) const noexcept {
+    QuantizerSpec spec = layouts_[index(t)].spec;
+    if (!head_codebooks(t).empty()) spec.codebook = head_codebooks(t)[head];
+    return spec;
+  }
+
   // The commit half of append: noexcept, since check_append has validated everything.
 
   void write_row(Tensor t, std::size_t layer, std::size_t head, std::size_t p, const float* x) noexcept {
@@ -1071,14 +1115,16 @@ class BasicKVCache {
     q_end = end;
     const std::size_t dim = shape_.head_dim, row_bytes = dim * size_of(lay.residual);
     const std::size_t row0 = begin - lay.sinks;
-    if (lay.spec.axis == Axis::per_token) {  // every head's row in one call, read in place from the ring
-      for (std::size_t q = begin; q < end; ++q) {
-        const auto [scales, zeros] = params_of(t, layer, 0, q - lay.sinks);
-        kernels::quantize_rows_per_token(lay.spec, lay.residual, ring_row(t, layer, 0, q), shape_.kv_heads, dim,
-                                         head_bytes_, scales, zeros, block_head_bytes_,
-                                         code_row(t, layer, 0, q - lay.sinks), block_head_bytes_,
-                                         outliers_of(t, layer, 0, q - lay.sinks));
-      }
+    if (lay.spec.axis == Axis::per_token) {             // read in place from the ring, every head's row in one call
+      const bool one_spec = head_codebooks(t).empty();  // else a call per head, with its codebook
+      for (std::size_t q = begin; q < end; ++q)
+        for (std::size_t h = 0; h < shape_.kv_heads; h += one_spec ? shape_.kv_heads : 1) {
+          const auto [scales, zeros] = params_of(t, layer, h, q - lay.sinks);
+          kernels::quantize_rows_per_token(head_spec(t, h), lay.residual, ring_row(t, layer, h, q),
+                                           one_spec ? shape_.kv_heads : 1, dim, head_bytes_, scales, zeros,
+                                           block_head_bytes_, code_row(t, layer, h, q - lay.sinks), block_head_bytes_,
+                                           outliers_of(t, layer, h, q - lay.sinks));
+        }
       keep_rows(t, layer, begin, end);
       return;
     }
@@ -1091,8 +1137,9 @@ class BasicKVCache {
       std::uint8_t* ring = own_base(t, layer, h) + lay.ring_offset;
       std::uint8_t* codes = code_row(t, layer, h, row0);
       const auto [scales, zeros] = params_of(t, layer, h, row0);
+      const QuantizerSpec spec = head_spec(t, h);
       if (contiguous) {
-        kernels::quantize_block_per_channel(lay.spec, lay.residual, ring + first_slot * row_bytes, end - begin, dim,
+        kernels::quantize_block_per_channel(spec, lay.residual, ring + first_slot * row_bytes, end - begin, dim,
                                             row_bytes, scales, zeros, codes, lay.row_bytes, scratch,
                                             outliers_of(t, layer, h, row0));
         continue;
@@ -1102,7 +1149,7 @@ class BasicKVCache {
         const std::uint8_t* src = ring + (q - lay.sinks) % lay.ring_rows * row_bytes;
         load_row(lay.residual, src, dim, rows + (q - begin) * dim);
       }
-      kernels::quantize_block_per_channel(lay.spec, rows, end - begin, dim, dim, scales, zeros, codes, lay.row_bytes,
+      kernels::quantize_block_per_channel(spec, rows, end - begin, dim, dim, scales, zeros, codes, lay.row_bytes,
                                           outliers_of(t, layer, h, row0));
     }
     keep_rows(t, layer, begin, end);

@@ -68,8 +68,16 @@ inline constexpr char pool_file_magic[8] = {'K', 'V', 'Q', '_', 'P', 'O', 'O', '
 inline constexpr std::uint32_t pool_file_version = 2;                         // 1 is still read
 inline constexpr std::uint32_t tag_block = 0x4B4F4C42, tag_own = 0x524E574F,  // "BLOK" "OWNR"
     tag_ropes = 0x45504F52;                                                   // "ROPE"
-inline constexpr std::size_t max_config_text = 256;
-inline constexpr std::size_t max_layer_config_text = std::size_t(1) << 18;  // a pool's text per layer
+// Configuration text a header holds: a pool's text grows with its layers, and a codebook per KV
+// head spells 2^bits x 4 hex digits per head and tensor.
+inline constexpr std::size_t max_config_text = std::size_t(1) << 18;
+
+/// Throws, before anything is written, where a file could not hold a configuration's text.
+inline void check_config_text(const std::string& text) {
+  if (text.size() > max_config_text)
+    throw Error(ErrorCode::invalid_argument, "save: a configuration text of " + std::to_string(text.size()) +
+                                                 " bytes exceeds the file format's " + std::to_string(max_config_text));
+}
 // The header's fixed fields: kvq version, shape, RoPE style and theta, config text length; and
 // those of the RoPE extension of version 2, without its frequency divisors.
 inline constexpr std::uint64_t header_fixed_bytes = 3 * 4 + 4 * 8 + 4 + 4 + 4,
@@ -680,11 +688,10 @@ inline void write_header(std::ostream& out, const CacheShape& s, const std::stri
 
 /// Reads the header section of a file of format `version`.
 inline FileHeader read_header(FileReader& file, std::uint32_t version, ConfigText text = ConfigText::one) {
-  const std::size_t most_text = text == ConfigText::one ? max_config_text : max_layer_config_text;
   const std::uint64_t start = file.offset();
   const std::uint64_t fixed = header_fixed_bytes + (version >= 2 ? rope_extension_bytes : 0);
-  const auto payload =
-      file.section(tag_header, fixed, fixed + (version >= 2 ? 4 * max_frequency_divisors : 0) + most_text, "header");
+  const auto payload = file.section(
+      tag_header, fixed, fixed + (version >= 2 ? 4 * max_frequency_divisors : 0) + max_config_text, "header");
   PayloadReader in(payload, file, "header", start);
   FileHeader h;
   for (int i = 0; i < 3; ++i) (void)in.value<std::uint32_t>();  // the writing kvq's version: for people, not checked
@@ -795,9 +802,11 @@ inline void read_body(FileReader& file, BasicKVCache& target) {
 /// Writes `cache` to `out` (binary); throws kvq::Error(io) when the stream fails.
 inline void save(const BasicKVCache& cache, std::ostream& out) {
   using detail::CacheAccess;
+  const std::string config = to_string(cache.config());
+  detail::check_config_text(config);
   detail::write_preamble(out, detail::cache_file_magic, detail::cache_file_version);
   const CacheShape& s = cache.shape();
-  detail::write_header(out, s, to_string(cache.config()));
+  detail::write_header(out, s, config);
   {
     detail::SectionWriter w(out, detail::tag_table, std::uint64_t(s.layers) * CacheAccess::table_entry_bytes);
     for (std::size_t l = 0; l < s.layers; ++l) detail::write_table_entry(w, CacheAccess::state(cache, l));
@@ -826,9 +835,16 @@ inline void load(BasicKVCache& cache, std::istream& in) {
   detail::read_body(file, cache);
 }
 
-/// A new cache of the shape and config the file names. The cache allocates the capacity the
-/// header declares (checked only for plausibility): load into an existing cache to bound memory.
-inline BasicKVCache load(std::istream& in) {
+/// What load(in) lets a file's header make a new cache allocate before its body is read
+/// (BasicKVCache::fixed_bytes: own rows, history, RoPE table, block table): a header of a few
+/// bytes could otherwise ask for any capacity. 1 GiB holds a Llama-3-8B-shaped cache of 1M
+/// positions (a 512 MiB RoPE table); blocks are then read from the body, which bounds them.
+inline constexpr std::size_t default_load_bytes = std::size_t(1) << 30;
+
+/// A new cache of the shape and config the file names, refused (kvq::Error io) where the cache
+/// would allocate more than max_bytes before its first token; a cache loaded into is never larger
+/// than its caller made it.
+inline BasicKVCache load(std::istream& in, std::size_t max_bytes = default_load_bytes) {
   detail::FileReader file(in);
   const detail::FileHeader h = detail::read_header(file);
   std::size_t bytes = 2 * 4;  // keys and values, f32 at most: a bound on the storage the shape asks for
@@ -839,8 +855,15 @@ inline BasicKVCache load(std::istream& in) {
   }
   std::optional<BasicKVCache> cache;
   try {
+    const std::size_t fixed = BasicKVCache::fixed_bytes(h.shape, h.config);
+    if (fixed > max_bytes)
+      file.fail("header", 16,
+                "a cache of " + detail::describe(h.shape) + " would allocate " + std::to_string(fixed) +
+                    " bytes before its first token, more than the limit of " + std::to_string(max_bytes) +
+                    " (load's max_bytes, or load into a cache you made)");
     cache.emplace(h.shape, h.config);
   } catch (const Error& e) {
+    if (e.code() == ErrorCode::io) throw;
     file.fail("header", 16, std::string("the shape and configuration make no cache: ") + e.what());
   }
   detail::read_body(file, *cache);
@@ -894,9 +917,9 @@ inline void load_file(BasicKVCache& cache, const std::filesystem::path& path) {
   load(cache, in);
 }
 
-inline BasicKVCache load_file(const std::filesystem::path& path) {
+inline BasicKVCache load_file(const std::filesystem::path& path, std::size_t max_bytes = default_load_bytes) {
   std::ifstream in = detail::open_for_reading(path);
-  return load(in);
+  return load(in, max_bytes);
 }
 
 }  // namespace kvq::inline v0

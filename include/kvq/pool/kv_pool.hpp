@@ -290,6 +290,9 @@ class KVPool {
     using Access = detail::CacheAccess;
     std::shared_lock lock(mutex_);
     with_context(id, std::nullopt, [&](Sequence& s) {
+      // Every group's checks before any group copies its shared blocks: a refused call unshares none.
+      for (std::size_t g = 0; g < s.size(); ++g)
+        if (const auto e = s[g]->truncate_error(length)) throw Error(e->code(), relabel(e->message(), g));
       for (std::size_t g = 0; g < s.size(); ++g) in_group(g, [&] { Access::prepare_truncate(*s[g], length); });
       for (auto& cache : s) cache->truncate(length);  // prepared: cannot fail
     });
@@ -299,6 +302,8 @@ class KVPool {
     using Access = detail::CacheAccess;
     std::shared_lock lock(mutex_);
     with_context(id, std::nullopt, [&](Sequence& s) {
+      for (std::size_t g = 0; g < s.size(); ++g)
+        if (const auto e = s[g]->erase_error(first, count)) throw Error(e->code(), relabel(e->message(), g));
       for (std::size_t g = 0; g < s.size(); ++g) in_group(g, [&] { Access::prepare_erase(*s[g], first, count); });
       for (auto& cache : s) cache->erase(first, count);
     });
@@ -588,8 +593,10 @@ class KVPool {
             blocks.emplace_back(where_[l].group, b);
       }
     }
+    const std::string text = config_text();
+    detail::check_config_text(text);
     detail::write_preamble(out, detail::pool_file_magic, detail::pool_file_version);
-    detail::write_header(out, shape_.sequence_shape(), config_text());
+    detail::write_header(out, shape_.sequence_shape(), text);
     {
       std::uint64_t bytes = 0;
       for (std::size_t l = 0; l < shape_.layers; ++l) bytes += detail::rope_bytes(groups_[where_[l].group].shape);
@@ -756,14 +763,19 @@ class KVPool {
         std::vector<Access::LayerState> states;
         std::vector<std::vector<std::uint8_t>> group_payloads;
         std::vector<std::vector<BlockId>> tables;
-        for (const std::size_t l : groups_[g].layers) {
+        // Room first: no allocation can fail between a retain and the table that will release it.
+        states.reserve(groups_[g].layers.size());
+        group_payloads.reserve(groups_[g].layers.size());
+        tables.reserve(groups_[g].layers.size());
+        for (const std::size_t l : groups_[g].layers) tables.emplace_back().reserve(q.blocks[l].size());
+        for (std::size_t i = 0; i < groups_[g].layers.size(); ++i) {
+          const std::size_t l = groups_[g].layers[i];
           states.push_back(q.states[l]);
           group_payloads.push_back(std::move(payloads[l]));
-          tables.emplace_back();
           for (const std::uint64_t b : q.blocks[l]) {
             const BlockId id = held.blocks[std::size_t(b)].second;
             groups_[g].store->retain(id);
-            tables.back().push_back(id);
+            tables[i].push_back(id);
           }
         }
         Access::restore(*seq[g], states, group_payloads, std::move(tables), Access::Pieces::own);

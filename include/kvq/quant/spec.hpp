@@ -8,8 +8,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "kvq/core/half.hpp"
 #include "kvq/error.hpp"
@@ -134,6 +136,9 @@ inline constexpr std::size_t max_outliers = 64;
 /// Most levels a table mode names (4 bits): the kernels' code tables hold 16 entries.
 inline constexpr std::size_t max_table_levels = 16;
 
+/// The levels of a Mode::codebook quantizer (QuantizerSpec::codebook's form).
+using Codebook = std::array<float, max_table_levels>;
+
 struct QuantizerSpec {
   int bits = 4;
   std::size_t group = 32;
@@ -145,7 +150,7 @@ struct QuantizerSpec {
   std::size_t outliers = 0;
   /// Mode::codebook: the 2^bits levels, ascending, in [-1, 1], each an f16 value (the form the
   /// quantizer string spells); every other entry, and every entry of other modes, is 0.
-  std::array<float, max_table_levels> codebook{};
+  Codebook codebook{};
 
   constexpr int levels() const noexcept { return 1 << bits; }
   constexpr bool has_zero_point() const noexcept { return mode == Mode::asymmetric || mode == Mode::codebook; }
@@ -236,20 +241,26 @@ constexpr std::size_t params_before(const QuantizerSpec& spec, std::size_t head_
 /// "o<n>" for n outliers per group, a mode suffix ("s" symmetric; "g" ggml's levels, so "k4t32g"
 /// is llama.cpp's q4_0 and "k8t32g" its q8_0; "n" NormalFloat and "l" Lloyd-Max levels; "i"
 /// llama.cpp's iq4_nl ("k4t32i"); "b" then the codebook's levels as f16 bit patterns, 4
-/// lowercase hex digits each; "e4m3" / "e5m2" 8-bit floats, "k8t32e4m3") and ".bf16" / ".f32"
-/// for the parameter type (default no outliers, asymmetric, f16).
-inline std::string to_string(const QuantizerSpec& spec, char tensor) {
+/// lowercase hex digits each, and for a codebook per KV head (`heads`, the first spec.codebook)
+/// "_" and the next head's levels per further head; "e4m3" / "e5m2" 8-bit floats, "k8t32e4m3")
+/// and ".bf16" / ".f32" for the parameter type (default no outliers, asymmetric, f16).
+inline std::string to_string(const QuantizerSpec& spec, char tensor, std::span<const Codebook> heads = {}) {
   std::string s(1, tensor);
   s += std::to_string(spec.bits);
   s += spec.axis == Axis::per_channel ? 'c' : 't';
   s += std::to_string(spec.group);
   if (spec.outliers > 0) s += 'o' + std::to_string(spec.outliers);
   s += mode_suffix(spec.mode);
-  if (spec.mode == Mode::codebook)
+  auto levels = [&](const Codebook& codebook) {
     for (int i = 0; i < spec.levels(); ++i) {
-      const std::uint16_t bits = to_fp16(spec.codebook[std::size_t(i)]).bits;
+      const std::uint16_t bits = to_fp16(codebook[std::size_t(i)]).bits;
       for (int shift = 12; shift >= 0; shift -= 4) s += "0123456789abcdef"[(bits >> shift) & 15];
     }
+  };
+  if (spec.mode == Mode::codebook) {
+    levels(spec.codebook);
+    for (std::size_t h = 1; h < heads.size(); ++h) s += '_', levels(heads[h]);
+  }
   if (spec.param != Scalar::f16) s += std::string(".") + to_string(spec.param);
   return s;
 }
@@ -271,8 +282,10 @@ inline bool parse_size(std::string_view& text, std::size_t& out) {
 }  // namespace detail
 
 /// Parses exactly the form written by to_string (one spelling per spec: no leading zeros, no
-/// suffix that names the default); `tensor` is 'k' or 'v'. Throws naming the bad text.
-inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
+/// suffix that names the default); `tensor` is 'k' or 'v'. Codebooks per KV head are read into
+/// `heads` (the first spec.codebook), left empty for one codebook; without `heads` they are
+/// refused. Throws naming the bad text.
+inline QuantizerSpec parse_quantizer(std::string_view text, char tensor, std::vector<Codebook>* heads = nullptr) {
   const std::string original(text);
   auto fail = [&](const std::string& why) -> QuantizerSpec {
     throw Error(ErrorCode::invalid_argument, "quantizer '" + original + "': " + why + " (expected e.g. " + tensor +
@@ -280,6 +293,7 @@ inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
                                                  "3c32o1, " + tensor + "8t128.bf16)");
   };
   QuantizerSpec spec;
+  if (heads != nullptr) heads->clear();
   if (text.empty() || text.front() != tensor) return fail(std::string("must start with '") + tensor + "'");
   text.remove_prefix(1);
   std::size_t bits = 0;
@@ -305,21 +319,38 @@ inline QuantizerSpec parse_quantizer(std::string_view text, char tensor) {
     if (spec.outliers > 0 && m != Mode::symmetric) return fail(std::string(t.name) + " levels keep no outliers");
     if (const std::string wrong_width = mode_width_error(m, spec.bits); !wrong_width.empty()) return fail(wrong_width);
     if (m == Mode::codebook) {
-      for (int i = 0; i < spec.levels(); ++i) {
-        std::uint16_t half_bits = 0;
-        for (int digit = 0; digit < 4; ++digit, text.remove_prefix(1)) {
-          const char c = text.empty() ? '\0' : text.front();
-          if ((c < '0' || c > '9') && (c < 'a' || c > 'f'))
-            return fail("a codebook of " + std::to_string(spec.bits) + " bits is " + std::to_string(spec.levels()) +
-                        " levels of 4 lowercase hex digits (f16 bits) after 'b'");
-          half_bits = std::uint16_t(half_bits * 16 + (c <= '9' ? c - '0' : c - 'a' + 10));
+      auto read_levels = [&](Codebook& out) {
+        for (int i = 0; i < spec.levels(); ++i) {
+          std::uint16_t half_bits = 0;
+          for (int digit = 0; digit < 4; ++digit, text.remove_prefix(1)) {
+            const char c = text.empty() ? '\0' : text.front();
+            if ((c < '0' || c > '9') && (c < 'a' || c > 'f'))
+              return fail("a codebook of " + std::to_string(spec.bits) + " bits is " + std::to_string(spec.levels()) +
+                          " levels of 4 lowercase hex digits (f16 bits) after 'b'" +
+                          (heads != nullptr && !heads->empty() ? " and after each '_'" : ""));
+            half_bits = std::uint16_t(half_bits * 16 + (c <= '9' ? c - '0' : c - 'a' + 10));
+          }
+          out[std::size_t(i)] = to_float(fp16{half_bits});
         }
-        spec.codebook[std::size_t(i)] = to_float(fp16{half_bits});
-      }
-      try {
-        validate_codebook(spec, "");
-      } catch (const Error& e) {
-        return fail(e.message());
+        QuantizerSpec level_check = spec;
+        level_check.codebook = out;
+        try {
+          validate_codebook(level_check, heads != nullptr && !heads->empty()
+                                             ? "KV head " + std::to_string(heads->size() - 1) + "'s "
+                                             : std::string());
+        } catch (const Error& e) {
+          return fail(e.message());
+        }
+        return spec;
+      };
+      read_levels(spec.codebook);
+      if (!text.empty() && text.front() == '_') {
+        if (heads == nullptr) return fail("a codebook per KV head ('_') belongs to a cache configuration");
+        heads->push_back(spec.codebook);
+        while (!text.empty() && text.front() == '_') {
+          text.remove_prefix(1);
+          read_levels(heads->emplace_back());
+        }
       }
     }
     break;

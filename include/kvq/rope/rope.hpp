@@ -300,6 +300,10 @@ class RopeTable {
   std::size_t max_positions() const noexcept { return max_positions_; }
   std::size_t pairs() const noexcept { return config_.dims() / 2; }
   std::size_t bytes() const noexcept { return cos_.bytes() + sin_.bytes() + step_cos_.bytes() + step_sin_.bytes(); }
+  /// bytes() of a table of `config` over max_positions (at most max_positions_limit), before it is built.
+  static std::size_t table_bytes(const RopeConfig& config, std::size_t max_positions) noexcept {
+    return 2 * (max_positions + steps) * (config.dims() / 2) * sizeof(float);
+  }
   const float* cos_row(std::size_t position) const noexcept { return cos_.data() + position * pairs(); }
   const float* sin_row(std::size_t position) const noexcept { return sin_.data() + position * pairs(); }
   /// cos/sin of t * frequency of pair i for t in [0, steps): steps consecutive floats. A rotation
