@@ -242,7 +242,8 @@ class CalibrationText {
       for (std::size_t h = 0; h < m_.kv_heads; ++h)
         heads->push_back(fit(*spec, keys, first, last, h, weighted).codebook);
       spec->codebook = heads->front();
-      if (std::all_of(heads->begin(), heads->end(), [&](const Codebook& c) { return c == heads->front(); }))
+      const Codebook& first_head = heads->front();  // a name the lambda can capture (clang: no structured bindings)
+      if (std::all_of(heads->begin(), heads->end(), [&first_head](const Codebook& c) { return c == first_head; }))
         heads->clear();  // one codebook after all: one spelling
     }
     return out;

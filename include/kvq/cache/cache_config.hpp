@@ -125,7 +125,8 @@ inline void validate(const CacheConfig& c) {
       throw Error(ErrorCode::invalid_argument, prefix + "one codebook is the quantizer's own: leave them empty");
     if ((*heads)[0] != spec->codebook)
       throw Error(ErrorCode::invalid_argument, prefix + "KV head 0's differ from the quantizer's own codebook");
-    if (std::all_of(heads->begin(), heads->end(), [&](const Codebook& levels) { return levels == spec->codebook; }))
+    const Codebook& own = spec->codebook;  // a name the lambda can capture (clang: no structured bindings)
+    if (std::all_of(heads->begin(), heads->end(), [&own](const Codebook& levels) { return levels == own; }))
       throw Error(ErrorCode::invalid_argument,
                   prefix + "every KV head has the quantizer's own codebook: leave them empty (one spelling)");
     for (std::size_t h = 0; h < heads->size(); ++h) {
