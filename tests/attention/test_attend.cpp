@@ -441,6 +441,21 @@ TEST(Attend, BadRequestsThrowBeforeWritingAnything) {
   writes.out = shared;
   expect_error({reads, writes}, kvq::ErrorCode::invalid_argument, "request 1: the output overlaps request 0's queries");
   EXPECT_EQ(shared, q);
+  // Three requests whose outputs lie in one buffer out of request order: the overlapping pair is
+  // found whatever lies between them in memory, and so is an input under a later output.
+  const std::size_t n = q.size();
+  std::vector<float> wide(4 * n, 7.0f);
+  AttentionRequest a = good, b = good, c = good;
+  a.out = std::span(wide).subspan(0, n);
+  b.out = std::span(wide).subspan(3 * n, n);
+  c.out = std::span(wide).subspan(n / 2, n);
+  expect_error({a, b, c}, kvq::ErrorCode::invalid_argument, "requests 0 and 2 write overlapping outputs");
+  c.out = std::span(wide).subspan(n, n);
+  std::copy(q.begin(), q.end(), wide.begin() + std::ptrdiff_t(3 * n));
+  c.queries = std::span<const float>(wide).subspan(3 * n, n);  // request 1's output
+  expect_error({a, b, c}, kvq::ErrorCode::invalid_argument, "request 1: the output overlaps request 2's queries");
+  c.queries = q;
+  EXPECT_NO_THROW(kvq::attend(std::vector<AttentionRequest>{a, b, c}));  // apart: accepted
 }
 
 // Chunks of any size, up to SIZE_MAX, plan the same single chunk as one that spans the cache (a

@@ -86,7 +86,7 @@ struct ChunkGrid {
 
 /// Positions per context chunk: chunk_tokens rounded up to whole tiles (at least one), and at
 /// most the tiles that cover the capacity, so that no chunk boundary (sinks + j * chunk) wraps.
-inline std::size_t chunk_positions(const BasicKVCache& cache, std::size_t layer, std::size_t chunk_tokens) noexcept {
+inline std::size_t chunk_positions(const BasicKVCache& cache, std::size_t layer, std::size_t chunk_tokens) {
   const std::size_t tile = kernels::attention::tile_tokens(cache.keys(layer, 0, 0));
   const std::size_t most = cache.capacity() / tile + 1;
   return std::clamp<std::size_t>(chunk_tokens / tile + (chunk_tokens % tile != 0), 1, most) * tile;
