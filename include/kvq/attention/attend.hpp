@@ -116,12 +116,13 @@ inline void check_requests_apart(std::span<const AttentionRequest> requests) {
     for (const auto& [span, what] :
          {std::pair{r.queries, "queries"}, std::pair{r.new_keys, "new keys"}, std::pair{r.new_values, "new values"}}) {
       if (span.empty()) continue;
+      const float* const input_begin = span.data();
+      const float* const input_end = input_begin + span.size();
       // The outputs that begin before the input ends; one of them overlaps it if the furthest does.
       const auto m = std::size_t(
-          std::partition_point(outs.begin(), outs.end(),
-                               [&](const Output& o) { return before(o.begin, span.data() + span.size()); }) -
+          std::partition_point(outs.begin(), outs.end(), [&](const Output& o) { return before(o.begin, input_end); }) -
           outs.begin());
-      if (m > 0 && before(span.data(), outs[reach[m - 1]].end))
+      if (m > 0 && before(input_begin, outs[reach[m - 1]].end))
         throw Error(ErrorCode::invalid_argument, "attention request " + std::to_string(outs[reach[m - 1]].request) +
                                                      ": the output overlaps request " + std::to_string(j) + "'s " +
                                                      what);
