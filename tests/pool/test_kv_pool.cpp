@@ -322,7 +322,7 @@ TEST(KVPool, ForkAtAnOlderLengthIsExactWithinTheRollbackDepth) {
 
 TEST(KVPool, ExhaustedPoolNamesTheBlocksAndChangesNothing) {
   const CacheConfig config = config_of("k4c32-v2t32-r32-s0");
-  KVPool pool(small_pool(9), config);
+  KVPool pool(small_pool(9 + KVPool(small_pool(), config).own_row_blocks()), config);  // 9 for tokens
   const std::size_t row = 128;
   Tokens tokens;
   const SequenceId s = add_tokens(pool, tokens, 250, 8);
@@ -537,6 +537,61 @@ void expect_load_refused(const KVPool& target, Load&& load, kvq::ErrorCode code,
   }
   EXPECT_EQ(target.sequence_count(), count) << needle;
   EXPECT_EQ(target.memory().used, used) << needle;
+}
+
+// The limit counts each sequence's own rows (sinks, ring, rollback copies) in whole blocks while
+// it lives: new sequences, forks and loaded files that do not fit are refused, nothing changed.
+TEST(KVPool, OwnRowsCountAgainstTheLimit) {
+  const CacheConfig config = config_of("k4c32-v2t32-r32-s4-d8");
+  const PoolShape probe_shape = small_pool();
+  const std::size_t own = KVPool(probe_shape, config).own_row_blocks();
+  const kvq::CacheShape shape = probe_shape.sequence_shape();
+  ASSERT_EQ(own, (BasicKVCache::own_bytes(shape, config) + BasicKVCache::block_bytes(shape, config) - 1) /
+                     BasicKVCache::block_bytes(shape, config));
+  ASSERT_GT(own, 1u);
+  KVPool pool(small_pool(3 * own + 2), config);
+  Tokens tokens;
+  const SequenceId a = add_tokens(pool, tokens, 40, 11);  // 8 positions packed: one block per layer
+  EXPECT_EQ(pool.sequence(a).own_bytes(), BasicKVCache::own_bytes(shape, config));
+  const SequenceId b = pool.fork(a, 40);
+  EXPECT_EQ(pool.blocks().counts().charged, 2 * own);
+  EXPECT_EQ(pool.blocks().available(), own);
+  const SequenceId c = pool.add_sequence();
+  EXPECT_EQ(pool.blocks().available(), 0u);
+  const std::size_t used = pool.memory().used;
+  for (const auto& [what, step] : std::vector<std::pair<std::string, std::function<void()>>>{
+           {"add_sequence", [&] { (void)pool.add_sequence(); }}, {"fork", [&] { (void)pool.fork(a, 40); }}}) {
+    try {
+      step();
+      ADD_FAILURE() << what << " past the limit was accepted";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::capacity_exceeded) << what;
+      EXPECT_NE(std::string(e.what()).find("own rows (sinks, window ring, rollback copies) take " +
+                                           std::to_string(own) + " blocks"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(pool.sequence_count(), 3u) << what;
+    EXPECT_EQ(pool.memory().used, used) << what;
+    EXPECT_EQ(pool.blocks().counts().charged, 3 * own) << what;
+  }
+  // A saved pool of three sequences loads where its blocks and own rows fit, and only there.
+  const std::string three = saved_pool(pool);
+  KVPool short_of_one(small_pool(3 * own + 1), config);
+  expect_load_refused(
+      short_of_one, [&] { load_pool(short_of_one, three); }, kvq::ErrorCode::capacity_exceeded,
+      "holds 2 blocks and 3 sequences whose own rows take " + std::to_string(3 * own));
+  EXPECT_EQ(short_of_one.blocks().counts().charged, 0u);
+  KVPool exact(small_pool(3 * own + 2), config);
+  load_pool(exact, three);
+  EXPECT_EQ(exact.blocks().counts().charged, 3 * own);
+  EXPECT_EQ(exact.blocks().available(), 0u);
+  // Removing a sequence gives its share back.
+  pool.remove_sequence(c);
+  EXPECT_EQ(pool.blocks().counts().charged, 2 * own);
+  (void)pool.add_sequence();
+  pool.remove_sequence(b);
+  EXPECT_EQ(pool.blocks().available(), own);
 }
 
 TEST(KVPool, PoolFileForAnotherPoolIsRefused) {
@@ -1159,8 +1214,9 @@ TEST(KVPoolPerLayer, FailuresNameThePoolLayerAndChangeNothing) {
   EXPECT_THROW(KVPool(per_layer_pool(), std::vector<CacheConfig>(3, per_layer_configs()[0])), kvq::Error);
 
   // A full store: capacity_exceeded naming the pool layer, nothing changed. Each store gets the
-  // limit's share of its layers: 2 of 4 layers, 6 of 12 blocks of 64 positions.
-  KVPool tight(per_layer_pool(12), per_layer_configs());
+  // limit's share of its layers: 2 of 4 layers, 6 blocks of 64 positions beside a sequence's own rows.
+  const std::size_t own = std::max(pool.own_row_blocks(0), pool.own_row_blocks(2));
+  KVPool tight(per_layer_pool(2 * (6 + own)), per_layer_configs());
   const SequenceId s = tight.add_sequence();
   Tokens long_tokens;
   long_tokens.add(500, row, rng);

@@ -9,7 +9,10 @@
 // advised as huge pages (AlignedBuffer): attention streams every block each step, and one core
 // reads a third faster from huge pages. A store commits at most one slab more than it uses.
 //
-// Thread safety: acquire, retain and release may be called from any thread; data() of a block
+// A store's limit may also count memory kept outside it: a KVPool's budget covers each sequence's
+// own rows (sinks, window ring, rollback copies), charged in whole blocks while the sequence lives.
+//
+// Thread safety: acquire, retain, release, charge and refund may be called from any thread; data() of a block
 // the caller holds needs no lock (its table slot is written once, before the block is handed out).
 
 #include <algorithm>
@@ -21,6 +24,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvq/core/aligned_buffer.hpp"
@@ -34,15 +38,20 @@ struct BlockCounts {
   std::size_t committed = 0;  // blocks whose memory is allocated (in use, or free in a slab)
   std::size_t in_use = 0;     // blocks some cache refers to
   std::size_t shared = 0;     // blocks more than one cache refers to
+  std::size_t charged = 0;    // blocks of the limit held for caches' own rows (StoreLimit)
 };
+
+/// What a store's limit counts: its blocks (a cache's own store, sized for its capacity), or its
+/// blocks and the own rows of every cache over it in whole blocks (a KVPool's memory budget).
+enum class StoreLimit { blocks, blocks_and_own_rows };
 
 class BlockStore {
  public:
   /// Most blocks one store hands out: ids are 32-bit.
   static constexpr std::size_t max_blocks_limit = std::size_t(1) << 31;
 
-  BlockStore(std::size_t block_bytes, std::size_t max_blocks)
-      : block_bytes_((block_bytes + 63) / 64 * 64), max_blocks_(max_blocks) {
+  BlockStore(std::size_t block_bytes, std::size_t max_blocks, StoreLimit limit = StoreLimit::blocks)
+      : block_bytes_((block_bytes + 63) / 64 * 64), max_blocks_(max_blocks), limit_(limit) {
     if (block_bytes == 0 || max_blocks == 0 || max_blocks > max_blocks_limit)
       throw Error(ErrorCode::invalid_argument, "block store: " + std::to_string(max_blocks) + " blocks of " +
                                                    std::to_string(block_bytes) + " bytes (need at least one block of " +
@@ -62,17 +71,23 @@ class BlockStore {
 
   std::size_t block_bytes() const noexcept { return block_bytes_; }
   std::size_t max_blocks() const noexcept { return max_blocks_; }
+  StoreLimit limit() const noexcept { return limit_; }
+  /// Whole blocks that `bytes` take of the limit.
+  std::size_t blocks_holding(std::size_t bytes) const noexcept {
+    return bytes / block_bytes_ + (bytes % block_bytes_ != 0);
+  }
 
   /// A zeroed block with one reference. Throws kvq::Error (capacity_exceeded) when every block is
   /// in use, naming `what` needed it; out_of_memory when the system refuses the memory.
   BlockId acquire(const char* what = "a cache") {
     std::lock_guard lock(mutex_);
     BlockId id;
-    if (free_.empty()) {
-      if (committed_ == max_blocks_)
-        throw Error(ErrorCode::capacity_exceeded, std::string(what) + " needs another block, but all " +
-                                                      std::to_string(max_blocks_) + " blocks of " +
-                                                      std::to_string(block_bytes_) + " bytes are in use");
+    if (in_use_ + charged_ == max_blocks_)
+      throw Error(ErrorCode::capacity_exceeded,
+                  std::string(what) + " needs another block, but all " + std::to_string(max_blocks_) + " blocks of " +
+                      std::to_string(block_bytes_) + " bytes are in use" +
+                      (charged_ == 0 ? "" : " (" + std::to_string(charged_) + " by sequences' own rows)"));
+    if (free_.empty()) {  // then committed_ == in_use_ < max_blocks_
       const std::size_t n = std::min(slab_blocks_, max_blocks_ - committed_);
       free_.reserve(committed_ + n);            // room for every block: release() (noexcept) never allocates
       buffers_.emplace_back(n * block_bytes_);  // may throw: nothing changed yet
@@ -94,7 +109,23 @@ class BlockStore {
   /// Blocks that acquire() can still hand out.
   std::size_t available() const {
     std::lock_guard lock(mutex_);
-    return max_blocks_ - in_use_;
+    return max_blocks_ - in_use_ - charged_;
+  }
+
+  /// Counts n blocks against the limit for memory kept elsewhere (OwnRowsCharge); throws
+  /// capacity_exceeded, naming `what`, when fewer are available.
+  void charge(std::size_t n, const std::string& what) {
+    std::lock_guard lock(mutex_);
+    if (n > max_blocks_ - in_use_ - charged_)
+      throw Error(ErrorCode::capacity_exceeded, what + " take " + std::to_string(n) + " blocks of " +
+                                                    std::to_string(block_bytes_) + " bytes, but " +
+                                                    std::to_string(max_blocks_ - in_use_ - charged_) + " of " +
+                                                    std::to_string(max_blocks_) + " are free");
+    charged_ += n;
+  }
+  void refund(std::size_t n) noexcept {
+    std::lock_guard lock(mutex_);
+    charged_ -= n;
   }
 
   void retain(BlockId id) noexcept {
@@ -125,7 +156,7 @@ class BlockStore {
 
   BlockCounts counts() const {
     std::lock_guard lock(mutex_);
-    return {committed_, in_use_, shared_};
+    return {committed_, in_use_, shared_, charged_};
   }
 
  private:
@@ -136,12 +167,41 @@ class BlockStore {
   };
 
   std::size_t block_bytes_, max_blocks_;
+  StoreLimit limit_;
   std::unique_ptr<Slot[]> slots_;  // fixed size: readers never see it move
   mutable std::mutex mutex_;
   std::size_t slab_blocks_ = 1;
   std::vector<AlignedBuffer> buffers_;  // the slabs; moving a buffer keeps its memory
   std::vector<BlockId> free_;
-  std::size_t committed_ = 0, in_use_ = 0, shared_ = 0;
+  std::size_t committed_ = 0, in_use_ = 0, shared_ = 0, charged_ = 0;
+};
+
+/// A cache's own rows counted against its store's limit while the cache lives, when the store's
+/// limit counts them (StoreLimit::blocks_and_own_rows); otherwise empty.
+class OwnRowsCharge {
+ public:
+  OwnRowsCharge() = default;
+  OwnRowsCharge(BlockStore& store, std::size_t own_bytes, const std::string& what) {
+    if (store.limit() != StoreLimit::blocks_and_own_rows) return;
+    store.charge(store.blocks_holding(own_bytes), what);
+    store_ = &store;
+    blocks_ = store.blocks_holding(own_bytes);
+  }
+  OwnRowsCharge(OwnRowsCharge&& other) noexcept
+      : store_(std::exchange(other.store_, nullptr)), blocks_(std::exchange(other.blocks_, 0)) {}
+  OwnRowsCharge& operator=(OwnRowsCharge other) noexcept {
+    std::swap(store_, other.store_);
+    std::swap(blocks_, other.blocks_);
+    return *this;
+  }
+  ~OwnRowsCharge() {
+    if (store_ != nullptr) store_->refund(blocks_);
+  }
+  std::size_t blocks() const noexcept { return blocks_; }
+
+ private:
+  BlockStore* store_ = nullptr;
+  std::size_t blocks_ = 0;
 };
 
 }  // namespace kvq::inline v0

@@ -205,6 +205,7 @@ class BasicKVCache {
     for (std::size_t i = 0; i < quantized_ends_.size(); ++i)
       quantized_ends_[i] = history_begins_[i] = kept_from_[i] = layouts_[i % 2].sinks;
     scratch_.resize(scratch_floats(shape, layouts_[0], layouts_[1]));
+    charge_ = OwnRowsCharge(*store_, own_bytes(), own_rows_name);
   }
 
   /// Bytes of one block: every KV head's keys and values for block_tokens(shape, config) positions.
@@ -220,6 +221,17 @@ class BasicKVCache {
   /// own rows (sinks, window ring) and rollback history per layer, KV head and tensor, its RoPE
   /// table and its store's block table; blocks come as tokens arrive. load() bounds it.
   static std::size_t fixed_bytes(const CacheShape& shape, const CacheConfig& config) {
+    const std::size_t own = own_bytes(shape, config);  // validates
+    const std::size_t rope = RopeTable::table_bytes(shape.rope(), shape.capacity);
+    const std::size_t table =
+        BlockStore::table_bytes(own_store_blocks(shape, config, kvq::block_tokens(shape, config)));
+    const std::size_t per_layer = checked_mul(shape.layers, 128, "cache bytes");  // its block table and positions
+    return saturating_add(saturating_add(own, saturating_add(rope, table)), per_layer);
+  }
+
+  /// What own_bytes() of a cache of this shape and configuration is: its own rows (sinks, window
+  /// ring), rollback history and scratch. A KVPool charges them to its limit per sequence.
+  static std::size_t own_bytes(const CacheShape& shape, const CacheConfig& config) {
     validate(shape, config);
     const std::size_t rows = kvq::block_tokens(shape, config);
     const StreamLayout k(config.key, config.quantize_keys, shape.head_dim, config, shape.capacity, rows);
@@ -228,11 +240,7 @@ class BasicKVCache {
         k.bytes + v.bytes + k.history_rows * row_size(k) + v.history_rows * row_size(v);  // each below 2^48
     const std::size_t own = checked_mul(
         per_head, checked_mul(shape.layers, shape.kv_heads, "cache shape: layers x kv_heads"), "cache storage bytes");
-    const std::size_t rope = RopeTable::table_bytes(shape.rope(), shape.capacity);
-    const std::size_t table = BlockStore::table_bytes(own_store_blocks(shape, config, rows));
-    const std::size_t scratch = scratch_floats(shape, k, v) * sizeof(float);
-    const std::size_t per_layer = checked_mul(shape.layers, 128, "cache bytes");  // its block table and positions
-    return saturating_add(saturating_add(saturating_add(own, rope), saturating_add(table, scratch)), per_layer);
+    return saturating_add(own, scratch_floats(shape, k, v) * sizeof(float));
   }
 
   /// A deep copy with blocks of its own.
@@ -283,6 +291,7 @@ class BasicKVCache {
     std::swap(history_begins_, other.history_begins_);
     std::swap(kept_from_, other.kept_from_);
     std::swap(scratch_, other.scratch_);
+    std::swap(charge_, other.charge_);
   }
 
   const CacheShape& shape() const noexcept { return shape_; }
@@ -398,21 +407,9 @@ class BasicKVCache {
   /// Throws kvq::Error and leaves the cache unchanged when the range or the layout forbids it.
   void erase(std::size_t first, std::size_t count) {
     if (count == 0) return;
-    // Pending rows that move are staged here: allocated before anything changes.
-    std::vector<std::uint8_t> staged(
-        std::max(layouts_[0].ring_rows * row_size(layouts_[0]), layouts_[1].ring_rows * row_size(layouts_[1])));
+    std::vector<std::uint8_t> staged(erase_staging_bytes());  // allocated before anything changes
     prepare_erase(first, count);
-    for (std::size_t l = 0; l < shape_.layers; ++l) {
-      for (const Tensor t : {Tensor::keys, Tensor::values}) {
-        std::size_t& end = quantized_ends_[l * 2 + index(t)];
-        const std::size_t new_end = end <= first ? end : end <= first + count ? first : end - count;
-        for (std::size_t h = 0; h < shape_.kv_heads; ++h) move_down(t, l, h, first, count, end, new_end, staged.data());
-        // The history is by position, which the shift changed: rollback starts afresh from here.
-        end = history_begins_[l * 2 + index(t)] = kept_from_[l * 2 + index(t)] = new_end;
-      }
-      lengths_[l] -= count;
-      release_blocks(l, blocks_for(lengths_[l], quantized_end(Tensor::keys, l), quantized_end(Tensor::values, l)));
-    }
+    erase_prepared(first, count, staged.data());
   }
 
   /// Empties every layer; zeroes only the bytes in use, so it costs what the cache holds.
@@ -678,7 +675,9 @@ class BasicKVCache {
         scratch_(other.scratch_) {
     layouts_[0] = other.layouts_[0];
     layouts_[1] = other.layouts_[1];
+    charge_ = OwnRowsCharge(*store_, own_bytes(), own_rows_name);
   }
+  static constexpr const char* own_rows_name = "a sequence's own rows (sinks, window ring, rollback copies)";
 
   std::size_t max_length() const noexcept { return *std::max_element(lengths_.begin(), lengths_.end()); }
 
@@ -1020,6 +1019,25 @@ class BasicKVCache {
     for (std::size_t l = 0; l < shape_.layers; ++l) prepare_blocks(l, first - config_.sinks, tables_[l].size());
   }
 
+  /// Bytes erase() stages the pending rows that move in (one stream's ring).
+  std::size_t erase_staging_bytes() const noexcept {
+    return std::max(layouts_[0].ring_rows * row_size(layouts_[0]), layouts_[1].ring_rows * row_size(layouts_[1]));
+  }
+  /// The second half of erase, after prepare_erase: cannot fail. `staged`: erase_staging_bytes().
+  void erase_prepared(std::size_t first, std::size_t count, std::uint8_t* staged) noexcept {
+    for (std::size_t l = 0; l < shape_.layers; ++l) {
+      for (const Tensor t : {Tensor::keys, Tensor::values}) {
+        std::size_t& end = quantized_ends_[l * 2 + index(t)];
+        const std::size_t new_end = end <= first ? end : end <= first + count ? first : end - count;
+        for (std::size_t h = 0; h < shape_.kv_heads; ++h) move_down(t, l, h, first, count, end, new_end, staged);
+        // The history is by position, which the shift changed: rollback starts afresh from here.
+        end = history_begins_[l * 2 + index(t)] = kept_from_[l * 2 + index(t)] = new_end;
+      }
+      lengths_[l] -= count;
+      release_blocks(l, blocks_for(lengths_[l], quantized_end(Tensor::keys, l), quantized_end(Tensor::values, l)));
+    }
+  }
+
   /// Validates erase(first, count) completely.
   void check_erase(std::size_t first, std::size_t count) const {
     const std::string range = "erasing " + std::to_string(count) + " positions from " + std::to_string(first);
@@ -1207,6 +1225,7 @@ class BasicKVCache {
   std::vector<std::size_t> history_begins_;  // (layers, 2): rollback floor: rows from here on are held
   std::vector<std::size_t> kept_from_;       // (layers, 2): the history holds packed rows [kept_from, quantized end)
   std::vector<float> scratch_;               // (layers): one group of due rows, as floats
+  OwnRowsCharge charge_;                     // own rows in the store's limit (a pool's sequences)
 };
 
 /// Marks a cache whose configuration is chosen at run time.

@@ -204,6 +204,11 @@ struct CacheAccess {
   /// truncate's and erase's checks and copies of shared blocks, without the change itself.
   static void prepare_truncate(BasicKVCache& c, std::size_t length) { c.prepare_truncate(length); }
   static void prepare_erase(BasicKVCache& c, std::size_t first, std::size_t count) { c.prepare_erase(first, count); }
+  /// erase after prepare_erase, staging in `staged` (erase_staging_bytes(c) bytes): cannot fail.
+  static std::size_t erase_staging_bytes(const BasicKVCache& c) noexcept { return c.erase_staging_bytes(); }
+  static void erase_prepared(BasicKVCache& c, std::size_t first, std::size_t count, std::uint8_t* staged) noexcept {
+    c.erase_prepared(first, count, staged);
+  }
 
   /// Blocks a layer in state `s` refers to.
   static std::size_t blocks_for(const BasicKVCache& c, const LayerState& s) {

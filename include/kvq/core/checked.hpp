@@ -25,6 +25,12 @@ constexpr std::size_t saturating_add(std::size_t a, std::size_t b) noexcept {
   return a > std::size_t(-1) - b ? std::size_t(-1) : a + b;
 }
 
+/// a * b, or SIZE_MAX when the product does not fit: for bounds compared against a limit.
+constexpr std::size_t saturating_mul(std::size_t a, std::size_t b) noexcept {
+  std::size_t out = 0;
+  return __builtin_mul_overflow(a, b, &out) ? std::size_t(-1) : out;
+}
+
 /// Throws kvq::Error naming `what` unless value <= limit.
 inline void check_limit(std::size_t value, std::size_t limit, std::string_view what) {
   if (value > limit)

@@ -14,12 +14,13 @@
 //   block_hashes / share_prefixes       -> find and share a common prompt prefix across sequences
 //
 // Memory is committed as sequences reach new positions (in slabs of about 2 MiB of blocks), up
-// to the pool's limit of blocks; every sequence shares the RoPE tables. fork(id, length) shares
-// the parent's blocks by reference count and copies only its own rows (sinks, ring, rollback
-// copies): a block is copied only when a sequence holding a shared one writes to it, so a shared
-// prompt costs its packed bytes once. A sequence's bytes do not depend on how its tokens
-// arrived, so attention over a pool sequence is bit-identical to attention over a KVCache of the
-// same shape, configuration and block length that received the same tokens.
+// to the pool's limit of blocks, which also counts each sequence's own rows (a new sequence is
+// refused, capacity_exceeded, when they do not fit); every sequence shares the RoPE tables.
+// fork(id, length) shares the parent's blocks by reference count and copies only its own rows
+// (sinks, ring, rollback copies): a block is copied only when a sequence holding a shared one
+// writes to it, so a shared prompt costs its packed bytes once. A sequence's bytes do not depend
+// on how its tokens arrived, so attention over a pool sequence is bit-identical to attention over
+// a KVCache of the same shape, configuration and block length that received the same tokens.
 //
 // A pool may hold a configuration per layer (kvq-eval --advise chooses one) and a RoPE per layer
 // (Gemma 3 rotates its local and global layers differently): the layers of one configuration and
@@ -88,9 +89,10 @@ struct PoolShape {
   // these steps, and decode attention sets up once per block (256: 1.04x to 1.15x the time of
   // one block per step at 32K; bench/RESULTS.md).
   std::size_t block_tokens = 256;
-  std::size_t memory_blocks = 1024;  // the most blocks the pool commits (split between the stores
-                                     // of a pool whose layers differ in configuration or RoPE by
-                                     // their layers)
+  // The pool's memory budget in blocks: the blocks it commits and each sequence's own rows
+  // (sinks, window ring, rollback copies) in whole blocks, charged while the sequence lives. Split
+  // between the stores of a pool whose layers differ in configuration or RoPE by their layers.
+  std::size_t memory_blocks = 1024;
   RopeStyle rope_style = RopeStyle::adjacent_pairs;
   float rope_theta = 10000.0f;
   std::size_t rope_dims = 0;  // channels RoPE rotates from the start of each head; 0 = head_dim
@@ -200,8 +202,9 @@ class KVPool {
       const std::size_t share =
           checked_mul(shape.memory_blocks, group.layers.size(), "pool shape: memory_blocks x layers");
       const std::size_t blocks = share / shape.layers + (share % shape.layers != 0);
-      group.store = std::make_shared<BlockStore>(group.block_bytes, blocks);
+      group.store = std::make_shared<BlockStore>(group.block_bytes, blocks, StoreLimit::blocks_and_own_rows);
       group.rope = detail::shared_table(tables, group.shape.rope(), shape.max_tokens);
+      group.own_blocks = group.store->blocks_holding(BasicKVCache::own_bytes(group.shape, group.config));
     }
   }
   KVPool(const KVPool&) = delete;
@@ -222,6 +225,12 @@ class KVPool {
   std::size_t block_bytes() const { return uniform_group("block_bytes()").block_bytes; }
   std::size_t block_bytes(std::size_t layer) const { return groups_[locate(layer, "block_bytes").group].block_bytes; }
   const BlockStore& blocks() const { return *uniform_group("blocks()").store; }
+  /// Blocks of the limit that each sequence's own rows (sinks, window ring, rollback copies) take
+  /// while it lives, beside the blocks its tokens fill: what an engine plans its batch with.
+  std::size_t own_row_blocks() const { return uniform_group("own_row_blocks()").own_blocks; }
+  std::size_t own_row_blocks(std::size_t layer) const {
+    return groups_[locate(layer, "own_row_blocks").group].own_blocks;
+  }
   /// The store holding `layer`'s blocks (shared with the layers of the same configuration and RoPE).
   const BlockStore& blocks(std::size_t layer) const { return *groups_[locate(layer, "blocks").group].store; }
   /// The RoPE table of every layer; kvq::Error (unsupported) when the layers rotate differently:
@@ -235,7 +244,8 @@ class KVPool {
   /// Layer `layer`'s RoPE table (shared by the layers of one RoPE).
   const RopeTable& rope(std::size_t layer) const { return *groups_[locate(layer, "rope").group].rope; }
 
-  /// A new, empty sequence. Its own rows (sinks, ring, rollback copies) are allocated now.
+  /// A new, empty sequence. Its own rows (sinks, ring, rollback copies) are allocated now and
+  /// charged to the pool's limit in whole blocks; capacity_exceeded when they do not fit.
   SequenceId add_sequence() {
     Sequence seq;
     for (std::size_t g = 0; g < groups_.size(); ++g) seq.push_back(empty_cache(g));
@@ -302,10 +312,14 @@ class KVPool {
     using Access = detail::CacheAccess;
     std::shared_lock lock(mutex_);
     with_context(id, std::nullopt, [&](Sequence& s) {
+      if (count == 0) return;
       for (std::size_t g = 0; g < s.size(); ++g)
         if (const auto e = s[g]->erase_error(first, count)) throw Error(e->code(), relabel(e->message(), g));
+      std::vector<std::vector<std::uint8_t>> staged;  // every allocation before the first change
+      staged.reserve(s.size());
+      for (const auto& cache : s) staged.emplace_back(Access::erase_staging_bytes(*cache));
       for (std::size_t g = 0; g < s.size(); ++g) in_group(g, [&] { Access::prepare_erase(*s[g], first, count); });
-      for (auto& cache : s) cache->erase(first, count);
+      for (std::size_t g = 0; g < s.size(); ++g) Access::erase_prepared(*s[g], first, count, staged[g].data());
     });
   }
 
@@ -478,6 +492,7 @@ class KVPool {
     std::size_t block_bytes = 0;
     std::shared_ptr<BlockStore> store;
     std::shared_ptr<const RopeTable> rope;
+    std::size_t own_blocks = 0;  // what each sequence's own rows take of the store's limit
   };
   /// Where a pool layer lives: its group, and its index in that group's caches.
   struct Place {
@@ -669,8 +684,10 @@ class KVPool {
     const std::uint64_t entry = 8 + shape_.layers * (Access::table_entry_bytes + 8);
     if (count > t.remaining() / entry)
       file.fail("table", table_start, std::to_string(count) + " sequences do not fit the section");
-    std::vector<std::unique_ptr<BasicKVCache>> layouts;  // the layouts every sequence has, per group
-    for (std::size_t g = 0; g < groups_.size(); ++g) layouts.push_back(empty_cache(g));
+    // The layouts every sequence has, per group, over stores of their own: not charged to the pool.
+    std::vector<std::unique_ptr<BasicKVCache>> layouts;
+    for (std::size_t g = 0; g < groups_.size(); ++g)
+      layouts.push_back(std::make_unique<BasicKVCache>(groups_[g].shape, groups_[g].config, nullptr, groups_[g].rope));
     struct Saved {
       SequenceId id;
       std::vector<Access::LayerState> states;  // per pool layer
@@ -721,12 +738,16 @@ class KVPool {
       file.fail("table", table_start, std::to_string(block_count) + " blocks do not fit the file");
     if (const auto unused = std::find(group_of.begin(), group_of.end(), no_group); unused != group_of.end())
       file.fail("table", table_start, "block " + std::to_string(unused - group_of.begin()) + " belongs to no sequence");
+    // Before any block or own row is allocated: the blocks and every sequence's own rows fit.
     for (std::size_t g = 0; g < groups_.size(); ++g) {
-      const auto needed = std::size_t(std::count(group_of.begin(), group_of.end(), g));
-      if (const std::size_t free = groups_[g].store->available(); free < needed)
+      const BlockStore& store = *groups_[g].store;
+      const auto blocks = std::size_t(std::count(group_of.begin(), group_of.end(), g));
+      const std::size_t own = saturating_mul(saved.size(), groups_[g].own_blocks);
+      if (const std::size_t free = store.available(); free < blocks || free - blocks < own)
         throw Error(ErrorCode::capacity_exceeded,
-                    "kvq pool file holds " + std::to_string(needed) + " blocks" +
-                        (uniform() ? "" : " of the layers configured " + to_string(groups_[g].config)) +
+                    "kvq pool file holds " + std::to_string(blocks) + " blocks" +
+                        (uniform() ? "" : " of the layers configured " + to_string(groups_[g].config)) + " and " +
+                        std::to_string(saved.size()) + " sequences whose own rows take " + std::to_string(own) +
                         "; this pool has " + std::to_string(free) + " free");
     }
 
