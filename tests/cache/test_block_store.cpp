@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include "kvq/cache/block_store.hpp"
@@ -50,12 +51,13 @@ TEST(BlockStore, RefusesPastItsLimitAndNamesWhoAsked) {
 }
 
 TEST(BlockStore, ChargesCountAgainstTheLimitUntilRefunded) {
-  kvq::BlockStore store(1000, 6, kvq::StoreLimit::blocks_and_own_rows);
+  const auto shared = std::make_shared<kvq::BlockStore>(1000, 6, kvq::StoreLimit::blocks_and_own_rows);
+  kvq::BlockStore& store = *shared;
   EXPECT_EQ(store.blocks_holding(1), 1u);
   EXPECT_EQ(store.blocks_holding(2048), 2u);
   EXPECT_EQ(store.blocks_holding(2049), 3u);
   {
-    const kvq::OwnRowsCharge charge(store, 3000, "sequence 4's own rows");  // 3 blocks of 1024
+    const kvq::OwnRowsCharge charge(shared, 3000, "sequence 4's own rows");  // 3 blocks of 1024
     EXPECT_EQ(charge.blocks(), 3u);
     EXPECT_EQ(store.counts().charged, 3u);
     EXPECT_EQ(store.available(), 3u);
@@ -70,7 +72,7 @@ TEST(BlockStore, ChargesCountAgainstTheLimitUntilRefunded) {
     }
     store.release(c);
     try {
-      const kvq::OwnRowsCharge more(store, 2000, "sequence 6's own rows");
+      const kvq::OwnRowsCharge more(shared, 2000, "sequence 6's own rows");
       FAIL() << "a charge past the limit was accepted";
     } catch (const kvq::Error& e) {
       EXPECT_EQ(e.code(), kvq::ErrorCode::capacity_exceeded);
@@ -85,10 +87,10 @@ TEST(BlockStore, ChargesCountAgainstTheLimitUntilRefunded) {
   EXPECT_EQ(store.counts().charged, 0u);
   EXPECT_EQ(store.available(), 6u);
   // A store whose limit counts blocks only takes no charge.
-  kvq::BlockStore own(1000, 2);
+  const auto own = std::make_shared<kvq::BlockStore>(1000, 2);
   const kvq::OwnRowsCharge none(own, 1 << 20, "a cache's own rows");
   EXPECT_EQ(none.blocks(), 0u);
-  EXPECT_EQ(own.available(), 2u);
+  EXPECT_EQ(own->available(), 2u);
 }
 
 }  // namespace

@@ -29,7 +29,7 @@ kvq::PoolShape pool_shape() {
                         .head_dim = 16,
                         .max_tokens = 128,
                         .block_tokens = 64,
-                        .memory_blocks = 16,
+                        .memory_blocks = 32,
                         .rope_dims = c.rope_dims,
                         .rope_scaling = c.rope_scaling};
 }

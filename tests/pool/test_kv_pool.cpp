@@ -551,7 +551,7 @@ TEST(KVPool, OwnRowsCountAgainstTheLimit) {
   ASSERT_GT(own, 1u);
   KVPool pool(small_pool(3 * own + 2), config);
   Tokens tokens;
-  const SequenceId a = add_tokens(pool, tokens, 40, 11);  // 8 positions packed: one block per layer
+  const SequenceId a = add_tokens(pool, tokens, 40, 11);  // 4 value positions packed: a block per layer
   EXPECT_EQ(pool.sequence(a).own_bytes(), BasicKVCache::own_bytes(shape, config));
   const SequenceId b = pool.fork(a, 40);
   EXPECT_EQ(pool.blocks().counts().charged, 2 * own);
@@ -566,7 +566,7 @@ TEST(KVPool, OwnRowsCountAgainstTheLimit) {
       ADD_FAILURE() << what << " past the limit was accepted";
     } catch (const kvq::Error& e) {
       EXPECT_EQ(e.code(), kvq::ErrorCode::capacity_exceeded) << what;
-      EXPECT_NE(std::string(e.what()).find("own rows (sinks, window ring, rollback copies) take " +
+      EXPECT_NE(std::string(e.what()).find("own rows (sinks, window ring, rollback copies, scratch) take " +
                                            std::to_string(own) + " blocks"),
                 std::string::npos)
           << e.what();
@@ -1215,8 +1215,7 @@ TEST(KVPoolPerLayer, FailuresNameThePoolLayerAndChangeNothing) {
 
   // A full store: capacity_exceeded naming the pool layer, nothing changed. Each store gets the
   // limit's share of its layers: 2 of 4 layers, 6 blocks of 64 positions beside a sequence's own rows.
-  const std::size_t own = std::max(pool.own_row_blocks(0), pool.own_row_blocks(2));
-  KVPool tight(per_layer_pool(2 * (6 + own)), per_layer_configs());
+  KVPool tight(per_layer_pool(2 * (6 + pool.own_row_blocks(0))), per_layer_configs());
   const SequenceId s = tight.add_sequence();
   Tokens long_tokens;
   long_tokens.add(500, row, rng);
@@ -1229,6 +1228,26 @@ TEST(KVPoolPerLayer, FailuresNameThePoolLayerAndChangeNothing) {
     EXPECT_NE(std::string(e.what()).find("layer 2"), std::string::npos) << e.what();
   }
   EXPECT_EQ(tight.length(s, 2), 0u);
+}
+
+// Own rows are charged group by group: a sequence refused in any group holds no charge in the
+// others, for every split of a small limit between the groups.
+TEST(KVPoolPerLayer, RefusedSequencesLeaveNoChargeInAnyGroup) {
+  std::size_t refused = 0, added = 0;
+  for (std::size_t blocks = 1; blocks <= 160; ++blocks) {
+    KVPool pool(per_layer_pool(blocks), per_layer_configs());
+    try {
+      (void)pool.add_sequence();
+      ++added;
+    } catch (const kvq::Error& e) {
+      ASSERT_EQ(e.code(), kvq::ErrorCode::capacity_exceeded) << e.what();
+      ++refused;
+      EXPECT_EQ(pool.sequence_count(), 0u);
+      for (std::size_t l = 0; l < 4; ++l) EXPECT_EQ(pool.blocks(l).counts().charged, 0u) << blocks << " layer " << l;
+    }
+  }
+  EXPECT_GT(refused, 0u);
+  EXPECT_GT(added, 0u);
 }
 
 /// Every layer of sequence ia of `a` holds what layer l of sequence ib of `b` holds: bytes, rollback

@@ -54,6 +54,7 @@ namespace detail {
 struct RequestPlan {
   const AttentionRequest* request = nullptr;
   std::size_t tokens = 0, heads = 0, group = 0, rows = 0, batches = 0, chunk = 0;
+  std::size_t batch_rows = 0;               // rows of the largest batch: min(rows, max_group)
   std::size_t shared = 0, prefix = 0;       // [shared, prefix): stored positions every query sees
   std::size_t ragged = 0;                   // [ragged, shared): stored positions some queries see
   std::size_t first_chunk = 0, chunks = 0;  // the chunks (ChunkGrid) covering [shared, prefix)
@@ -211,6 +212,7 @@ inline void attend(std::span<const AttentionRequest> original, const DecodeOptio
     p.group = p.heads / kv_heads;
     p.rows = p.tokens * p.group;
     p.batches = (p.rows + max_group - 1) / max_group;
+    p.batch_rows = std::min(p.rows, max_group);
     p.prefix = fresh ? r.first_position : r.first_position + 1;
     p.chunk = detail::chunk_positions(cache, r.layer, options.chunk_tokens);
     p.shared = std::min(p.prefix, detail::window_start(options.scores, r.first_position + r.tokens - 1));
@@ -221,13 +223,13 @@ inline void attend(std::span<const AttentionRequest> original, const DecodeOptio
       p.chunks = grid.index(p.prefix - 1) + 1 - p.first_chunk;
     }
     const RopeTable* rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
-    p.kernel = &kernels::attention::select_kernel(cache.keys(r.layer, 0, 0), cache.values(r.layer, 0, 0),
-                                                  std::min(p.rows, max_group), rope,
-                                                  detail::key_unrotation(cache) != nullptr, options.kernel);
+    p.kernel = &kernels::attention::select_kernel(cache.keys(r.layer, 0, 0), cache.values(r.layer, 0, 0), p.batch_rows,
+                                                  rope, detail::key_unrotation(cache) != nullptr, options.kernel);
     p.query_offset = query_floats;
     query_floats += kv_heads * p.rows * dim;
     p.partial_offset = partial_floats;
-    partial_floats += kv_heads * p.batches * (p.chunks + 1) * max_group * (dim + 2);
+    // Partial states at the batch's own row count: a decode step's GQA group of 4 takes 4 rows, not 64.
+    partial_floats += kv_heads * p.batches * (p.chunks + 1) * p.batch_rows * (dim + 2);
   }
 
   // The caller's scratch, captured by reference: tasks on other threads must not see their own.
@@ -270,12 +272,12 @@ inline void attend(std::span<const AttentionRequest> original, const DecodeOptio
     const detail::RequestPlan& p = plans[it.plan];
     const AttentionRequest& r = *p.request;
     const BasicKVCache& cache = *r.cache;
-    const std::size_t dim = cache.shape().head_dim, stride = max_group * (dim + 2);
+    const std::size_t dim = cache.shape().head_dim, stride = p.batch_rows * (dim + 2);
     const std::size_t row0 = it.batch * max_group, rows = std::min(max_group, p.rows - row0);
     const float* q = own_queries.data() + p.query_offset + (it.kvh * p.rows + row0) * dim;
     float* base =
         own_partial.data() + p.partial_offset + ((it.kvh * p.batches + it.batch) * (p.chunks + 1) + it.part) * stride;
-    const detail::PartialState state{base, base + max_group, base + 2 * max_group};
+    const detail::PartialState state{base, base + p.batch_rows, base + 2 * p.batch_rows};
     if (it.part < p.chunks) {  // a chunk of the shared prefix, read once for every row of the batch
       const auto [begin, end] =
           detail::ChunkGrid{cache.config().sinks, p.chunk}.range(p.first_chunk + it.part, p.shared, p.prefix);
@@ -351,13 +353,13 @@ inline void attend(std::span<const AttentionRequest> original, const DecodeOptio
 
   for (const detail::RequestPlan& p : plans) {
     const AttentionRequest& r = *p.request;
-    const std::size_t dim = r.cache->shape().head_dim, stride = max_group * (dim + 2);
+    const std::size_t dim = r.cache->shape().head_dim, stride = p.batch_rows * (dim + 2);
     for (std::size_t kvh = 0; kvh < r.cache->shape().kv_heads; ++kvh)
       for (std::size_t row = 0; row < p.rows; ++row) {
         const std::size_t b = row / max_group, k = row % max_group, t = row / p.group, g = row % p.group;
         const float* parts = own_partial.data() + p.partial_offset + (kvh * p.batches + b) * (p.chunks + 1) * stride;
-        detail::merge_parts(parts + k, parts + max_group + k, parts + 2 * max_group + k * dim, p.chunks + 1, stride,
-                            dim, detail::sink_logit(options.scores, kvh * p.group + g),
+        detail::merge_parts(parts + k, parts + p.batch_rows + k, parts + 2 * p.batch_rows + k * dim, p.chunks + 1,
+                            stride, dim, detail::sink_logit(options.scores, kvh * p.group + g),
                             r.out.data() + (t * p.heads + kvh * p.group + g) * dim);
       }
     if (const auto rotation = r.cache->rotation(Tensor::values)) rotation->inverse(r.out);  // sum p Hv = H sum p v

@@ -10,7 +10,10 @@
 // reads a third faster from huge pages. A store commits at most one slab more than it uses.
 //
 // A store's limit may also count memory kept outside it: a KVPool's budget covers each sequence's
-// own rows (sinks, window ring, rollback copies), charged in whole blocks while the sequence lives.
+// own rows (sinks, window ring, rollback copies, scratch), charged in whole blocks while the
+// sequence lives. The limit bounds blocks in use plus charges; blocks once committed stay with
+// the store for reuse (counts().committed), so after churn committed memory and charges together
+// can exceed it, by at most the limit.
 //
 // Thread safety: acquire, retain, release, charge and refund may be called from any thread; data() of a block
 // the caller holds needs no lock (its table slot is written once, before the block is handed out).
@@ -77,8 +80,8 @@ class BlockStore {
     return bytes / block_bytes_ + (bytes % block_bytes_ != 0);
   }
 
-  /// A zeroed block with one reference. Throws kvq::Error (capacity_exceeded) when every block is
-  /// in use, naming `what` needed it; out_of_memory when the system refuses the memory.
+  /// A zeroed block with one reference. Throws kvq::Error (capacity_exceeded) when every block of
+  /// the limit is in use or charged, naming `what` needed it; out_of_memory when the system refuses the memory.
   BlockId acquire(const char* what = "a cache") {
     std::lock_guard lock(mutex_);
     BlockId id;
@@ -177,18 +180,20 @@ class BlockStore {
 };
 
 /// A cache's own rows counted against its store's limit while the cache lives, when the store's
-/// limit counts them (StoreLimit::blocks_and_own_rows); otherwise empty.
+/// limit counts them (StoreLimit::blocks_and_own_rows); otherwise empty. It holds the store, so
+/// it may outlive the cache's other references to it.
 class OwnRowsCharge {
  public:
   OwnRowsCharge() = default;
-  OwnRowsCharge(BlockStore& store, std::size_t own_bytes, const std::string& what) {
-    if (store.limit() != StoreLimit::blocks_and_own_rows) return;
-    store.charge(store.blocks_holding(own_bytes), what);
-    store_ = &store;
-    blocks_ = store.blocks_holding(own_bytes);
+  OwnRowsCharge(std::shared_ptr<BlockStore> store, std::size_t own_bytes, const std::string& what) {
+    if (store == nullptr || store->limit() != StoreLimit::blocks_and_own_rows) return;
+    const std::size_t blocks = store->blocks_holding(own_bytes);
+    store->charge(blocks, what);
+    store_ = std::move(store);
+    blocks_ = blocks;
   }
   OwnRowsCharge(OwnRowsCharge&& other) noexcept
-      : store_(std::exchange(other.store_, nullptr)), blocks_(std::exchange(other.blocks_, 0)) {}
+      : store_(std::move(other.store_)), blocks_(std::exchange(other.blocks_, 0)) {}
   OwnRowsCharge& operator=(OwnRowsCharge other) noexcept {
     std::swap(store_, other.store_);
     std::swap(blocks_, other.blocks_);
@@ -200,7 +205,7 @@ class OwnRowsCharge {
   std::size_t blocks() const noexcept { return blocks_; }
 
  private:
-  BlockStore* store_ = nullptr;
+  std::shared_ptr<BlockStore> store_;
   std::size_t blocks_ = 0;
 };
 

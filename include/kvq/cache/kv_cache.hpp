@@ -147,17 +147,21 @@ inline std::size_t block_tokens(const CacheShape& shape, const CacheConfig& conf
   return (wanted + unit - 1) / unit * unit;
 }
 
+class LayeredKVCache;
+
 class BasicKVCache {
  public:
   BasicKVCache(const CacheShape& shape, const CacheConfig& config) : BasicKVCache(shape, config, nullptr, nullptr) {}
 
   /// A cache whose blocks come from `store` and whose RoPE table is `rope` (both shared, e.g. by
   /// the sequences of a KVPool); nullptr: its own. The store's blocks must hold
-  /// block_bytes(shape, config) and the table must cover shape.capacity positions.
+  /// block_bytes(shape, config) and the table must cover shape.capacity positions. A store whose
+  /// limit counts own rows (a pool's) is charged them first: capacity_exceeded when they do not fit.
   BasicKVCache(const CacheShape& shape, const CacheConfig& config, std::shared_ptr<BlockStore> store,
                std::shared_ptr<const RopeTable> rope)
       : shape_(shape), config_(config) {
     validate(shape, config);
+    charge_ = OwnRowsCharge(store, own_bytes(shape, config), own_rows_name);  // before allocating them
     block_rows_ = kvq::block_tokens(shape, config);
     shape_.block_tokens = block_rows_;
     layouts_[0] = StreamLayout(config.key, config.quantize_keys, shape.head_dim, config, shape.capacity, block_rows_);
@@ -205,7 +209,6 @@ class BasicKVCache {
     for (std::size_t i = 0; i < quantized_ends_.size(); ++i)
       quantized_ends_[i] = history_begins_[i] = kept_from_[i] = layouts_[i % 2].sinks;
     scratch_.resize(scratch_floats(shape, layouts_[0], layouts_[1]));
-    charge_ = OwnRowsCharge(*store_, own_bytes(), own_rows_name);
   }
 
   /// Bytes of one block: every KV head's keys and values for block_tokens(shape, config) positions.
@@ -629,6 +632,7 @@ class BasicKVCache {
   }
 
   friend struct detail::CacheAccess;
+  friend class LayeredKVCache;  // erases its layers together (prepare_erase, erase_prepared)
 
   static constexpr std::size_t index(Tensor t) noexcept { return t == Tensor::keys ? 0 : 1; }
 
@@ -655,11 +659,12 @@ class BasicKVCache {
 
   /// Everything but the blocks, copied from `other`; no blocks yet (the public copies add them).
   BasicKVCache(const BasicKVCache& other, std::shared_ptr<BlockStore> store)
-      : shape_(other.shape_),
+      : charge_(store, other.own_bytes(), own_rows_name),  // first: before the copies are allocated
+        shape_(other.shape_),
         config_(other.config_),
         rotations_(other.rotations_),
         rope_(other.rope_),
-        store_(std::move(store)),
+        store_(store),
         block_rows_(other.block_rows_),
         block_head_bytes_(other.block_head_bytes_),
         head_bytes_(other.head_bytes_),
@@ -675,9 +680,8 @@ class BasicKVCache {
         scratch_(other.scratch_) {
     layouts_[0] = other.layouts_[0];
     layouts_[1] = other.layouts_[1];
-    charge_ = OwnRowsCharge(*store_, own_bytes(), own_rows_name);
   }
-  static constexpr const char* own_rows_name = "a sequence's own rows (sinks, window ring, rollback copies)";
+  static constexpr const char* own_rows_name = "a cache's own rows (sinks, window ring, rollback copies, scratch)";
 
   std::size_t max_length() const noexcept { return *std::max_element(lengths_.begin(), lengths_.end()); }
 
@@ -1206,6 +1210,7 @@ class BasicKVCache {
     floor = std::max(floor, std::min(kept_from_[layer * 2 + index(t)], first_in_ring));
   }
 
+  OwnRowsCharge charge_;  // own rows in the store's limit (a pool's sequences); first, so taken before they exist
   CacheShape shape_;
   CacheConfig config_;
   std::array<std::shared_ptr<const HadamardTransform>, 2> rotations_;  // keys, values; null: not rotated
@@ -1225,7 +1230,6 @@ class BasicKVCache {
   std::vector<std::size_t> history_begins_;  // (layers, 2): rollback floor: rows from here on are held
   std::vector<std::size_t> kept_from_;       // (layers, 2): the history holds packed rows [kept_from, quantized end)
   std::vector<float> scratch_;               // (layers): one group of due rows, as floats
-  OwnRowsCharge charge_;                     // own rows in the store's limit (a pool's sequences)
 };
 
 /// Marks a cache whose configuration is chosen at run time.

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
@@ -232,7 +233,13 @@ class LayeredKVCache {
   void erase(std::size_t first, std::size_t count) {
     for (std::size_t l = 0; l < layers_.size(); ++l)
       if (const auto e = layers_[l].erase_error(first, count)) throw Error(e->code(), relabel(e->message(), l));
-    for (BasicKVCache& c : layers_) c.erase(first, count);  // checked above; no block is shared
+    if (count == 0) return;
+    // Every layer's staging before the first change, so a bad_alloc cannot leave some shifted.
+    std::vector<std::vector<std::uint8_t>> staged;
+    staged.reserve(layers_.size());
+    for (const BasicKVCache& c : layers_) staged.emplace_back(c.erase_staging_bytes());
+    for (BasicKVCache& c : layers_) c.prepare_erase(first, count);  // checked above; no block is shared
+    for (std::size_t l = 0; l < layers_.size(); ++l) layers_[l].erase_prepared(first, count, staged[l].data());
   }
 
   /// Bytes held, summed over the layers.

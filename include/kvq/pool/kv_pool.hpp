@@ -89,9 +89,10 @@ struct PoolShape {
   // these steps, and decode attention sets up once per block (256: 1.04x to 1.15x the time of
   // one block per step at 32K; bench/RESULTS.md).
   std::size_t block_tokens = 256;
-  // The pool's memory budget in blocks: the blocks it commits and each sequence's own rows
-  // (sinks, window ring, rollback copies) in whole blocks, charged while the sequence lives. Split
-  // between the stores of a pool whose layers differ in configuration or RoPE by their layers.
+  // The pool's memory budget in blocks: the blocks sequences hold and each sequence's own rows
+  // (sinks, window ring, rollback copies, scratch) in whole blocks, charged while it lives (blocks
+  // freed stay committed for reuse: memory().committed). Split between the stores of a pool whose
+  // layers differ in configuration or RoPE by their layers.
   std::size_t memory_blocks = 1024;
   RopeStyle rope_style = RopeStyle::adjacent_pairs;
   float rope_theta = 10000.0f;
@@ -225,8 +226,9 @@ class KVPool {
   std::size_t block_bytes() const { return uniform_group("block_bytes()").block_bytes; }
   std::size_t block_bytes(std::size_t layer) const { return groups_[locate(layer, "block_bytes").group].block_bytes; }
   const BlockStore& blocks() const { return *uniform_group("blocks()").store; }
-  /// Blocks of the limit that each sequence's own rows (sinks, window ring, rollback copies) take
-  /// while it lives, beside the blocks its tokens fill: what an engine plans its batch with.
+  /// Blocks of the limit that each sequence's own rows (sinks, window ring, rollback copies,
+  /// scratch) take while it lives, beside the blocks its tokens fill: what an engine plans its
+  /// batch with.
   std::size_t own_row_blocks() const { return uniform_group("own_row_blocks()").own_blocks; }
   std::size_t own_row_blocks(std::size_t layer) const {
     return groups_[locate(layer, "own_row_blocks").group].own_blocks;
@@ -315,7 +317,9 @@ class KVPool {
       if (count == 0) return;
       for (std::size_t g = 0; g < s.size(); ++g)
         if (const auto e = s[g]->erase_error(first, count)) throw Error(e->code(), relabel(e->message(), g));
-      std::vector<std::vector<std::uint8_t>> staged;  // every allocation before the first change
+      // Every allocation before the first change: each group's staging at once (erase of one
+      // cache needs one), so a group cannot fail after another has moved its rows.
+      std::vector<std::vector<std::uint8_t>> staged;
       staged.reserve(s.size());
       for (const auto& cache : s) staged.emplace_back(Access::erase_staging_bytes(*cache));
       for (std::size_t g = 0; g < s.size(); ++g) in_group(g, [&] { Access::prepare_erase(*s[g], first, count); });
@@ -405,9 +409,9 @@ class KVPool {
   /// kvq::Error invalid_argument) and have the saved shape (block_tokens and the shape's own RoPE
   /// fields included), each layer's RoPE and the configurations (else shape_mismatch); it may
   /// have another memory limit, and throws
-  /// capacity_exceeded when the saved blocks do not fit it. Sequence ids are kept, and blocks
-  /// shared when saved are shared again. A damaged file throws io naming the section and offset.
-  /// On any error the pool is left exactly as it was.
+  /// capacity_exceeded when the saved blocks and its sequences' own rows do not fit it. Sequence ids are kept, and
+  /// blocks shared when saved are shared again. A damaged file throws io naming the section and offset. On any error
+  /// the pool is left exactly as it was.
   void load(std::istream& in) {
     expect_empty();
     detail::FileReader file(in, "kvq pool file");
@@ -684,10 +688,13 @@ class KVPool {
     const std::uint64_t entry = 8 + shape_.layers * (Access::table_entry_bytes + 8);
     if (count > t.remaining() / entry)
       file.fail("table", table_start, std::to_string(count) + " sequences do not fit the section");
-    // The layouts every sequence has, per group, over stores of their own: not charged to the pool.
+    // The layouts every sequence has, per group, over one-block stores of their own: not charged
+    // to the pool, and they never take a block.
     std::vector<std::unique_ptr<BasicKVCache>> layouts;
     for (std::size_t g = 0; g < groups_.size(); ++g)
-      layouts.push_back(std::make_unique<BasicKVCache>(groups_[g].shape, groups_[g].config, nullptr, groups_[g].rope));
+      layouts.push_back(std::make_unique<BasicKVCache>(groups_[g].shape, groups_[g].config,
+                                                       std::make_shared<BlockStore>(groups_[g].block_bytes, 1),
+                                                       groups_[g].rope));
     struct Saved {
       SequenceId id;
       std::vector<Access::LayerState> states;  // per pool layer
@@ -748,7 +755,7 @@ class KVPool {
                     "kvq pool file holds " + std::to_string(blocks) + " blocks" +
                         (uniform() ? "" : " of the layers configured " + to_string(groups_[g].config)) + " and " +
                         std::to_string(saved.size()) + " sequences whose own rows take " + std::to_string(own) +
-                        "; this pool has " + std::to_string(free) + " free");
+                        " blocks; this pool has " + std::to_string(free) + " free");
     }
 
     // The blocks, read straight into blocks no sequence refers to yet; let go of on any error
