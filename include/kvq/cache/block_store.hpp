@@ -7,7 +7,7 @@
 //
 // Memory comes in slabs of about 2 MiB (several blocks, or one larger block), 2 MiB-aligned and
 // advised as huge pages (AlignedBuffer): attention streams every block each step, and one core
-// reads a third faster from huge pages. A store commits at most one slab more than it uses.
+// reads a third faster from huge pages. A store commits at most one slab more than its peak use.
 //
 // A store's limit may also count memory kept outside it: a KVPool's budget covers each sequence's
 // own rows (sinks, window ring, rollback copies, scratch), charged in whole blocks while the

@@ -13,9 +13,10 @@
 //   save_file(path) / load_file(path)      were; files are written beside and renamed into place
 //   block_hashes / share_prefixes       -> find and share a common prompt prefix across sequences
 //
-// Memory is committed as sequences reach new positions (in slabs of about 2 MiB of blocks), up
-// to the pool's limit of blocks, which also counts each sequence's own rows (a new sequence is
-// refused, capacity_exceeded, when they do not fit); every sequence shares the RoPE tables.
+// Memory is committed as sequences reach new positions (in slabs of about 2 MiB of blocks). The
+// pool's limit counts the blocks sequences hold and each sequence's own rows (a new sequence is
+// refused, capacity_exceeded, when they do not fit; freed blocks stay committed for reuse); every
+// sequence shares the RoPE tables.
 // fork(id, length) shares the parent's blocks by reference count and copies only its own rows
 // (sinks, ring, rollback copies): a block is copied only when a sequence holding a shared one
 // writes to it, so a shared prompt costs its packed bytes once. A sequence's bytes do not depend
@@ -142,7 +143,7 @@ struct PoolMemory {
   std::size_t committed = 0;  // blocks allocated (in use or free for reuse) and the sequences' own rows
   std::size_t used = 0;       // blocks some sequence refers to and the sequences' own rows
   std::size_t shared = 0;     // blocks more than one sequence refers to
-  std::size_t own = 0;        // the sequences' own rows: sinks, rings, rollback copies
+  std::size_t own = 0;        // the sequences' own rows: sinks, rings, rollback copies, scratch
 };
 
 class KVPool {
