@@ -1231,22 +1231,28 @@ TEST(KVPoolPerLayer, FailuresNameThePoolLayerAndChangeNothing) {
 }
 
 // Own rows are charged group by group: a sequence refused in any group holds no charge in the
-// others, for every split of a small limit between the groups.
+// others, for every split of a small limit between the groups. Group 0 (layer 0, no window)
+// needs few blocks and the window layers' group many, so some limits refuse in the later group.
 TEST(KVPoolPerLayer, RefusedSequencesLeaveNoChargeInAnyGroup) {
-  std::size_t refused = 0, added = 0;
+  const std::vector<CacheConfig> configs =
+      kvq::parse_layer_configs("k2c16-v4t32-r0-s0;k4c32-v2t32-r20-s3;k4c32-v2t32-r20-s3;k16-v16-r0-s1-f32", 4);
+  std::size_t refused = 0, refused_after_group_0 = 0, added = 0;
   for (std::size_t blocks = 1; blocks <= 160; ++blocks) {
-    KVPool pool(per_layer_pool(blocks), per_layer_configs());
+    KVPool pool(per_layer_pool(blocks), configs);
     try {
       (void)pool.add_sequence();
       ++added;
     } catch (const kvq::Error& e) {
       ASSERT_EQ(e.code(), kvq::ErrorCode::capacity_exceeded) << e.what();
       ++refused;
+      // Group 0 had room: its charge was taken, then given back.
+      refused_after_group_0 += pool.blocks(0).available() >= pool.own_row_blocks(0);
       EXPECT_EQ(pool.sequence_count(), 0u);
       for (std::size_t l = 0; l < 4; ++l) EXPECT_EQ(pool.blocks(l).counts().charged, 0u) << blocks << " layer " << l;
     }
   }
   EXPECT_GT(refused, 0u);
+  EXPECT_GT(refused_after_group_0, 0u) << "no limit refused a sequence in a later group";
   EXPECT_GT(added, 0u);
 }
 

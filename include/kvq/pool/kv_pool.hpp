@@ -16,12 +16,12 @@
 // Memory is committed as sequences reach new positions (in slabs of about 2 MiB of blocks). The
 // pool's limit counts the blocks sequences hold and each sequence's own rows (a new sequence is
 // refused, capacity_exceeded, when they do not fit; freed blocks stay committed for reuse); every
-// sequence shares the RoPE tables.
-// fork(id, length) shares the parent's blocks by reference count and copies only its own rows
-// (sinks, ring, rollback copies): a block is copied only when a sequence holding a shared one
-// writes to it, so a shared prompt costs its packed bytes once. A sequence's bytes do not depend
-// on how its tokens arrived, so attention over a pool sequence is bit-identical to attention over
-// a KVCache of the same shape, configuration and block length that received the same tokens.
+// sequence shares the RoPE tables. fork(id, length) shares the parent's blocks by reference count
+// and copies only its own rows (sinks, ring, rollback copies): a block is copied only when a
+// sequence holding a shared one writes to it, so a shared prompt costs its packed bytes once. A
+// sequence's bytes do not depend on how its tokens arrived, so attention over a pool sequence is
+// bit-identical to attention over a KVCache of the same shape, configuration and block length that
+// received the same tokens.
 //
 // A pool may hold a configuration per layer (kvq-eval --advise chooses one) and a RoPE per layer
 // (Gemma 3 rotates its local and global layers differently): the layers of one configuration and
@@ -409,10 +409,10 @@ class KVPool {
   /// Restores a pool saved by save() into this pool, which must hold no sequence (else
   /// kvq::Error invalid_argument) and have the saved shape (block_tokens and the shape's own RoPE
   /// fields included), each layer's RoPE and the configurations (else shape_mismatch); it may
-  /// have another memory limit, and throws
-  /// capacity_exceeded when the saved blocks and its sequences' own rows do not fit it. Sequence ids are kept, and
-  /// blocks shared when saved are shared again. A damaged file throws io naming the section and offset. On any error
-  /// the pool is left exactly as it was.
+  /// have another memory limit, and throws capacity_exceeded when the saved blocks and its
+  /// sequences' own rows do not fit it. Sequence ids are kept, and blocks shared when saved are
+  /// shared again. A damaged file throws io naming the section and offset. On any error the pool
+  /// is left exactly as it was.
   void load(std::istream& in) {
     expect_empty();
     detail::FileReader file(in, "kvq pool file");
