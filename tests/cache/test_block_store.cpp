@@ -4,8 +4,10 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kvq/cache/block_store.hpp"
+#include "kvq/cache/kv_cache.hpp"
 
 namespace {
 
@@ -91,6 +93,115 @@ TEST(BlockStore, ChargesCountAgainstTheLimitUntilRefunded) {
   const kvq::OwnRowsCharge none(own, 1 << 20, "a cache's own rows");
   EXPECT_EQ(none.blocks(), 0u);
   EXPECT_EQ(own->available(), 2u);
+}
+
+// Freed blocks stay committed until charges need the room; then slabs with no block in use go
+// back, the last first, whether the charge or the release that empties a slab tips it. A release
+// keeps the slab while the excess is less than a slab, so a slab at the limit is not recommitted
+// at every block.
+TEST(BlockStore, GivesBackEmptySlabsWhenChargesNeedTheRoom) {
+  const std::size_t block = std::size_t(1) << 20;  // two blocks a slab
+  kvq::BlockStore store(block, 6, kvq::StoreLimit::blocks_and_own_rows);
+  std::vector<kvq::BlockId> ids;
+  for (int i = 0; i < 6; ++i) ids.push_back(store.acquire());
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(ids[i], kvq::BlockId(i)) << "the lowest free block first";
+  // Less than a slab over the limit: the slab a release empties stays.
+  store.release(5);
+  store.charge(1, "own rows");  // 6 committed + 1 charged, no slab empty
+  EXPECT_EQ(store.counts().committed, 6u);
+  store.release(4);
+  EXPECT_EQ(store.counts().committed, 6u) << "one block over the limit gives back no slab";
+  EXPECT_EQ(store.acquire(), 4u) << "the lowest free block first";
+  store.release(4);
+  store.refund(1);
+  for (int i = 0; i < 4; ++i) store.release(ids[i]);
+  EXPECT_EQ(store.counts().committed, 6u) << "freed blocks stay committed while nothing needs the room";
+  store.charge(2, "own rows");
+  EXPECT_EQ(store.counts().committed, 4u) << "the last slab goes back";
+  EXPECT_EQ(store.data(5), nullptr);
+  // Fragmented: a block in use in each committed slab, and charges that need the room.
+  EXPECT_EQ(store.acquire(), 0u);
+  EXPECT_EQ(store.acquire(), 1u);
+  EXPECT_EQ(store.acquire(), 2u);
+  store.release(1);
+  store.charge(2, "own rows");  // 4 charged and 4 committed: a slab over the limit of 6
+  EXPECT_EQ(store.counts().committed, 4u) << "no slab is empty";
+  store.release(2);  // empties slab 1, which goes back
+  EXPECT_EQ(store.counts().committed, 2u);
+  EXPECT_EQ(store.counts().in_use, 1u);
+  // Refunded, the room is committed again: the given-back slabs first.
+  store.refund(4);
+  for (const kvq::BlockId want : {1u, 2u, 3u, 4u, 5u}) {
+    const kvq::BlockId id = store.acquire();
+    EXPECT_EQ(id, want);
+    ASSERT_NE(store.data(id), nullptr);
+    std::memset(store.data(id), 1, block);  // the memory is there
+  }
+  EXPECT_EQ(store.counts().committed, 6u);
+  EXPECT_EQ(store.available(), 0u);
+}
+
+// A reservation sets blocks aside for one change: take() hands them out past a limit that
+// refuses acquire(), and what is not taken goes back. Reserved blocks are not charges: they give
+// back no slab, since the change takes them from the store.
+TEST(BlockStore, ReservedBlocksAreTakenOneAtATime) {
+  kvq::BlockStore store(1000, 4, kvq::StoreLimit::blocks_and_own_rows);
+  store.release(store.acquire());
+  EXPECT_EQ(store.counts().committed, 4u);
+  {
+    kvq::BlockReservation reserved(store);
+    std::size_t free = 0;
+    EXPECT_FALSE(reserved.add(5, &free));
+    EXPECT_EQ(free, 4u);
+    EXPECT_EQ(reserved.blocks(), 0u);
+    ASSERT_TRUE(reserved.add(3));
+    EXPECT_EQ(store.available(), 1u);
+    EXPECT_EQ(store.counts().charged, 0u);
+    const kvq::BlockId a = store.acquire();
+    EXPECT_THROW((void)store.acquire(), kvq::Error) << "the reserved blocks are not for others";
+    EXPECT_THROW(store.charge(1, "own rows"), kvq::Error);
+    const kvq::BlockId b = reserved.take(), c = reserved.take();
+    EXPECT_EQ(store.counts().in_use, 3u);
+    EXPECT_EQ(store.counts().committed, 4u) << "a reservation gives back no slab";
+    EXPECT_NE(b, c);
+    EXPECT_NE(a, b);
+    store.release(a);
+  }
+  EXPECT_EQ(store.available(), 2u) << "the block not taken went back";
+  kvq::BlockReservation empty(store);
+  EXPECT_THROW((void)empty.take(), kvq::Error);
+}
+
+// A cache over a store whose blocks are too small, or a RoPE table too short, is refused as a
+// shape mismatch before the store's limit is charged, however little room the limit has.
+TEST(BlockStore, CachesCheckTheStoreBeforeTheyChargeIt) {
+  const kvq::CacheShape shape{.layers = 2, .kv_heads = 2, .head_dim = 64, .capacity = 512};
+  const kvq::CacheConfig config = kvq::parse_cache_config("k4c32-v2t32-r32-s4");
+  const std::size_t block = kvq::BasicKVCache::block_bytes(shape, config);
+  const auto rope = std::make_shared<const kvq::RopeTable>(shape.rope(), shape.capacity);
+  const auto small = std::make_shared<kvq::BlockStore>(block - 64, 1, kvq::StoreLimit::blocks_and_own_rows);
+  try {
+    const kvq::BasicKVCache cache(shape, config, small, rope);
+    FAIL() << "blocks too small for the shape were accepted";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::shape_mismatch) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cannot hold the " + std::to_string(block)), std::string::npos) << e.what();
+  }
+  const auto fits = std::make_shared<kvq::BlockStore>(block, 1, kvq::StoreLimit::blocks_and_own_rows);
+  const auto short_rope = std::make_shared<const kvq::RopeTable>(shape.rope(), shape.capacity - 1);
+  try {
+    const kvq::BasicKVCache cache(shape, config, fits, short_rope);
+    FAIL() << "a RoPE table short of the capacity was accepted";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::shape_mismatch) << e.what();
+  }
+  EXPECT_EQ(small->counts().charged, 0u);
+  EXPECT_EQ(fits->counts().charged, 0u);
+  // With room for its own rows, the same store and table make a cache.
+  const std::size_t own = (kvq::BasicKVCache::own_bytes(shape, config) + block - 1) / block;
+  const auto roomy = std::make_shared<kvq::BlockStore>(block, own + 1, kvq::StoreLimit::blocks_and_own_rows);
+  const kvq::BasicKVCache cache(shape, config, roomy, rope);
+  EXPECT_EQ(roomy->available(), 1u);
 }
 
 }  // namespace

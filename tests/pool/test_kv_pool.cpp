@@ -344,6 +344,57 @@ TEST(KVPool, ExhaustedPoolNamesTheBlocksAndChangesNothing) {
   EXPECT_EQ(pool.sequence(s).length(0), 250u);
 }
 
+// A rollback or context shift of a fork copies the shared blocks it writes to, in every layer.
+// Short of blocks for all of them it is refused having copied none (the sharing stays); with
+// exactly enough it succeeds.
+TEST(KVPool, RefusedChangesToAForkCopyNoBlock) {
+  const CacheConfig config = config_of("k4c32-v2t32-r16-s1");
+  const std::size_t row = 128, own = KVPool(small_pool(), config).own_row_blocks();
+  std::size_t parent_blocks = 0, copies = 0;
+  {
+    KVPool roomy(small_pool(), config);
+    Tokens t;
+    const SequenceId parent = add_tokens(roomy, t, 500, 9);
+    parent_blocks = roomy.blocks().counts().in_use;
+    roomy.truncate(roomy.fork(parent, 500), 490);
+    copies = roomy.blocks().counts().in_use - parent_blocks;
+  }
+  ASSERT_GE(copies, 2u) << "a copy in each layer";
+  for (const std::size_t spare : {copies - 1, copies}) {
+    KVPool pool(small_pool(parent_blocks + 2 * own + spare), config);
+    Tokens t;
+    const SequenceId parent = add_tokens(pool, t, 500, 9);
+    const SequenceId child = pool.fork(parent, 500);
+    ASSERT_EQ(pool.blocks().available(), spare);
+    const kvq::PoolMemory before = pool.memory();
+    const auto bytes = pool.sequence(child).stored_bytes();
+    if (spare < copies) {
+      for (const auto& [what, step] : std::vector<std::pair<std::string, std::function<void()>>>{
+               {"truncate to 490", [&] { pool.truncate(child, 490); }},
+               {"erase at 1", [&] { pool.erase(child, 1, 32); }}}) {
+        try {
+          step();
+          ADD_FAILURE() << what << " without the blocks for its copies was accepted";
+        } catch (const kvq::Error& e) {
+          EXPECT_EQ(e.code(), kvq::ErrorCode::capacity_exceeded) << e.what();
+          EXPECT_NE(std::string(e.what()).find(what + ": needs "), std::string::npos) << e.what();
+        }
+        EXPECT_EQ(pool.memory().shared, before.shared) << what << " copied a shared block";
+        EXPECT_EQ(pool.memory().used, before.used) << what;
+        EXPECT_EQ(pool.blocks().counts().charged, 2 * own) << what << " left a charge";
+        EXPECT_TRUE(pool.sequence(child).stored_bytes() == bytes) << what;
+      }
+      continue;
+    }
+    pool.truncate(child, 490);
+    EXPECT_EQ(pool.blocks().available(), 0u);
+    Tokens kept = t;
+    kept.cut(490, row);
+    kvq::test::expect_same_state(pool.sequence(child), fresh_cache(pool.shape().sequence_shape(), config, kept),
+                                 "fork truncated with exactly the blocks it copies");
+  }
+}
+
 TEST(KVPool, SavedSequencesLoadBackAndBadFilesChangeNothing) {
   const CacheConfig config = config_of("k4c32-v2t32-r32-s2");
   KVPool pool(small_pool(), config);
@@ -582,6 +633,14 @@ TEST(KVPool, OwnRowsCountAgainstTheLimit) {
       short_of_one, [&] { load_pool(short_of_one, three); }, kvq::ErrorCode::capacity_exceeded,
       "holds 2 blocks and 3 sequences whose own rows take " + std::to_string(3 * own));
   EXPECT_EQ(short_of_one.blocks().counts().charged, 0u);
+  // load_sequence reads one sequence: a file of three is refused for its count, whatever the room.
+  expect_load_refused(
+      short_of_one,
+      [&] {
+        std::istringstream in(three, std::ios::binary);
+        (void)short_of_one.load_sequence(in);
+      },
+      kvq::ErrorCode::invalid_argument, "holds 3 sequences; load_sequence reads one");
   KVPool exact(small_pool(3 * own + 2), config);
   load_pool(exact, three);
   EXPECT_EQ(exact.blocks().counts().charged, 3 * own);
@@ -592,6 +651,35 @@ TEST(KVPool, OwnRowsCountAgainstTheLimit) {
   (void)pool.add_sequence();
   pool.remove_sequence(b);
   EXPECT_EQ(pool.blocks().available(), own);
+}
+
+// Blocks freed by long sequences and then charged to many short ones' own rows are given back:
+// the pool's memory stays within its budget after the churn.
+TEST(KVPool, MemoryStaysWithinTheBudgetWhenFreedBlocksMakeRoomForOwnRows) {
+  const CacheConfig config = config_of("k4c32-v2t32-r32-s4-d8");
+  PoolShape shape = small_pool();
+  shape.block_tokens = 256;  // slabs of 64 blocks
+  const std::size_t own = KVPool(shape, config).own_row_blocks();
+  shape.memory_blocks = 256;
+  KVPool pool(shape, config);
+  std::vector<SequenceId> long_ones;
+  for (unsigned i = 0; i < 6; ++i) {
+    Tokens tokens;
+    long_ones.push_back(add_tokens(pool, tokens, 4096, 20 + i));
+  }
+  const std::size_t committed = pool.blocks().counts().committed;
+  ASSERT_GE(committed, 3 * 64u);
+  for (const SequenceId id : long_ones) pool.remove_sequence(id);
+  EXPECT_EQ(pool.blocks().counts().committed, committed) << "freed blocks stay for reuse";
+  std::size_t added = 0;
+  try {
+    for (;; ++added) (void)pool.add_sequence();
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::capacity_exceeded) << e.what();
+  }
+  EXPECT_EQ(added, 256 / own);
+  EXPECT_EQ(pool.blocks().counts().committed, 0u) << "every empty slab went back";
+  EXPECT_LE(pool.memory().committed, 256 * pool.block_bytes()) << "blocks and own rows exceed the budget";
 }
 
 TEST(KVPool, PoolFileForAnotherPoolIsRefused) {

@@ -11,18 +11,26 @@
 //
 // A store's limit may also count memory kept outside it: a KVPool's budget covers each sequence's
 // own rows (sinks, window ring, rollback copies, scratch), charged in whole blocks while the
-// sequence lives. The limit bounds blocks in use plus charges; blocks once committed stay with
-// the store for reuse (counts().committed), so after churn committed memory and charges together
-// can exceed it, by at most the limit.
+// sequence lives. The limit bounds blocks in use plus charges. Freed blocks stay committed for
+// reuse (counts().committed) until charges need the room: a charge gives back slabs with no block
+// in use while committed blocks and charges exceed the limit, and so does a release that empties a
+// slab while they exceed it by a slab or more (by less, the slab is kept: a slab committed at the
+// limit would otherwise be given back and committed again at every block). The lowest free block
+// is handed out first, so use gathers in the first slabs and the last ones empty. What can stand
+// above the limit is less than a slab, and the free blocks of slabs that hold a block in use.
 //
-// Thread safety: acquire, retain, release, charge and refund may be called from any thread; data() of a block
-// the caller holds needs no lock (its table slot is written once, before the block is handed out).
+// A change that needs several blocks reserves them all first (BlockReservation) and takes them
+// one at a time, so it is refused before it copies or writes anything.
+//
+// Thread safety: every member may be called from any thread; data() of a block the caller holds
+// needs no lock (its slot changes only while no cache holds the block).
 
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -47,6 +55,8 @@ struct BlockCounts {
 /// What a store's limit counts: its blocks (a cache's own store, sized for its capacity), or its
 /// blocks and the own rows of every cache over it in whole blocks (a KVPool's memory budget).
 enum class StoreLimit { blocks, blocks_and_own_rows };
+
+class BlockReservation;
 
 class BlockStore {
  public:
@@ -81,50 +91,34 @@ class BlockStore {
   }
 
   /// A zeroed block with one reference. Throws kvq::Error (capacity_exceeded) when every block of
-  /// the limit is in use or charged, naming `what` needed it; out_of_memory when the system refuses the memory.
+  /// the limit is in use, charged or reserved, naming `what` needed it; out_of_memory when the system
+  /// refuses the memory.
   BlockId acquire(const char* what = "a cache") {
     std::lock_guard lock(mutex_);
-    BlockId id;
-    if (in_use_ + charged_ == max_blocks_)
+    if (in_use_ + charged_ + reserved_ == max_blocks_)
       throw Error(ErrorCode::capacity_exceeded,
                   std::string(what) + " needs another block, but all " + std::to_string(max_blocks_) + " blocks of " +
                       std::to_string(block_bytes_) + " bytes are in use" +
                       (charged_ == 0 ? "" : " (" + std::to_string(charged_) + " by sequences' own rows)"));
-    if (free_.empty()) {  // then committed_ == in_use_ < max_blocks_
-      const std::size_t n = std::min(slab_blocks_, max_blocks_ - committed_);
-      free_.reserve(committed_ + n);            // room for every block: release() (noexcept) never allocates
-      buffers_.emplace_back(n * block_bytes_);  // may throw: nothing changed yet
-      for (std::size_t i = n; i-- > 0;) {       // the slab's first block is handed out first
-        slots_[committed_ + i].data.store(buffers_.back().data() + i * block_bytes_, std::memory_order_release);
-        free_.push_back(BlockId(committed_ + i));
-      }
-      committed_ += n;
-    }
-    id = free_.back();
-    std::memset(slots_[id].data.load(std::memory_order_relaxed), 0, block_bytes_);
-    free_.pop_back();
-    slots_[id].refs.store(1, std::memory_order_relaxed);
-    slots_[id].version.fetch_add(1, std::memory_order_relaxed);
-    ++in_use_;
-    return id;
+    return take_free_block();
   }
 
   /// Blocks that acquire() can still hand out.
   std::size_t available() const {
     std::lock_guard lock(mutex_);
-    return max_blocks_ - in_use_ - charged_;
+    return max_blocks_ - in_use_ - charged_ - reserved_;
   }
 
   /// Counts n blocks against the limit for memory kept elsewhere (OwnRowsCharge); throws
   /// capacity_exceeded, naming `what`, when fewer are available.
   void charge(std::size_t n, const std::string& what) {
     std::lock_guard lock(mutex_);
-    if (n > max_blocks_ - in_use_ - charged_)
-      throw Error(ErrorCode::capacity_exceeded, what + " take " + std::to_string(n) + " blocks of " +
-                                                    std::to_string(block_bytes_) + " bytes, but " +
-                                                    std::to_string(max_blocks_ - in_use_ - charged_) + " of " +
-                                                    std::to_string(max_blocks_) + " are free");
+    if (const std::size_t free = max_blocks_ - in_use_ - charged_ - reserved_; n > free)
+      throw Error(ErrorCode::capacity_exceeded,
+                  what + " take " + std::to_string(n) + " blocks of " + std::to_string(block_bytes_) + " bytes, but " +
+                      std::to_string(free) + " of " + std::to_string(max_blocks_) + " are free");
     charged_ += n;
+    give_back_free_slabs();
   }
   void refund(std::size_t n) noexcept {
     std::lock_guard lock(mutex_);
@@ -140,8 +134,11 @@ class BlockStore {
     const unsigned before = slots_[id].refs.fetch_sub(1, std::memory_order_relaxed);
     if (before == 2) --shared_;
     if (before == 1) {
-      free_.push_back(id);
+      free_.push_back(id);  // room reserved when its slab was committed
+      std::push_heap(free_.begin(), free_.end(), std::greater<>());
       --in_use_;
+      if (--slabs_[id / slab_blocks_].in_use == 0 && committed_ + charged_ >= max_blocks_ + slab_blocks_)
+        give_back_free_slabs();
     }
   }
   /// How many caches refer to the block.
@@ -163,20 +160,149 @@ class BlockStore {
   }
 
  private:
+  friend class BlockReservation;
+
+  // Reservations, through BlockReservation: n blocks set aside for acquire_reserved(); false,
+  // having set none aside, when fewer are available (then `*free`, if given, says how many were).
+  bool reserve(std::size_t n, std::size_t* free = nullptr) noexcept {
+    std::lock_guard lock(mutex_);
+    if (n > max_blocks_ - in_use_ - charged_ - reserved_) {
+      if (free != nullptr) *free = max_blocks_ - in_use_ - charged_ - reserved_;
+      return false;
+    }
+    reserved_ += n;
+    return true;
+  }
+  void unreserve(std::size_t n) noexcept {
+    std::lock_guard lock(mutex_);
+    reserved_ -= n;
+  }
+  // A reserved block handed out as acquire() hands one out. Throws out_of_memory only, with the
+  // reservation unchanged.
+  BlockId acquire_reserved() {
+    std::lock_guard lock(mutex_);
+    const BlockId id = take_free_block();
+    --reserved_;
+    return id;
+  }
+
   struct Slot {
     std::atomic<std::uint8_t*> data{nullptr};
     std::atomic<unsigned> refs{0};
     std::atomic<std::uint64_t> version{0};
   };
+  // Slab s holds blocks [s * slab_blocks_, s * slab_blocks_ + slab_size(s)) while its memory is
+  // committed; its ids are free again once it is given back.
+  struct Slab {
+    AlignedBuffer memory;
+    std::size_t in_use = 0;
+  };
+  std::size_t slab_size(std::size_t s) const noexcept { return std::min(slab_blocks_, max_blocks_ - s * slab_blocks_); }
+  bool committed(std::size_t s) const noexcept { return slabs_[s].memory.data() != nullptr; }
+
+  // The lowest free block, zeroed, with one reference. The caller holds the mutex and has
+  // checked the limit; throws out_of_memory only, having changed nothing.
+  BlockId take_free_block() {
+    if (free_.empty()) commit_slab();
+    std::pop_heap(free_.begin(), free_.end(), std::greater<>());
+    const BlockId id = free_.back();
+    free_.pop_back();
+    std::memset(slots_[id].data.load(std::memory_order_relaxed), 0, block_bytes_);
+    slots_[id].refs.store(1, std::memory_order_relaxed);
+    slots_[id].version.fetch_add(1, std::memory_order_relaxed);
+    ++slabs_[id / slab_blocks_].in_use;
+    ++in_use_;
+    return id;
+  }
+  // Commits the first slab that is not: with no block free, committed_ == in_use_ < max_blocks_,
+  // so one is not.
+  void commit_slab() {
+    std::size_t s = slabs_.size();
+    if (given_back_ != 0)
+      s = std::size_t(
+          std::find_if(slabs_.begin(), slabs_.end(), [](const Slab& slab) { return slab.memory.data() == nullptr; }) -
+          slabs_.begin());
+    const std::size_t n = slab_size(s);
+    try {
+      free_.reserve(committed_ + n);  // room for every block: release() (noexcept) never allocates
+      slabs_.reserve(s + 1);
+    } catch (const std::bad_alloc&) {
+      throw Error(ErrorCode::out_of_memory, "block store: the table of " + std::to_string(committed_ + n) + " blocks");
+    }
+    AlignedBuffer memory(n * block_bytes_);  // may throw: nothing changed yet
+    if (s == slabs_.size())
+      slabs_.emplace_back();
+    else
+      --given_back_;
+    for (std::size_t i = 0; i < n; ++i) {
+      slots_[s * slab_blocks_ + i].data.store(memory.data() + i * block_bytes_, std::memory_order_release);
+      free_.push_back(BlockId(s * slab_blocks_ + i));
+      std::push_heap(free_.begin(), free_.end(), std::greater<>());
+    }
+    slabs_[s].memory = std::move(memory);
+    committed_ += n;
+  }
+  // While committed blocks and charges exceed the limit, gives back slabs with no block in use,
+  // the last first (the lowest blocks are handed out first, so the last slabs empty first).
+  void give_back_free_slabs() noexcept {
+    std::size_t given = 0;
+    for (std::size_t s = slabs_.size(); s-- > 0 && committed_ + charged_ > max_blocks_;) {
+      if (!committed(s) || slabs_[s].in_use != 0) continue;
+      for (std::size_t i = 0; i < slab_size(s); ++i)
+        slots_[s * slab_blocks_ + i].data.store(nullptr, std::memory_order_relaxed);
+      slabs_[s].memory = AlignedBuffer();
+      committed_ -= slab_size(s);
+      ++given;
+    }
+    if (given == 0) return;
+    given_back_ += given;
+    std::erase_if(free_, [&](BlockId id) { return !committed(id / slab_blocks_); });
+    std::make_heap(free_.begin(), free_.end(), std::greater<>());
+  }
 
   std::size_t block_bytes_, max_blocks_;
   StoreLimit limit_;
   std::unique_ptr<Slot[]> slots_;  // fixed size: readers never see it move
   mutable std::mutex mutex_;
   std::size_t slab_blocks_ = 1;
-  std::vector<AlignedBuffer> buffers_;  // the slabs; moving a buffer keeps its memory
-  std::vector<BlockId> free_;
-  std::size_t committed_ = 0, in_use_ = 0, shared_ = 0, charged_ = 0;
+  std::vector<Slab> slabs_;     // moving a slab keeps its memory
+  std::size_t given_back_ = 0;  // slabs whose memory was given back, to commit again first
+  std::vector<BlockId> free_;   // a heap, lowest id on top
+  std::size_t committed_ = 0, in_use_ = 0, shared_ = 0, charged_ = 0, reserved_ = 0;
+};
+
+/// Blocks of a store's limit reserved for one change and handed out one at a time: a change that
+/// needs several (copies of shared blocks in every layer) reserves them all before the first, so
+/// it is refused before anything changes. What is not taken goes back when the reservation ends.
+class BlockReservation {
+ public:
+  explicit BlockReservation(BlockStore& store) noexcept : store_(&store) {}
+  BlockReservation(BlockReservation&& other) noexcept
+      : store_(other.store_), blocks_(std::exchange(other.blocks_, 0)) {}
+  BlockReservation& operator=(BlockReservation&&) = delete;
+  ~BlockReservation() {
+    if (blocks_ != 0) store_->unreserve(blocks_);
+  }
+  /// Reserves n more blocks; false, having reserved none, when fewer are available (then
+  /// `*free`, if given, says how many were).
+  bool add(std::size_t n, std::size_t* free = nullptr) noexcept {
+    if (!store_->reserve(n, free)) return false;
+    blocks_ += n;
+    return true;
+  }
+  /// One of the reserved blocks, acquired (zeroed, one reference). Throws kvq::Error:
+  /// out_of_memory when the system refuses the memory, capacity_exceeded when none is left.
+  BlockId take() {
+    if (blocks_ == 0) throw Error(ErrorCode::capacity_exceeded, "a change took more blocks than it reserved");
+    const BlockId id = store_->acquire_reserved();
+    --blocks_;
+    return id;
+  }
+  std::size_t blocks() const noexcept { return blocks_; }
+
+ private:
+  BlockStore* store_;
+  std::size_t blocks_ = 0;
 };
 
 /// A cache's own rows counted against its store's limit while the cache lives, when the store's

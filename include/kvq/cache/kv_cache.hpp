@@ -161,6 +161,17 @@ class BasicKVCache {
                std::shared_ptr<const RopeTable> rope)
       : shape_(shape), config_(config) {
     validate(shape, config);
+    if (const std::size_t block_bytes = BasicKVCache::block_bytes(shape, config);
+        store != nullptr && store->block_bytes() < block_bytes)
+      throw Error(ErrorCode::shape_mismatch, "cache: blocks of " + std::to_string(store->block_bytes()) +
+                                                 " bytes cannot hold the " + std::to_string(block_bytes) +
+                                                 " this shape needs");
+    if (rope != nullptr && rope->max_positions() < shape.capacity)
+      throw Error(ErrorCode::shape_mismatch, "cache: the RoPE table covers " + std::to_string(rope->max_positions()) +
+                                                 " positions, fewer than the capacity of " +
+                                                 std::to_string(shape.capacity));
+    if (rope != nullptr && !same_rotation(rope->config(), shape.rope()))
+      throw Error(ErrorCode::shape_mismatch, "cache: the RoPE table rotates otherwise than the shape's RoPE");
     charge_ = OwnRowsCharge(store, own_bytes(shape, config), own_rows_name);  // before allocating them
     block_rows_ = kvq::block_tokens(shape, config);
     shape_.block_tokens = block_rows_;
@@ -176,23 +187,11 @@ class BasicKVCache {
         layouts_[0].history_rows * row_size(layouts_[0]) + layouts_[1].history_rows * row_size(layouts_[1]);
     history_ = AlignedBuffer(checked_mul(head_history_bytes_, streams, "cache rollback history bytes"));
     block_head_bytes_ = layouts_[0].block_bytes + layouts_[1].block_bytes;
-    const std::size_t block_bytes = BasicKVCache::block_bytes(shape, config);
-    if (store == nullptr) {
-      store = std::make_shared<BlockStore>(block_bytes, own_store_blocks(shape, config, block_rows_));
-    } else if (store->block_bytes() < block_bytes) {
-      throw Error(ErrorCode::shape_mismatch, "cache: blocks of " + std::to_string(store->block_bytes()) +
-                                                 " bytes cannot hold the " + std::to_string(block_bytes) +
-                                                 " this shape needs");
-    }
+    if (store == nullptr)
+      store = std::make_shared<BlockStore>(BasicKVCache::block_bytes(shape, config),
+                                           own_store_blocks(shape, config, block_rows_));
     store_ = std::move(store);
-    if (rope == nullptr)
-      rope = std::make_shared<const RopeTable>(shape.rope(), shape.capacity);
-    else if (rope->max_positions() < shape.capacity)
-      throw Error(ErrorCode::shape_mismatch, "cache: the RoPE table covers " + std::to_string(rope->max_positions()) +
-                                                 " positions, fewer than the capacity of " +
-                                                 std::to_string(shape.capacity));
-    else if (!same_rotation(rope->config(), shape.rope()))
-      throw Error(ErrorCode::shape_mismatch, "cache: the RoPE table rotates otherwise than the shape's RoPE");
+    if (rope == nullptr) rope = std::make_shared<const RopeTable>(shape.rope(), shape.capacity);
     rope_ = std::move(rope);
     for (const Tensor t : {Tensor::keys, Tensor::values}) {
       const Rotation r = t == Tensor::keys ? config.key_rotation : config.value_rotation;
@@ -763,25 +762,42 @@ class BasicKVCache {
     return std::min(quantized_end(t, layer), layouts_[index(t)].quantized_end(length));
   }
 
-  /// Makes blocks [first_row / B, needed) of `layer` writable: shared ones are copied, missing
-  /// ones acquired. Throws kvq::Error when the store runs out, having acquired nothing new (copies
-  /// already made stay: they hold the same bytes).
-  void prepare_blocks(std::size_t layer, std::size_t first_row, std::size_t needed) {
-    std::vector<BlockId>& table = tables_[layer];
+  /// Blocks a write to blocks [first_row / B, needed) of `layer` takes anew: copies of the shared
+  /// ones and the missing ones.
+  std::size_t blocks_wanted(std::size_t layer, std::size_t first_row, std::size_t needed) const noexcept {
+    const std::vector<BlockId>& table = tables_[layer];
     std::size_t copies = 0;
     for (std::size_t k = first_row / block_rows_; k < std::min(needed, table.size()); ++k)
       copies += store_->shared(table[k]);
-    const std::size_t wanted = copies + (needed > table.size() ? needed - table.size() : 0);
-    if (const std::size_t free = wanted == 0 ? 0 : store_->available(); free < wanted)
-      throw Error(ErrorCode::capacity_exceeded, "layer " + std::to_string(layer) + ": needs " + std::to_string(wanted) +
-                                                    " more blocks of " + std::to_string(block_rows_) + " positions, " +
+    return copies + (needed > table.size() ? needed - table.size() : 0);
+  }
+  /// Adds `blocks` to `reserved`; throws kvq::Error (capacity_exceeded) naming what needs them
+  /// ("layer 3", "truncate to 490") when the store has fewer free. Allocates nothing otherwise.
+  void reserve_blocks(BlockReservation& reserved, std::size_t blocks, const char* what, std::size_t number) const {
+    std::size_t free = 0;
+    if (blocks != 0 && !reserved.add(blocks, &free))
+      throw Error(ErrorCode::capacity_exceeded, std::string(what) + " " + std::to_string(number) + ": needs " +
+                                                    std::to_string(blocks) + " more blocks of " +
+                                                    std::to_string(block_rows_) + " positions, " +
                                                     std::to_string(free) + " free");
+  }
+  /// Makes blocks [first_row / B, needed) of `layer` writable: shared ones are copied, missing
+  /// ones acquired, all from blocks reserved first, so it is refused before it copies anything.
+  void prepare_blocks(std::size_t layer, std::size_t first_row, std::size_t needed) {
+    BlockReservation reserved(*store_);
+    reserve_blocks(reserved, blocks_wanted(layer, first_row, needed), "layer", layer);
+    prepare_blocks(layer, first_row, needed, reserved);
+  }
+  /// As above, taking the new blocks from `reserved`, which holds blocks_wanted() of them. A refused
+  /// allocation (out_of_memory) acquires nothing new; copies already made stay (the same bytes).
+  void prepare_blocks(std::size_t layer, std::size_t first_row, std::size_t needed, BlockReservation& reserved) {
+    std::vector<BlockId>& table = tables_[layer];
     for (std::size_t k = first_row / block_rows_; k < std::min(needed, table.size()); ++k) {
       if (!store_->shared(table[k])) {
         store_->written(table[k]);  // hashes of its bytes (KVPool::block_hashes) are due again
         continue;
       }
-      const BlockId copy = store_->acquire("a cache");
+      const BlockId copy = reserved.take();
       std::memcpy(store_->data(copy), store_->data(table[k]), store_->block_bytes());
       store_->release(table[k]);
       table[k] = copy;
@@ -789,7 +805,7 @@ class BasicKVCache {
     const std::size_t before = table.size();
     table.reserve(needed);
     try {
-      while (table.size() < needed) table.push_back(store_->acquire("a cache"));
+      while (table.size() < needed) table.push_back(reserved.take());
     } catch (...) {
       release_blocks(layer, before);
       throw;
@@ -1008,19 +1024,52 @@ class BasicKVCache {
   // The first half of truncate and erase: the checks, then a private copy of every shared block
   // the change would write to. That can fail (capacity_exceeded) and changes nothing visible, so
   // a caller holding several caches (KVPool's layer groups) prepares them all before changing any.
+  // The blocks of every layer's copies are reserved before the first is made: by the caller that
+  // prepares several caches (reserve_truncate, reserve_erase), else here.
   void prepare_truncate(std::size_t length) {
+    BlockReservation reserved = reserve_truncate(length);
+    prepare_truncate(length, reserved);
+  }
+  void prepare_erase(std::size_t first, std::size_t count) {
+    BlockReservation reserved = reserve_erase(first, count);
+    prepare_erase(first, count, reserved);
+  }
+  /// truncate(length)'s (erase(first, count)'s) checks, and the blocks it takes anew reserved.
+  BlockReservation reserve_truncate(std::size_t length) {
     check_truncate(length);
+    std::size_t blocks = 0;
     for (std::size_t l = 0; l < shape_.layers; ++l)
       if (length < lengths_[l]) {
         const std::size_t k_end = truncated_end(Tensor::keys, l, length),
                           v_end = truncated_end(Tensor::values, l, length);
-        prepare_blocks(l, first_block_row(length, k_end, v_end), blocks_for(length, k_end, v_end));
+        blocks += blocks_wanted(l, first_block_row(length, k_end, v_end), blocks_for(length, k_end, v_end));
+      }
+    BlockReservation reserved(*store_);
+    reserve_blocks(reserved, blocks, "truncate to", length);
+    return reserved;
+  }
+  BlockReservation reserve_erase(std::size_t first, std::size_t count) {
+    BlockReservation reserved(*store_);
+    if (count == 0) return reserved;
+    check_erase(first, count);
+    std::size_t blocks = 0;
+    for (std::size_t l = 0; l < shape_.layers; ++l)
+      blocks += blocks_wanted(l, first - config_.sinks, tables_[l].size());
+    reserve_blocks(reserved, blocks, "erase at", first);
+    return reserved;
+  }
+  void prepare_truncate(std::size_t length, BlockReservation& reserved) {
+    for (std::size_t l = 0; l < shape_.layers; ++l)
+      if (length < lengths_[l]) {
+        const std::size_t k_end = truncated_end(Tensor::keys, l, length),
+                          v_end = truncated_end(Tensor::values, l, length);
+        prepare_blocks(l, first_block_row(length, k_end, v_end), blocks_for(length, k_end, v_end), reserved);
       }
   }
-  void prepare_erase(std::size_t first, std::size_t count) {
+  void prepare_erase(std::size_t first, std::size_t count, BlockReservation& reserved) {
     if (count == 0) return;
-    check_erase(first, count);
-    for (std::size_t l = 0; l < shape_.layers; ++l) prepare_blocks(l, first - config_.sinks, tables_[l].size());
+    for (std::size_t l = 0; l < shape_.layers; ++l)
+      prepare_blocks(l, first - config_.sinks, tables_[l].size(), reserved);
   }
 
   /// Bytes erase() stages the pending rows that move in (one stream's ring).

@@ -201,9 +201,18 @@ struct CacheAccess {
     mine = other;
   }
 
-  /// truncate's and erase's checks and copies of shared blocks, without the change itself.
-  static void prepare_truncate(BasicKVCache& c, std::size_t length) { c.prepare_truncate(length); }
-  static void prepare_erase(BasicKVCache& c, std::size_t first, std::size_t count) { c.prepare_erase(first, count); }
+  /// truncate's and erase's checks with the blocks their copies of shared blocks take set aside,
+  /// then the copies, without the change itself.
+  static BlockReservation reserve_truncate(BasicKVCache& c, std::size_t length) { return c.reserve_truncate(length); }
+  static BlockReservation reserve_erase(BasicKVCache& c, std::size_t first, std::size_t count) {
+    return c.reserve_erase(first, count);
+  }
+  static void prepare_truncate(BasicKVCache& c, std::size_t length, BlockReservation& reserved) {
+    c.prepare_truncate(length, reserved);
+  }
+  static void prepare_erase(BasicKVCache& c, std::size_t first, std::size_t count, BlockReservation& reserved) {
+    c.prepare_erase(first, count, reserved);
+  }
   /// erase after prepare_erase, staging in `staged` (erase_staging_bytes(c) bytes): cannot fail.
   static std::size_t erase_staging_bytes(const BasicKVCache& c) noexcept { return c.erase_staging_bytes(); }
   static void erase_prepared(BasicKVCache& c, std::size_t first, std::size_t count, std::uint8_t* staged) noexcept {

@@ -15,7 +15,8 @@
 //
 // Memory is committed as sequences reach new positions (in slabs of about 2 MiB of blocks). The
 // pool's limit counts the blocks sequences hold and each sequence's own rows (a new sequence is
-// refused, capacity_exceeded, when they do not fit; freed blocks stay committed for reuse); every
+// refused, capacity_exceeded, when they do not fit; freed blocks stay committed for reuse until
+// own rows need the room, and a change that copies shared blocks reserves them all first); every
 // sequence shares the RoPE tables. fork(id, length) shares the parent's blocks by reference count
 // and copies only its own rows (sinks, ring, rollback copies): a block is copied only when a
 // sequence holding a shared one writes to it, so a shared prompt costs its packed bytes once. A
@@ -91,9 +92,10 @@ struct PoolShape {
   // one block per step at 32K; bench/RESULTS.md).
   std::size_t block_tokens = 256;
   // The pool's memory budget in blocks: the blocks sequences hold and each sequence's own rows
-  // (sinks, window ring, rollback copies, scratch) in whole blocks, charged while it lives (blocks
-  // freed stay committed for reuse: memory().committed). Split between the stores of a pool whose
-  // layers differ in configuration or RoPE by their layers.
+  // (sinks, window ring, rollback copies, scratch) in whole blocks, charged while it lives. Blocks
+  // freed stay committed for reuse until own rows need the room (memory().committed; BlockStore).
+  // Split between the stores of a pool whose layers differ in configuration or RoPE by their
+  // layers.
   std::size_t memory_blocks = 1024;
   RopeStyle rope_style = RopeStyle::adjacent_pairs;
   float rope_theta = 10000.0f;
@@ -303,10 +305,16 @@ class KVPool {
     using Access = detail::CacheAccess;
     std::shared_lock lock(mutex_);
     with_context(id, std::nullopt, [&](Sequence& s) {
-      // Every group's checks before any group copies its shared blocks: a refused call unshares none.
+      // Every group's checks, then every group's copies of shared blocks reserved, before any group
+      // copies one: a refused call unshares none.
       for (std::size_t g = 0; g < s.size(); ++g)
         if (const auto e = s[g]->truncate_error(length)) throw Error(e->code(), relabel(e->message(), g));
-      for (std::size_t g = 0; g < s.size(); ++g) in_group(g, [&] { Access::prepare_truncate(*s[g], length); });
+      std::vector<BlockReservation> reservations;
+      reservations.reserve(s.size());
+      for (std::size_t g = 0; g < s.size(); ++g)
+        in_group(g, [&] { reservations.push_back(Access::reserve_truncate(*s[g], length)); });
+      for (std::size_t g = 0; g < s.size(); ++g)
+        in_group(g, [&] { Access::prepare_truncate(*s[g], length, reservations[g]); });
       for (auto& cache : s) cache->truncate(length);  // prepared: cannot fail
     });
   }
@@ -323,7 +331,12 @@ class KVPool {
       std::vector<std::vector<std::uint8_t>> staged;
       staged.reserve(s.size());
       for (const auto& cache : s) staged.emplace_back(Access::erase_staging_bytes(*cache));
-      for (std::size_t g = 0; g < s.size(); ++g) in_group(g, [&] { Access::prepare_erase(*s[g], first, count); });
+      std::vector<BlockReservation> reservations;
+      reservations.reserve(s.size());
+      for (std::size_t g = 0; g < s.size(); ++g)
+        in_group(g, [&] { reservations.push_back(Access::reserve_erase(*s[g], first, count)); });
+      for (std::size_t g = 0; g < s.size(); ++g)
+        in_group(g, [&] { Access::prepare_erase(*s[g], first, count, reservations[g]); });
       for (std::size_t g = 0; g < s.size(); ++g) Access::erase_prepared(*s[g], first, count, staged[g].data());
     });
   }
@@ -363,11 +376,7 @@ class KVPool {
     Sequence seq;
     if (detail::is_magic(magic, detail::pool_file_magic)) {
       file.set_kind("kvq pool file");
-      LoadedPool loaded = read_pool_file(file);
-      if (loaded.sequences.size() != 1)
-        throw Error(ErrorCode::invalid_argument,
-                    "kvq pool file holds " + std::to_string(loaded.sequences.size()) +
-                        " sequences; load_sequence reads one (save_sequence), load() a whole pool");
+      LoadedPool loaded = read_pool_file(file, /*one_sequence=*/true);
       seq = std::move(loaded.sequences.front().second);
     } else if (detail::is_magic(magic, detail::cache_file_magic)) {
       file.set_kind("kvq cache file");
@@ -667,7 +676,8 @@ class KVPool {
 
   /// The rest of a pool file after its magic, all read and checked before anything is returned;
   /// on any error every block taken is let go of. Blocks are read straight into their stores.
-  LoadedPool read_pool_file(detail::FileReader& file) const {
+  /// `one_sequence`: load_sequence's read, which refuses any other count before reading on.
+  LoadedPool read_pool_file(detail::FileReader& file, bool one_sequence = false) const {
     using Access = detail::CacheAccess;
     const std::uint32_t version = detail::read_version(file, detail::pool_file_version);
     const detail::FileHeader h = detail::read_header(file, 2, detail::ConfigText::per_layer);
@@ -682,6 +692,10 @@ class KVPool {
     (void)t.value<std::uint64_t>();  // the saved pool's memory limit: for people
     const auto next_id = t.value<std::uint64_t>(), count = t.value<std::uint64_t>(),
                block_count = t.value<std::uint64_t>();
+    if (one_sequence && count != 1)
+      throw Error(ErrorCode::invalid_argument,
+                  "kvq pool file holds " + std::to_string(count) +
+                      " sequences; load_sequence reads one (save_sequence), load() a whole pool");
     if (block_tokens != shape_.block_tokens)
       throw Error(ErrorCode::shape_mismatch, "kvq pool file holds blocks of " + std::to_string(block_tokens) +
                                                  " positions; this pool's blocks hold " +
