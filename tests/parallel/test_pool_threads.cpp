@@ -1,11 +1,19 @@
 // KVPool with real threads (and under ThreadSanitizer, preset tsan): appends to different
-// sequences, and attention over one sequence while others append and the pool reports memory.
+// sequences, and attention over one sequence while others append and the pool reports memory;
+// and as an engine's workers drive it: appends, rollbacks and attention on different sequences
+// while other threads add, fork and remove sequences, in a pool whose limit refuses some of them.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "kvq/kvq.hpp"
+#include "support/cache_state.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -54,6 +62,125 @@ TEST(KVPoolThreads, AppendsToDifferentSequencesAndAttentionRunConcurrently) {
     for (std::size_t l = 0; l < 2; ++l) alone.append(l, 0, keys[i], values[i]);
     EXPECT_TRUE(pool.sequence(ids[i]).stored_bytes() == alone.stored_bytes()) << "sequence " << i;
   }
+}
+
+constexpr std::size_t kLayers = 2, kHeads = 8, kDim = 128, kRow = kHeads * kDim, kDepth = 16;
+
+/// One sequence as its thread knows it: each layer's tokens (a refused append may leave the
+/// layers at different lengths) and the longest each has held, which bounds an exact rollback.
+struct Model {
+  kvq::SequenceId id = 0;
+  std::vector<float> keys[kLayers], values[kLayers];
+  std::size_t longest[kLayers] = {};
+  std::size_t length(std::size_t l) const { return keys[l].size() / kRow; }
+  std::size_t shortest() const { return std::min(length(0), length(1)); }
+  std::size_t exact_floor() const {  // shortest length every layer can roll back to exactly
+    const std::size_t most = std::max(longest[0], longest[1]);
+    return most > kDepth ? most - kDepth : 0;
+  }
+  void cut(std::size_t n) {
+    for (std::size_t l = 0; l < kLayers; ++l)
+      if (length(l) > n) {
+        keys[l].resize(n * kRow);
+        values[l].resize(n * kRow);
+      }
+  }
+};
+
+// Every refused call changes nothing, every sequence left holds what a cache of its own fed the
+// same tokens holds, and every block and charge comes back.
+TEST(KVPoolThreads, SequencesOfManyThreadsEqualCachesOfTheirOwn) {
+  const kvq::CacheConfig config = kvq::parse_cache_config("k4c32-v2t32-r16-s1");
+  kvq::PoolShape shape;
+  shape.layers = kLayers;
+  shape.kv_heads = kHeads;
+  shape.head_dim = kDim;
+  shape.max_tokens = 1024;
+  shape.block_tokens = 64;
+  shape.memory_blocks = 160;  // five slabs, about a dozen sequences: the threads ask for more
+  kvq::KVPool pool(shape, config);
+  constexpr int kThreads = 4, kSteps = 120;
+  std::vector<std::vector<Model>> kept(kThreads);
+  std::atomic<int> refused{0};
+
+  auto work = [&](int t) {
+    std::mt19937 rng(unsigned(500 + t));
+    std::normal_distribution<float> normal;
+    std::vector<Model>& mine = kept[t];
+    const auto q = kvq::test::normal_vector(2 * kRow, unsigned(31 + t), 0.3f);
+    std::vector<float> out(q.size());
+    for (int step = 0; step < kSteps; ++step) {
+      const auto op = static_cast<unsigned>(rng() % 10);
+      try {
+        if (mine.empty() || op == 0) {
+          Model m;
+          m.id = pool.add_sequence();
+          mine.push_back(std::move(m));
+          continue;
+        }
+        const std::size_t pick = rng() % mine.size();
+        Model& s = mine[pick];
+        if (op == 1) {
+          pool.remove_sequence(s.id);
+          mine.erase(mine.begin() + std::ptrdiff_t(pick));
+        } else if (op <= 6) {  // 1 to 40 tokens, layer by layer
+          const std::size_t add = 1 + rng() % 40;
+          for (std::size_t l = 0; l < kLayers; ++l) {
+            const std::size_t n = s.length(l);
+            if (n + add > shape.max_tokens) break;
+            std::vector<float> k(add * kRow), v(add * kRow);
+            for (float& x : k) x = normal(rng);
+            for (float& x : v) x = normal(rng);
+            pool.append(s.id, l, n, k, v);  // a refusal here leaves the layers as they were
+            s.keys[l].insert(s.keys[l].end(), k.begin(), k.end());
+            s.values[l].insert(s.values[l].end(), v.begin(), v.end());
+            s.longest[l] = std::max(s.longest[l], s.length(l));
+          }
+        } else if (op == 7 || op == 8) {  // an exact rollback, or a fork at an exact length
+          const std::size_t low = s.exact_floor(), high = s.shortest();
+          if (low > high || high == 0) continue;
+          const std::size_t length = low + rng() % (high - low + 1);
+          if (op == 7) {
+            pool.truncate(s.id, length);
+            s.cut(length);
+          } else {
+            Model child = s;
+            child.id = pool.fork(s.id, length);
+            child.cut(length);
+            mine.push_back(std::move(child));
+          }
+        } else if (s.length(0) > 0) {  // attention while other threads write
+          const auto view = pool.layer(s.id, 0);
+          kvq::decode_attention(view.cache, view.layer, s.length(0) - 1, q, out);
+          for (const float x : out) ASSERT_TRUE(std::isfinite(x));
+        }
+      } catch (const kvq::Error& e) {
+        if (e.code() != kvq::ErrorCode::capacity_exceeded) ADD_FAILURE() << "thread " << t << ": " << e.what();
+        ++refused;
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) threads.emplace_back(work, t);
+  for (std::thread& th : threads) th.join();
+
+  EXPECT_GT(refused.load(), 0) << "the limit never refused: the test did not reach it";
+  EXPECT_LE(pool.blocks().counts().in_use + pool.blocks().counts().charged, shape.memory_blocks);
+  std::size_t sequences = 0;
+  for (const auto& mine : kept)
+    for (const Model& s : mine) {
+      ++sequences;
+      kvq::BasicKVCache own(pool.shape().sequence_shape(), config);
+      for (std::size_t l = 0; l < kLayers; ++l)
+        if (s.length(l) > 0) own.append(l, 0, s.keys[l], s.values[l]);
+      kvq::test::expect_same_state(pool.sequence(s.id), own, "sequence " + std::to_string(s.id));
+    }
+  EXPECT_EQ(pool.sequence_count(), sequences);
+  for (const auto& mine : kept)
+    for (const Model& s : mine) pool.remove_sequence(s.id);
+  EXPECT_EQ(pool.blocks().counts().in_use, 0u);
+  EXPECT_EQ(pool.blocks().counts().charged, 0u);
+  EXPECT_EQ(pool.blocks().available(), shape.memory_blocks);
 }
 
 }  // namespace
