@@ -19,8 +19,8 @@
 // is handed out first, so use gathers in the first slabs and the last ones empty. What can stand
 // above the limit is less than a slab, and the free blocks of slabs that hold a block in use.
 //
-// A change that needs several blocks reserves them all first (BlockReservation) and takes them
-// one at a time, so it is refused before it copies or writes anything.
+// Appends, truncates and erases reserve every block they take (BlockReservation) before they
+// take the first, so they are refused before they copy or write anything.
 //
 // Thread safety: every member may be called from any thread; data() of a block the caller holds
 // needs no lock (its slot changes only while no cache holds the block).

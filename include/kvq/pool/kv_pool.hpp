@@ -14,15 +14,15 @@
 //   block_hashes / share_prefixes       -> find and share a common prompt prefix across sequences
 //
 // Memory is committed as sequences reach new positions (in slabs of about 2 MiB of blocks). The
-// pool's limit counts the blocks sequences hold and each sequence's own rows (a new sequence is
-// refused, capacity_exceeded, when they do not fit; freed blocks stay committed for reuse until
-// own rows need the room, and a change that copies shared blocks reserves them all first); every
-// sequence shares the RoPE tables. fork(id, length) shares the parent's blocks by reference count
-// and copies only its own rows (sinks, ring, rollback copies): a block is copied only when a
-// sequence holding a shared one writes to it, so a shared prompt costs its packed bytes once. A
-// sequence's bytes do not depend on how its tokens arrived, so attention over a pool sequence is
-// bit-identical to attention over a KVCache of the same shape, configuration and block length that
-// received the same tokens.
+// pool's limit counts the blocks sequences hold and each sequence's own rows: a new sequence is
+// refused (capacity_exceeded) when they do not fit. Freed blocks stay committed for reuse until own
+// rows need the room, then go back a slab at a time (BlockStore); a change that copies shared
+// blocks reserves them all first. Every sequence shares the RoPE tables. fork(id, length) shares
+// the parent's blocks by reference count and copies only its own rows (sinks, ring, rollback
+// copies): a block is copied only when a sequence holding a shared one writes to it, so a shared
+// prompt costs its packed bytes once. A sequence's bytes do not depend on how its tokens arrived,
+// so attention over a pool sequence is bit-identical to attention over a KVCache of the same shape,
+// configuration and block length that received the same tokens.
 //
 // A pool may hold a configuration per layer (kvq-eval --advise chooses one) and a RoPE per layer
 // (Gemma 3 rotates its local and global layers differently): the layers of one configuration and
@@ -32,8 +32,9 @@
 // Thread safety: const operations may run concurrently with each other and with append,
 // truncate and erase of other sequences; append, truncate and erase of different sequences may
 // run concurrently. add_sequence, fork, load_sequence, remove_sequence, save_sequence, save,
-// load and share_prefixes wait for the operations in flight and run alone. Two operations on one
-// sequence need the caller's synchronisation.
+// load and share_prefixes wait for the operations in flight and run alone (add_sequence and
+// load_sequence build the new caches first, beside them). Two operations on one sequence need the
+// caller's synchronisation.
 //
 // Pool file (format version 2), in the writer's byte order and with the sections of a cache file
 // (serialize.hpp: u32 tag | u64 size | payload | u32 CRC-32C):
@@ -93,7 +94,9 @@ struct PoolShape {
   std::size_t block_tokens = 256;
   // The pool's memory budget in blocks: the blocks sequences hold and each sequence's own rows
   // (sinks, window ring, rollback copies, scratch) in whole blocks, charged while it lives. Blocks
-  // freed stay committed for reuse until own rows need the room (memory().committed; BlockStore).
+  // freed stay committed for reuse until own rows need the room, then go back a slab at a time;
+  // less than a slab, and the free blocks of slabs in use, may stay committed above the limit
+  // (memory().committed; BlockStore).
   // Split between the stores of a pool whose layers differ in configuration or RoPE by their
   // layers.
   std::size_t memory_blocks = 1024;
