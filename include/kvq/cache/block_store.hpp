@@ -95,7 +95,7 @@ class BlockStore {
   /// refuses the memory.
   BlockId acquire(const char* what = "a cache") {
     std::lock_guard lock(mutex_);
-    if (in_use_ + charged_ + reserved_ == max_blocks_)
+    if (unclaimed() == 0)
       throw Error(ErrorCode::capacity_exceeded,
                   std::string(what) + " needs another block, but all " + std::to_string(max_blocks_) + " blocks of " +
                       std::to_string(block_bytes_) + " bytes are in use" +
@@ -106,14 +106,14 @@ class BlockStore {
   /// Blocks that acquire() can still hand out.
   std::size_t available() const {
     std::lock_guard lock(mutex_);
-    return max_blocks_ - in_use_ - charged_ - reserved_;
+    return unclaimed();
   }
 
   /// Counts n blocks against the limit for memory kept elsewhere (OwnRowsCharge); throws
   /// capacity_exceeded, naming `what`, when fewer are available.
   void charge(std::size_t n, const std::string& what) {
     std::lock_guard lock(mutex_);
-    if (const std::size_t free = max_blocks_ - in_use_ - charged_ - reserved_; n > free)
+    if (const std::size_t free = unclaimed(); n > free)
       throw Error(ErrorCode::capacity_exceeded,
                   what + " take " + std::to_string(n) + " blocks of " + std::to_string(block_bytes_) + " bytes, but " +
                       std::to_string(free) + " of " + std::to_string(max_blocks_) + " are free");
@@ -166,8 +166,8 @@ class BlockStore {
   // having set none aside, when fewer are available (then `*free`, if given, says how many were).
   bool reserve(std::size_t n, std::size_t* free = nullptr) noexcept {
     std::lock_guard lock(mutex_);
-    if (n > max_blocks_ - in_use_ - charged_ - reserved_) {
-      if (free != nullptr) *free = max_blocks_ - in_use_ - charged_ - reserved_;
+    if (n > unclaimed()) {
+      if (free != nullptr) *free = unclaimed();
       return false;
     }
     reserved_ += n;
@@ -197,6 +197,8 @@ class BlockStore {
     AlignedBuffer memory;
     std::size_t in_use = 0;
   };
+  // Blocks of the limit not in use, charged or reserved. The caller holds the mutex.
+  std::size_t unclaimed() const noexcept { return max_blocks_ - in_use_ - charged_ - reserved_; }
   std::size_t slab_size(std::size_t s) const noexcept { return std::min(slab_blocks_, max_blocks_ - s * slab_blocks_); }
   bool committed(std::size_t s) const noexcept { return slabs_[s].memory.data() != nullptr; }
 
@@ -217,11 +219,8 @@ class BlockStore {
   // Commits the first slab that is not: with no block free, committed_ == in_use_ < max_blocks_,
   // so one is not.
   void commit_slab() {
-    std::size_t s = slabs_.size();
-    if (given_back_ != 0)
-      s = std::size_t(
-          std::find_if(slabs_.begin(), slabs_.end(), [](const Slab& slab) { return slab.memory.data() == nullptr; }) -
-          slabs_.begin());
+    std::size_t s = given_back_ == 0 ? slabs_.size() : 0;
+    while (s < slabs_.size() && committed(s)) ++s;
     const std::size_t n = slab_size(s);
     try {
       free_.reserve(committed_ + n);  // room for every block: release() (noexcept) never allocates

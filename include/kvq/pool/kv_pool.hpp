@@ -96,9 +96,8 @@ struct PoolShape {
   // (sinks, window ring, rollback copies, scratch) in whole blocks, charged while it lives. Blocks
   // freed stay committed for reuse until own rows need the room, then go back a slab at a time;
   // less than a slab, and the free blocks of slabs in use, may stay committed above the limit
-  // (memory().committed; BlockStore).
-  // Split between the stores of a pool whose layers differ in configuration or RoPE by their
-  // layers.
+  // (memory().committed; BlockStore). Split between the stores of a pool whose layers differ in
+  // configuration or RoPE by their layers.
   std::size_t memory_blocks = 1024;
   RopeStyle rope_style = RopeStyle::adjacent_pairs;
   float rope_theta = 10000.0f;
