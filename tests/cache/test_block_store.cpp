@@ -4,6 +4,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvq/cache/block_store.hpp"
@@ -170,6 +171,39 @@ TEST(BlockStore, ReservedBlocksAreTakenOneAtATime) {
   EXPECT_EQ(store.available(), 2u) << "the block not taken went back";
   kvq::BlockReservation empty(store);
   EXPECT_THROW((void)empty.take(), kvq::Error);
+}
+
+// Own rows charged on a reservation (a pool load's) take its blocks: the store's free room does
+// not move, nothing is given to others meanwhile, and a charge beyond the reservation, or on
+// another store's, is refused without changing either.
+TEST(BlockStore, OwnRowsChargesDrawOnAReservation) {
+  const auto store = std::make_shared<kvq::BlockStore>(1000, 6, kvq::StoreLimit::blocks_and_own_rows);
+  const auto other = std::make_shared<kvq::BlockStore>(1000, 6, kvq::StoreLimit::blocks_and_own_rows);
+  kvq::BlockReservation reserved(*store);
+  ASSERT_TRUE(reserved.add(4));
+  ASSERT_EQ(store->available(), 2u);
+  for (const auto& [on, bytes] : {std::pair{store, std::size_t(5000)}, std::pair{other, std::size_t(1000)}}) {
+    try {
+      const kvq::OwnRowsCharge charge(on, bytes, "own rows", &reserved);
+      FAIL() << bytes << " bytes were charged on a reservation of 4 blocks of another store or too few";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::capacity_exceeded) << e.what();
+      EXPECT_NE(std::string(e.what()).find("reserved"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(reserved.blocks(), 4u);
+    EXPECT_EQ(on->counts().charged, 0u);
+  }
+  {
+    const kvq::OwnRowsCharge charge(store, 2500, "own rows", &reserved);
+    EXPECT_EQ(charge.blocks(), 3u);
+    EXPECT_EQ(reserved.blocks(), 1u);
+    EXPECT_EQ(store->counts().charged, 3u);
+    EXPECT_EQ(store->available(), 2u) << "the reserved room became the charge";
+    (void)reserved.take();
+    EXPECT_THROW((void)reserved.take(), kvq::Error);
+  }
+  EXPECT_EQ(store->counts().charged, 0u);
+  EXPECT_EQ(store->available(), 5u) << "the charge refunded, the block taken still in use";
 }
 
 // A cache over a store whose blocks are too small, or a RoPE table too short, is refused as a

@@ -1,13 +1,15 @@
 // KVPool with real threads (and under ThreadSanitizer, preset tsan): appends to different
 // sequences, and attention over one sequence while others append and the pool reports memory;
 // and as an engine's workers drive it: appends, rollbacks and attention on different sequences
-// while other threads add, fork and remove sequences, in a pool whose limit refuses some of them.
+// while other threads add, fork and remove sequences, in a pool whose limit refuses some of them;
+// and loads while another thread fills the pool.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -18,13 +20,19 @@
 
 namespace {
 
-TEST(KVPoolThreads, AppendsToDifferentSequencesAndAttentionRunConcurrently) {
+/// Two layers of 2 KV heads x 64, up to 1024 positions in blocks of 64.
+kvq::PoolShape small_shape() {
   kvq::PoolShape shape;
   shape.layers = 2;
   shape.kv_heads = 2;
   shape.head_dim = 64;
   shape.max_tokens = 1024;
   shape.block_tokens = 64;
+  return shape;
+}
+
+TEST(KVPoolThreads, AppendsToDifferentSequencesAndAttentionRunConcurrently) {
+  kvq::PoolShape shape = small_shape();
   const kvq::CacheConfig config = kvq::parse_cache_config("k4c32-v2t32-r16-s1");
   kvq::KVPool pool(shape, config);
   const std::size_t threads = 3, n = 400, row = 128;
@@ -181,6 +189,73 @@ TEST(KVPoolThreads, SequencesOfManyThreadsEqualCachesOfTheirOwn) {
   EXPECT_EQ(pool.blocks().counts().in_use, 0u);
   EXPECT_EQ(pool.blocks().counts().charged, 0u);
   EXPECT_EQ(pool.blocks().available(), shape.memory_blocks);
+}
+
+// A load reserves its blocks and its sequence's own rows before it reads the first block: while
+// another thread fills the pool and empties it again, a load is refused up front or not at all
+// (never by a block it could not take midway, "needs another block"), and what it loads equals
+// what was saved. Both files: a pool file (save_sequence) and a cache file (save).
+TEST(KVPoolThreads, LoadsAreRefusedUpFrontOrNotAtAll) {
+  const kvq::CacheConfig config = kvq::parse_cache_config("k4c32-v2t32-r16-s1");
+  kvq::PoolShape shape = small_shape();
+  shape.memory_blocks = 80;  // one saved sequence (32 blocks) and a filler
+  kvq::KVPool pool(shape, config);
+  const std::size_t row = 2 * 64;
+  std::string files[2];
+  std::vector<std::uint8_t> saved_bytes;
+  {
+    const kvq::SequenceId id = pool.add_sequence();
+    for (std::size_t l = 0; l < 2; ++l)
+      pool.append(id, l, 0, kvq::test::normal_vector(1000 * row, unsigned(40 + l)),
+                  kvq::test::normal_vector(1000 * row, unsigned(50 + l)));
+    std::ostringstream pool_file, cache_file;
+    pool.save_sequence(id, pool_file);
+    kvq::save(pool.sequence(id), cache_file);
+    files[0] = pool_file.str();
+    files[1] = cache_file.str();
+    saved_bytes = pool.sequence(id).stored_bytes();
+    pool.remove_sequence(id);
+  }
+  std::atomic<bool> done{false};
+  std::thread filler([&] {  // a sequence grown until the pool refuses it, then removed
+    const auto k = kvq::test::normal_vector(64 * row, 60), v = kvq::test::normal_vector(64 * row, 61);
+    while (!done.load()) {
+      try {
+        const kvq::SequenceId id = pool.add_sequence();
+        try {
+          for (std::size_t p = 0; p + 64 <= shape.max_tokens; p += 64)
+            for (std::size_t l = 0; l < 2; ++l) pool.append(id, l, p, k, v);
+        } catch (const kvq::Error& e) {
+          if (e.code() != kvq::ErrorCode::capacity_exceeded) ADD_FAILURE() << "filler: " << e.what();
+        }
+        pool.remove_sequence(id);
+      } catch (const kvq::Error& e) {
+        if (e.code() != kvq::ErrorCode::capacity_exceeded) ADD_FAILURE() << "filler: " << e.what();
+      }
+    }
+  });
+  int loaded = 0, refused = 0;
+  for (int i = 0; i < 20000 && (loaded < 30 || refused < 30); ++i) {  // until both have happened often
+    std::istringstream in(files[i % 2]);
+    try {
+      const kvq::SequenceId id = pool.load_sequence(in);
+      ++loaded;
+      EXPECT_TRUE(pool.sequence(id).stored_bytes() == saved_bytes) << "load " << i;
+      pool.remove_sequence(id);
+    } catch (const kvq::Error& e) {
+      ++refused;
+      EXPECT_EQ(e.code(), kvq::ErrorCode::capacity_exceeded) << e.what();
+      EXPECT_EQ(std::string(e.what()).find("another block"), std::string::npos) << "load " << i << ": " << e.what();
+    }
+  }
+  done = true;
+  filler.join();
+  EXPECT_GT(loaded, 0);
+  EXPECT_GT(refused, 0) << "the filler never left too little room: the test did not reach the limit";
+  EXPECT_EQ(pool.sequence_count(), 0u);
+  EXPECT_EQ(pool.blocks().counts().in_use, 0u);
+  EXPECT_EQ(pool.blocks().counts().charged, 0u);
+  EXPECT_EQ(pool.blocks().available(), shape.memory_blocks) << "a reservation was left behind";
 }
 
 }  // namespace

@@ -19,8 +19,9 @@
 // is handed out first, so use gathers in the first slabs and the last ones empty. What can stand
 // above the limit is less than a slab, and the free blocks of slabs that hold a block in use.
 //
-// Appends, truncates and erases reserve every block they take (BlockReservation) before they
-// take the first, so they are refused before they copy or write anything.
+// Appends, truncates, erases and loads reserve every block they take (BlockReservation) before
+// they take the first, so they are refused before they copy or write anything; a pool load
+// reserves its sequences' own rows with the blocks and turns them into charges.
 //
 // Thread safety: every member may be called from any thread; data() of a block the caller holds
 // needs no lock (its slot changes only while no cache holds the block).
@@ -177,6 +178,13 @@ class BlockStore {
     std::lock_guard lock(mutex_);
     reserved_ -= n;
   }
+  // n reserved blocks counted as a charge instead (OwnRowsCharge drawn on a reservation).
+  void charge_reserved(std::size_t n) noexcept {
+    std::lock_guard lock(mutex_);
+    reserved_ -= n;
+    charged_ += n;
+    give_back_free_slabs();
+  }
   // A reserved block handed out as acquire() hands one out. Throws out_of_memory only, with the
   // reservation unchanged.
   BlockId acquire_reserved() {
@@ -300,6 +308,16 @@ class BlockReservation {
   std::size_t blocks() const noexcept { return blocks_; }
 
  private:
+  friend class OwnRowsCharge;
+  // Turns n of the reserved blocks into a charge of the store (own rows); false, changing
+  // nothing, when fewer are reserved or `store` is another store.
+  bool charge(const BlockStore& store, std::size_t n) noexcept {
+    if (&store != store_ || n > blocks_) return false;
+    store_->charge_reserved(n);
+    blocks_ -= n;
+    return true;
+  }
+
   BlockStore* store_;
   std::size_t blocks_ = 0;
 };
@@ -310,10 +328,19 @@ class BlockReservation {
 class OwnRowsCharge {
  public:
   OwnRowsCharge() = default;
-  OwnRowsCharge(std::shared_ptr<BlockStore> store, std::size_t own_bytes, const std::string& what) {
+  /// `from`: a reservation of the store to draw the charge on (a pool load reserves its
+  /// sequences' own rows with their blocks), so it cannot be refused for the limit; it throws
+  /// capacity_exceeded only when the reservation holds too few blocks.
+  OwnRowsCharge(std::shared_ptr<BlockStore> store, std::size_t own_bytes, const std::string& what,
+                BlockReservation* from = nullptr) {
     if (store == nullptr || store->limit() != StoreLimit::blocks_and_own_rows) return;
     const std::size_t blocks = store->blocks_holding(own_bytes);
-    store->charge(blocks, what);
+    if (from == nullptr)
+      store->charge(blocks, what);
+    else if (!from->charge(*store, blocks))
+      throw Error(ErrorCode::capacity_exceeded, what + " take " + std::to_string(blocks) +
+                                                    " blocks, more than were reserved for them (" +
+                                                    std::to_string(from->blocks()) + ")");
     store_ = std::move(store);
     blocks_ = blocks;
   }

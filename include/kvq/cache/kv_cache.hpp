@@ -157,8 +157,10 @@ class BasicKVCache {
   /// the sequences of a KVPool); nullptr: its own. The store's blocks must hold
   /// block_bytes(shape, config) and the table must cover shape.capacity positions. A store whose
   /// limit counts own rows (a pool's) is charged them first: capacity_exceeded when they do not fit.
+  /// `own_rows_from`: a reservation of `store` the charge is drawn on instead (a pool load
+  /// reserves its sequences' own rows with their blocks).
   BasicKVCache(const CacheShape& shape, const CacheConfig& config, std::shared_ptr<BlockStore> store,
-               std::shared_ptr<const RopeTable> rope)
+               std::shared_ptr<const RopeTable> rope, BlockReservation* own_rows_from = nullptr)
       : shape_(shape), config_(config) {
     validate(shape, config);
     if (const std::size_t block_bytes = BasicKVCache::block_bytes(shape, config);
@@ -172,7 +174,8 @@ class BasicKVCache {
                                                  std::to_string(shape.capacity));
     if (rope != nullptr && !same_rotation(rope->config(), shape.rope()))
       throw Error(ErrorCode::shape_mismatch, "cache: the RoPE table rotates otherwise than the shape's RoPE");
-    charge_ = OwnRowsCharge(store, own_bytes(shape, config), own_rows_name);  // before allocating them
+    // before allocating them
+    charge_ = OwnRowsCharge(store, own_bytes(shape, config), own_rows_name, own_rows_from);
     block_rows_ = kvq::block_tokens(shape, config);
     shape_.block_tokens = block_rows_;
     layouts_[0] = StreamLayout(config.key, config.quantize_keys, shape.head_dim, config, shape.capacity, block_rows_);

@@ -390,16 +390,23 @@ struct CacheAccess {
     return why;
   }
 
-  /// Fresh zeroed blocks for the layer states (before restore, which cannot fail). Throws
-  /// kvq::Error when the store cannot supply them, having kept none.
+  /// Fresh zeroed blocks for the layer states (before restore, which cannot fail), all reserved
+  /// before the first is taken. Throws kvq::Error when the store cannot supply them, having kept
+  /// none.
   static std::vector<std::vector<BlockId>> fresh_blocks(BasicKVCache& c, const std::vector<LayerState>& states) {
     std::vector<std::vector<BlockId>> tables(states.size());
+    std::size_t total = 0;
+    for (const LayerState& s : states) total += blocks_for(c, s);  // checked states: no overflow
+    BlockReservation reserved(*c.store_);
+    if (std::size_t free = 0; !reserved.add(total, &free))
+      throw Error(ErrorCode::capacity_exceeded, "a cache being loaded needs " + std::to_string(total) + " blocks of " +
+                                                    std::to_string(c.store_->block_bytes()) + " bytes; " +
+                                                    std::to_string(free) + " are free");
     try {
       for (std::size_t l = 0; l < states.size(); ++l) {
-        const LayerState& s = states[l];
-        const std::size_t n = blocks_for(c, s);
+        const std::size_t n = blocks_for(c, states[l]);
         tables[l].reserve(n);
-        while (tables[l].size() < n) tables[l].push_back(c.store_->acquire("a cache being loaded"));
+        while (tables[l].size() < n) tables[l].push_back(reserved.take());
       }
     } catch (...) {
       for (const auto& table : tables)

@@ -17,12 +17,13 @@
 // pool's limit counts the blocks sequences hold and each sequence's own rows: a new sequence is
 // refused (capacity_exceeded) when they do not fit. Freed blocks stay committed for reuse until own
 // rows need the room, then go back a slab at a time (BlockStore); a change that copies shared
-// blocks reserves them all first. Every sequence shares the RoPE tables. fork(id, length) shares
-// the parent's blocks by reference count and copies only its own rows (sinks, ring, rollback
-// copies): a block is copied only when a sequence holding a shared one writes to it, so a shared
-// prompt costs its packed bytes once. A sequence's bytes do not depend on how its tokens arrived,
-// so attention over a pool sequence is bit-identical to attention over a KVCache of the same shape,
-// configuration and block length that received the same tokens.
+// blocks, and a load (its blocks and its sequences' own rows), reserves them all first, so no
+// operation in another thread can refuse it midway. Every sequence shares the RoPE tables.
+// fork(id, length) shares the parent's blocks by reference count and copies only its own rows
+// (sinks, ring, rollback copies): a block is copied only when a sequence holding a shared one
+// writes to it, so a shared prompt costs its packed bytes once. A sequence's bytes do not depend
+// on how its tokens arrived, so attention over a pool sequence is bit-identical to attention over
+// a KVCache of the same shape, configuration and block length that received the same tokens.
 //
 // A pool may hold a configuration per layer (kvq-eval --advise chooses one) and a RoPE per layer
 // (Gemma 3 rotates its local and global layers differently): the layers of one configuration and
@@ -517,9 +518,11 @@ class KVPool {
   /// A sequence: one cache per layer group (a uniform pool's sequence is one cache).
   using Sequence = std::vector<std::unique_ptr<BasicKVCache>>;
 
-  /// A new, empty cache of group g's layers, over its store and RoPE table.
-  std::unique_ptr<BasicKVCache> empty_cache(std::size_t g) const {
-    return std::make_unique<BasicKVCache>(groups_[g].shape, groups_[g].config, groups_[g].store, groups_[g].rope);
+  /// A new, empty cache of group g's layers, over its store and RoPE table; its own rows are
+  /// charged to the store, or drawn on `own_rows_from` (a reservation of that store).
+  std::unique_ptr<BasicKVCache> empty_cache(std::size_t g, BlockReservation* own_rows_from = nullptr) const {
+    return std::make_unique<BasicKVCache>(groups_[g].shape, groups_[g].config, groups_[g].store, groups_[g].rope,
+                                          own_rows_from);
   }
 
   Place locate(std::size_t layer, const char* operation) const {
@@ -762,12 +765,14 @@ class KVPool {
       file.fail("table", table_start, std::to_string(block_count) + " blocks do not fit the file");
     if (const auto unused = std::find(group_of.begin(), group_of.end(), no_group); unused != group_of.end())
       file.fail("table", table_start, "block " + std::to_string(unused - group_of.begin()) + " belongs to no sequence");
-    // Before any block or own row is allocated: the blocks and every sequence's own rows fit.
+    // Before any block or own row is allocated: the blocks and every sequence's own rows are
+    // reserved, so appends that run meanwhile cannot take their room and refuse the load midway.
+    std::vector<BlockReservation> reserved;
+    reserved.reserve(groups_.size());
     for (std::size_t g = 0; g < groups_.size(); ++g) {
-      const BlockStore& store = *groups_[g].store;
       const auto blocks = std::size_t(std::count(group_of.begin(), group_of.end(), g));
       const std::size_t own = saturating_mul(saved.size(), groups_[g].own_blocks);
-      if (const std::size_t free = store.available(); free < blocks || free - blocks < own)
+      if (std::size_t free = 0; !reserved.emplace_back(*groups_[g].store).add(saturating_add(blocks, own), &free))
         throw Error(ErrorCode::capacity_exceeded,
                     "kvq pool file holds " + std::to_string(blocks) + " blocks" +
                         (uniform() ? "" : " of the layers configured " + to_string(groups_[g].config)) + " and " +
@@ -786,7 +791,7 @@ class KVPool {
     held.blocks.reserve(group_of.size());
     for (std::size_t b = 0; b < group_of.size(); ++b) {
       BlockStore& store = *groups_[group_of[b]].store;
-      held.blocks.emplace_back(&store, store.acquire("a pool being loaded"));
+      held.blocks.emplace_back(&store, reserved[group_of[b]].take());
       file.section_into(detail::tag_block, groups_[group_of[b]].block_bytes, "block " + std::to_string(b),
                         store.data(held.blocks.back().second));
     }
@@ -795,7 +800,7 @@ class KVPool {
     Access::CheckedPieces checked;  // what check_section has read of the blocks
     for (const Saved& q : saved) {
       Sequence seq;
-      for (std::size_t g = 0; g < groups_.size(); ++g) seq.push_back(empty_cache(g));
+      for (std::size_t g = 0; g < groups_.size(); ++g) seq.push_back(empty_cache(g, &reserved[g]));
       std::vector<std::vector<std::uint8_t>> payloads(shape_.layers);
       std::vector<std::uint64_t> section_at(shape_.layers);  // where each layer's own section starts
       for (std::size_t l = 0; l < shape_.layers; ++l) {
