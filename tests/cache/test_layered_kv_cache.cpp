@@ -134,6 +134,16 @@ TEST(LayeredKVCache, ErrorsNameTheLayerAndChangeNothing) {
   EXPECT_THROW((void)cache.layer(4), kvq::Error);
   EXPECT_THROW(kvq::LayeredKVCache(shape(3), mixed), kvq::Error);  // four configurations, three layers
   EXPECT_THROW(kvq::LayeredKVCache(shape(0), std::vector<kvq::CacheConfig>{}), kvq::Error);  // no layer at all
+  // A layer count beyond any model is refused before anything is sized by it.
+  for (const std::size_t layers : {kvq::LayeredKVCache::max_layers + 1, std::size_t(1) << 60}) {
+    try {
+      const kvq::LayeredKVCache huge(shape(layers), mixed[0]);
+      ADD_FAILURE() << layers << " layers were accepted";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::invalid_argument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::to_string(layers) + " layers"), std::string::npos) << e.what();
+    }
+  }
   std::vector<kvq::CacheConfig> too_wide = mixed;
   too_wide[1].value.group = 32;  // per-token groups wider than head_dim 24
   try {

@@ -193,6 +193,14 @@ TEST(GgmlCodecs, ZeroBlocksStoreZeroScales) {
     EXPECT_EQ(b[1], negative ? 0x80 : 0x00) << name(t);
     for (float v : dequantize(t, b)) EXPECT_EQ(v, 0.0f) << name(t);
   }
+  // A step too small to invert (subnormal: 1 / d is infinite) codes every value 0, as a constant
+  // block does, where (x - min) / d would be NaN for x = min.
+  for (BlockType t : {BlockType::q4_1, BlockType::q5_1}) {
+    std::vector<float> tiny(32, 0.0f);
+    tiny[7] = (t == BlockType::q4_1 ? 15.0f : 31.0f) * std::ldexp(1.0f, -149);
+    const Bytes b = quantize(t, tiny);
+    EXPECT_EQ(b, Bytes(b.size(), 0)) << name(t);
+  }
 }
 
 TEST(GgmlCodecs, RandomRowsRoundTripWithinTheirStep) {

@@ -67,6 +67,15 @@ TEST(ThreadPoolConcurrency, NestedParallelForRunsInlineOnTheCallingThread) {
 
 // Caller A's items wait until caller B's job runs: a pool that took one job at a time would make
 // B wait for A, and A would time out.
+TEST(ThreadPoolConcurrency, RefusesMoreThreadsThanItsLimit) {
+  try {
+    const kvq::ThreadPool pool(kvq::ThreadPool::max_threads + 1);
+    ADD_FAILURE() << "a pool beyond its thread limit was started";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::invalid_argument) << e.what();
+  }
+}
+
 TEST(ThreadPoolConcurrency, IndependentCallersDoNotWaitForEachOther) {
   within(60s, [] {
     kvq::ThreadPool pool(3);

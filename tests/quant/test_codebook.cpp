@@ -155,7 +155,12 @@ TEST(Codebook, CalibrationRefusesBadInputAndKeepsWhatItHas) {
   EXPECT_EQ(keys.samples(), 2u * 4u * 8u);
   EXPECT_THROW(keys.add(std::vector<float>(7, 0.0f)), kvq::Error);  // no whole row
   rows[5] = std::numeric_limits<float>::quiet_NaN();
-  EXPECT_THROW(keys.add(rows), kvq::Error);
+  try {
+    keys.add(rows);
+    ADD_FAILURE() << "a NaN was calibrated on";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::non_finite_input) << e.what();
+  }
   EXPECT_EQ(keys.samples(), 64u);
   EXPECT_THROW((void)keys.fit(), kvq::Error);  // 64 samples, 8 levels need 128
   EXPECT_THROW(kvq::CodebookCalibration({5, 32, Axis::per_token}, 64), kvq::Error);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kvq/quant/code_levels.hpp"
@@ -180,6 +181,28 @@ TEST(LevelCodec, AbsmaxPutsTheLargestValueOnAnOuterLevelAndRmsReadsAUnitGaussian
   const LevelCodec f16{&nf, 4, GroupScale::absmax, kvq::Scalar::f16};
   std::vector<float> huge = {1e6f, 0.0f, 0.0f, 0.0f};
   EXPECT_THROW(f16.encode(huge, c4, s1), kvq::Error);  // 1e6 > fp16's 65504
+
+  // A scale that overflows in a later group: the first group's codes and scale are not written.
+  const LevelCodec pairs{&nf, 2, GroupScale::absmax, kvq::Scalar::f16};
+  std::vector<std::uint8_t> c2(4, 99);
+  std::vector<float> s2(2, -7.0f);
+  try {
+    pairs.encode(std::vector<float>{1.0f, -1.0f, 1e6f, 2.0f}, c2, s2);
+    ADD_FAILURE() << "a scale beyond fp16 was stored";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::unrepresentable) << e.what();
+    EXPECT_NE(std::string(e.what()).find("group 1"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(c2, std::vector<std::uint8_t>(4, 99));
+  EXPECT_EQ(s2, std::vector<float>(2, -7.0f));
+
+  // A group longer than any input is one group (the count does not wrap).
+  const LevelCodec whole{&nf, SIZE_MAX, GroupScale::absmax, kvq::Scalar::f32};
+  EXPECT_EQ(whole.groups(2), 1u);
+  std::vector<std::uint8_t> c1(2);
+  whole.encode(std::vector<float>{0.5f, -1.0f}, c1, z1);
+  EXPECT_EQ(z1[0], 1.0f);
+  EXPECT_THROW(whole.encode(std::vector<float>{0.5f, -1.0f}, c1, short_scales), kvq::Error);
 }
 
 }  // namespace

@@ -143,6 +143,9 @@ inline std::string to_string(std::span<const CacheConfig> configs) {
 
 class LayeredKVCache {
  public:
+  /// Most layers a layered cache holds (as parse_layer_configs reads): far beyond any model.
+  static constexpr std::size_t max_layers = 4096;
+
   /// configs: one per layer of `shape` (shape.layers of them), every layer rotated by the
   /// shape's RoPE. Validates every layer's configuration against the shape before anything is
   /// allocated.
@@ -165,6 +168,7 @@ class LayeredKVCache {
                                                  " RoPE configurations for " + std::to_string(shape.layers) +
                                                  " layers");
     if (configs.empty()) throw Error(ErrorCode::invalid_argument, "layered cache: the shape needs at least one layer");
+    (void)checked_layers(shape.layers);
     std::vector<CacheShape> shapes;
     for (std::size_t l = 0; l < configs.size(); ++l) {
       CacheShape& one = shapes.emplace_back(detail::with_rope(shape, ropes[l], "layered cache", l));
@@ -184,7 +188,7 @@ class LayeredKVCache {
 
   /// Every layer with the same configuration.
   LayeredKVCache(const CacheShape& shape, const CacheConfig& config)
-      : LayeredKVCache(shape, std::vector<CacheConfig>(shape.layers, config)) {}
+      : LayeredKVCache(shape, std::vector<CacheConfig>(checked_layers(shape.layers), config)) {}
 
   /// The shape as given; with a RoPE per layer, layer(l).shape() has layer l's RoPE fields.
   const CacheShape& shape() const noexcept { return shape_; }
@@ -250,6 +254,14 @@ class LayeredKVCache {
   }
 
  private:
+  /// `layers`, or kvq::Error (invalid_argument) above max_layers: before anything is sized by it.
+  static std::size_t checked_layers(std::size_t layers) {
+    if (layers > max_layers)
+      throw Error(ErrorCode::invalid_argument,
+                  "layered cache: " + std::to_string(layers) + " layers (at most " + std::to_string(max_layers) + ")");
+    return layers;
+  }
+
   /// A one-layer cache's message names its layer 0: name the layer it is here.
   static std::string relabel(const std::string& message, std::size_t layer) {
     bool renamed = false;

@@ -171,7 +171,8 @@ inline void quantize_block(BlockType t, const float* x, std::uint8_t* out) noexc
       const bool five = t == BlockType::q5_1;
       float min, max;
       min_max(x, min, max);
-      const float d = (max - min) / (five ? 31.0f : 15.0f), id = d != 0.0f ? 1.0f / d : 0.0f;
+      // a subnormal step has no finite inverse: its codes are 0, as for a constant block
+      const float d = (max - min) / (five ? 31.0f : 15.0f), id = kernels::reference::ggml_inverse(d);
       store_half(out, d);
       store_half(out + 2, min);
       for (std::size_t j = 0; j < block_values; ++j) q[j] = truncate_code((x[j] - min) * id + 0.5f, five ? 31 : 15);

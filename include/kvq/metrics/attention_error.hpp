@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <cstddef>
+#include <string>
+#include <utility>
 
 #include "kvq/attention/reference.hpp"
 
@@ -25,9 +27,11 @@ struct AttentionErrors {
 class AttentionErrorAccumulator {
  public:
   /// One query head: queries (T, d) at positions first_position + t, rotated as attention uses
-  /// them; exact and quantized keys and values (n, d), keys rotated.
+  /// them; exact and quantized keys and values (n, d), keys rotated. Throws kvq::Error, adding
+  /// nothing: shape_mismatch for other shapes or a query past the last key, non_finite_input.
   void add(const MatrixD& queries, const MatrixD& keys, const MatrixD& values, const MatrixD& keys_hat,
            const MatrixD& values_hat, std::size_t first_position) {
+    check(queries, keys, values, keys_hat, values_hat, first_position);
     MatrixD a, a_hat;  // attention weights, zero beyond each position
     (void)attend(queries, keys, values, first_position, &a);
     (void)attend(queries, keys_hat, values_hat, first_position, &a_hat);
@@ -57,6 +61,32 @@ class AttentionErrorAccumulator {
       weights_ += double(visible);
     }
     rows_ += double(a.rows());
+  }
+
+  /// Throws what add() throws for these inputs, and nothing else.
+  static void check(const MatrixD& queries, const MatrixD& keys, const MatrixD& values, const MatrixD& keys_hat,
+                    const MatrixD& values_hat, std::size_t first_position) {
+    auto shape = [](const MatrixD& m) { return std::to_string(m.rows()) + " x " + std::to_string(m.cols()); };
+    if (keys.cols() != queries.cols() || values.rows() != keys.rows() || keys_hat.rows() != keys.rows() ||
+        keys_hat.cols() != keys.cols() || values_hat.rows() != values.rows() || values_hat.cols() != values.cols())
+      throw Error(ErrorCode::shape_mismatch, "attention error: queries " + shape(queries) + ", keys " + shape(keys) +
+                                                 ", values " + shape(values) + ", quantized keys " + shape(keys_hat) +
+                                                 " and values " + shape(values_hat) +
+                                                 " (keys and values need one shape each, keys the queries' width)");
+    if (const auto T = std::size_t(queries.rows()), n = std::size_t(keys.rows());
+        T > 0 && (T > n || first_position > n - T))
+      throw Error(ErrorCode::shape_mismatch, "attention error: " + std::to_string(T) + " queries from position " +
+                                                 std::to_string(first_position) + " over " + std::to_string(n) +
+                                                 " keys (a query needs its own position's key)");
+    const std::pair<const MatrixD*, const char*> inputs[] = {{&queries, "queries"},
+                                                             {&keys, "keys"},
+                                                             {&values, "values"},
+                                                             {&keys_hat, "quantized keys"},
+                                                             {&values_hat, "quantized values"}};
+    for (const auto& [m, name] : inputs)
+      if (!m->allFinite())
+        throw Error(ErrorCode::non_finite_input,
+                    std::string("attention error: ") + name + " hold a value that is not finite");
   }
 
   /// Pools another accumulator's sums into this one.
@@ -94,6 +124,8 @@ inline void add_head_errors(AttentionErrorAccumulator& acc, const BasicKVCache& 
                             std::size_t kv_head, const MatrixD& keys, const MatrixD& values,
                             std::span<const MatrixD> queries, std::size_t first_position) {
   const HeadTensors stored = read_head(cache, layer, kv_head);
+  for (const MatrixD& q : queries)  // every query head checked before acc changes
+    AttentionErrorAccumulator::check(q, keys, values, stored.keys, stored.values, first_position);
   for (const MatrixD& q : queries) acc.add(q, keys, values, stored.keys, stored.values, first_position);
 }
 

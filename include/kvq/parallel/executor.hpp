@@ -10,10 +10,13 @@
 #include <cstddef>
 #include <exception>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "kvq/error.hpp"
 
 namespace kvq::inline v0 {
 
@@ -62,21 +65,28 @@ class SerialExecutor final : public Executor {
 /// deadlock.
 class ThreadPool final : public Executor {
  public:
+  /// Most threads a pool starts.
+  static constexpr std::size_t max_threads = 4096;
+
+  /// Throws kvq::Error: invalid_argument above max_threads, out_of_memory when the system starts
+  /// too few (the workers already started are stopped first).
   explicit ThreadPool(std::size_t threads = std::max(1u, std::thread::hardware_concurrency())) {
+    if (threads > max_threads)
+      throw Error(ErrorCode::invalid_argument,
+                  "thread pool: " + std::to_string(threads) + " threads (at most " + std::to_string(max_threads) + ")");
     const std::size_t workers = std::max<std::size_t>(threads, 1) - 1;
-    threads_.reserve(workers);
-    for (std::size_t i = 0; i < workers; ++i) threads_.emplace_back([this] { work(); });
+    try {
+      threads_.reserve(workers);
+      for (std::size_t i = 0; i < workers; ++i) threads_.emplace_back([this] { work(); });
+    } catch (const std::exception& e) {
+      stop();  // the members' destructors would wait on running workers
+      throw Error(ErrorCode::out_of_memory, "thread pool: started " + std::to_string(threads_.size()) + " of " +
+                                                std::to_string(workers) + " workers (" + e.what() + ")");
+    }
   }
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
-  ~ThreadPool() override {
-    {
-      std::lock_guard lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
+  ~ThreadPool() override { stop(); }
 
   std::size_t concurrency() const noexcept override { return threads_.size() + 1; }
 
@@ -101,6 +111,15 @@ class ThreadPool final : public Executor {
   }
 
  private:
+  void stop() noexcept {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
   struct Job {
     Job(TaskRef t, std::size_t n) : task(t), count(n) {}
     TaskRef task;

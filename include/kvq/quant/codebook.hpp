@@ -55,7 +55,7 @@ class CodebookCalibration {
                                                  " values are no whole number of rows of " + std::to_string(head_dim_));
     for (std::size_t i = 0; i < rows.size(); ++i)
       if (!std::isfinite(rows[i]))
-        throw Error(ErrorCode::invalid_argument,
+        throw Error(ErrorCode::non_finite_input,
                     "codebook calibration: value " + std::to_string(i) + " is " + std::to_string(rows[i]));
     const std::size_t n = rows.size() / head_dim_;
     const bool weighted = !weights.channels.empty() || !weights.rows.empty();

@@ -187,7 +187,7 @@ struct LevelCodec {
   GroupScale scale = GroupScale::absmax;
   Scalar param = Scalar::f16;
 
-  std::size_t groups(std::size_t n) const noexcept { return (n + group - 1) / group; }
+  std::size_t groups(std::size_t n) const noexcept { return n / group + (n % group != 0); }
 
   /// Codes (one byte each) and scales of `x`; throws before writing anything on bad input.
   void encode(std::span<const float> x, std::span<std::uint8_t> codes, std::span<float> scales) const {
@@ -195,24 +195,16 @@ struct LevelCodec {
     for (std::size_t i = 0; i < x.size(); ++i)
       if (!std::isfinite(x[i]))
         throw Error(ErrorCode::non_finite_input, "level codec: value " + std::to_string(i) + " is not finite");
-    for (std::size_t g = 0, begin = 0; begin < x.size(); ++g, begin += group) {
-      const std::size_t end = std::min(x.size(), begin + group);
-      double s = 0;
-      if (scale == GroupScale::absmax) {
-        float absmax = 0;
-        for (std::size_t i = begin; i < end; ++i) absmax = std::max(absmax, std::fabs(x[i]));
-        s = double(absmax) / double(levels->max_magnitude());
-      } else {
-        for (std::size_t i = begin; i < end; ++i) s += double(x[i]) * double(x[i]);
-        s = std::sqrt(s / double(end - begin));
-      }
-      const float stored = round_to(param, float(s));
-      if (!std::isfinite(stored))
+    // Every scale checked before the first write.
+    for (std::size_t g = 0; g < groups(x.size()); ++g)
+      if (!std::isfinite(group_scale(x, g)))
         throw Error(ErrorCode::unrepresentable,
                     "level codec: the scale of group " + std::to_string(g) + " overflows its parameter type");
-      scales[g] = stored;
+    for (std::size_t g = 0; g < groups(x.size()); ++g) {
+      const float stored = scales[g] = group_scale(x, g);
       const float inv = stored >= std::numeric_limits<float>::min() ? 1.0f / stored : 0.0f;
-      for (std::size_t i = begin; i < end; ++i) codes[i] = levels->encode(x[i] * inv);
+      for (std::size_t i = g * group; i < std::min(x.size(), g * group + group); ++i)
+        codes[i] = levels->encode(x[i] * inv);
     }
   }
 
@@ -222,6 +214,21 @@ struct LevelCodec {
   }
 
  private:
+  // Group g's scale as stored (infinite when it overflows the parameter type).
+  float group_scale(std::span<const float> x, std::size_t g) const {
+    const std::size_t begin = g * group, end = std::min(x.size(), begin + group);
+    double s = 0;
+    if (scale == GroupScale::absmax) {
+      float absmax = 0;
+      for (std::size_t i = begin; i < end; ++i) absmax = std::max(absmax, std::fabs(x[i]));
+      s = double(absmax) / double(levels->max_magnitude());
+    } else {
+      for (std::size_t i = begin; i < end; ++i) s += double(x[i]) * double(x[i]);
+      s = std::sqrt(s / double(end - begin));
+    }
+    return round_to(param, float(s));
+  }
+
   void check(std::size_t n, std::size_t codes, std::size_t scales) const {
     if (levels == nullptr) throw Error(ErrorCode::invalid_argument, "level codec: no level set");
     if (group == 0) throw Error(ErrorCode::invalid_argument, "level codec: group size must be positive");
