@@ -150,6 +150,12 @@ TEST(Fp8, ScaledEncodeDecodeAndRefusals) {
   EXPECT_EQ(untouched, std::vector<std::uint8_t>(4, 0x11));
   std::vector<std::uint8_t> three(3);
   EXPECT_THROW(kvq::fp8_encode(e5, x, 1.0f, three), kvq::Error);
+  // Decoding takes the scales encoding takes, and writes nothing otherwise.
+  for (const float scale : {NAN, INFINITY, 0.0f, -1.0f}) {
+    std::vector<float> kept(4, 5.0f);
+    EXPECT_THROW(kvq::fp8_decode(e4, codes, scale, kept), kvq::Error) << scale;
+    EXPECT_EQ(kept, std::vector<float>(4, 5.0f)) << scale;
+  }
 }
 
 // The cache's fp8 modes ("e4m3", "e5m2"): each group stores scale = P+(absmax / largest finite)

@@ -121,7 +121,12 @@ inline void fp8_encode(Fp8Format f, std::span<const float> x, float scale, std::
   for (std::size_t i = 0; i < x.size(); ++i) codes[i] = float_to_fp8(f, x[i] / scale);
 }
 
+/// out[i] = float(codes[i]) * scale (a NaN or infinite code decodes as such); throws, writing
+/// nothing, on a scale fp8_encode would refuse or mismatched sizes.
 inline void fp8_decode(Fp8Format f, std::span<const std::uint8_t> codes, float scale, std::span<float> out) {
+  if (!(std::isfinite(scale) && scale > 0))
+    throw Error(ErrorCode::invalid_argument,
+                "fp8 " + std::string(name(f)) + ": scale must be finite and positive, got " + std::to_string(scale));
   if (codes.size() != out.size())
     throw Error(ErrorCode::shape_mismatch, "fp8 " + std::string(name(f)) + ": " + std::to_string(codes.size()) +
                                                " codes need as many values, got " + std::to_string(out.size()));
