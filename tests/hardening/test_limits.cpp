@@ -96,6 +96,12 @@ TEST(Limits, HugeWindowsAndSinksNeverQuantizeAndNeverWrap) {
                      std::span(values).subspan(at, n * heads * dim));
       }
       EXPECT_EQ(cache.memory().code_bytes, 0u);
+      // Attention reads every position: a segment's end (sinks + block) once wrapped and cut it.
+      const auto q = kvq::test::normal_vector(heads * dim, 9);
+      std::vector<float> out(q.size()), ref(q.size());
+      kvq::decode_attention(cache, 0, tokens - 1, q, out);
+      kvq::reference_attention(cache, 0, tokens - 1, q, ref);
+      EXPECT_LT(kvq::test::relative_error(out, ref), 1e-5);
       std::vector<float> row(dim);
       for (std::size_t p = 0; p < tokens; ++p)
         for (std::size_t h = 0; h < heads; ++h) {
@@ -262,6 +268,93 @@ TEST(Limits, TheKeyPeakBoundsWhatWasAppended) {
   EXPECT_LT(peak, 30.0f);
   cache.clear();
   EXPECT_EQ(cache.key_peak(0), 0.0f);
+}
+
+}  // namespace
+
+namespace {
+
+// Calls on a layer the cache does not have, and configuration text with an empty part, are
+// kvq::Errors (they were std::out_of_range, and a read of an empty part's first character).
+TEST(Limits, AccessorsAndParsersNameWhatIsMissing) {
+  const BasicKVCache cache = filled_cache("k4c32-v2t32-r0-s0", 10);
+  expect_error([&] { (void)cache.length(1); }, ErrorCode::invalid_argument, "length: layer 1 of 1");
+  expect_error([&] { (void)cache.key_peak(2); }, ErrorCode::invalid_argument, "key_peak: layer 2 of 1");
+  expect_error([&] { (void)cache.quantized_end(kvq::Tensor::values, 1); }, ErrorCode::invalid_argument,
+               "quantized_end: layer 1");
+  expect_error([&] { (void)cache.rollback_floor(kvq::Tensor::keys, size_max); }, ErrorCode::invalid_argument,
+               "rollback_floor: layer");
+  expect_error([&] { (void)cache.block_count(1); }, ErrorCode::invalid_argument, "block_count: layer 1");
+  expect_error([&] { (void)cache.segments(1); }, ErrorCode::invalid_argument, "layer 1");
+  expect_error([] { (void)config("k4c32-v2t32-r128-s1--x"); }, ErrorCode::invalid_argument, "unexpected part ''");
+  expect_error([] { (void)kvq::parse_layer_configs("k4c32-v2t32-r128-s1--d8;k4c32-v2t32-r128-s1", 2); },
+               ErrorCode::invalid_argument, "unexpected part ''");
+}
+
+// A yarn attention factor is squared into q.k, and positions add the offset as signed integers:
+// values far outside any model's are refused before they overflow.
+TEST(Limits, RopeFactorsAndOffsetsThatOverflowAreRefused) {
+  kvq::RopeConfig rope{.head_dim = 64};
+  rope.scaling.type = kvq::RopeScalingType::yarn;
+  rope.scaling.factor = 4.0f;
+  rope.scaling.original_context = 4096;
+  for (const float factor : {1e20f, 1e-40f, 2e4f, 5e-5f}) {
+    rope.scaling.attention_factor = factor;
+    expect_error([&] { kvq::validate(rope); }, ErrorCode::invalid_argument, "attention_factor must be in");
+  }
+  rope.scaling.attention_factor = 1e4f;
+  kvq::validate(rope);
+  rope.scaling = {};
+  for (const std::ptrdiff_t offset : {std::numeric_limits<std::ptrdiff_t>::max() - 100,
+                                      std::numeric_limits<std::ptrdiff_t>::min(), (std::ptrdiff_t(1) << 52) + 1}) {
+    rope.position_offset = offset;
+    expect_error([&] { kvq::validate(rope); }, ErrorCode::invalid_argument, "position_offset");
+  }
+  rope.position_offset = -(std::ptrdiff_t(1) << 52);
+  kvq::validate(rope);
+}
+
+// An append of no tokens to a fork writes nothing, so it copies no shared block and is not refused
+// by a full store; can_append asks the store for the blocks an append takes.
+TEST(Limits, EmptyAppendsTakeNoBlockAndCanAppendCountsBlocks) {
+  const CacheShape shape{.layers = 1, .kv_heads = 2, .head_dim = 64, .capacity = 256};
+  const CacheConfig c = config("k4c32-v2t32-r0-s0");
+  const std::size_t row = 2 * 64;
+  auto store = std::make_shared<kvq::BlockStore>(BasicKVCache::block_bytes(shape, c), 2);
+  BasicKVCache parent(shape, c, store, nullptr);
+  parent.append(0, 0, kvq::test::normal_vector(40 * row, 1), kvq::test::normal_vector(40 * row, 2));
+  BasicKVCache a(parent, 40), b(parent, 40);
+  const std::vector<float> none;
+  a.append(0, 40, none, none);
+  EXPECT_EQ(store->counts().in_use, 1u) << "an empty append copied the shared block";
+  const auto one_k = kvq::test::normal_vector(row, 3), one_v = kvq::test::normal_vector(row, 4);
+  a.append(0, 40, one_k, one_v);  // the copy of the shared block: the store's last
+  EXPECT_EQ(store->available(), 0u);
+  b.append(0, 40, none, none);
+  EXPECT_TRUE(b.can_append(0, 40, none, none));
+  std::string why;
+  EXPECT_FALSE(b.can_append(0, 40, one_k, one_v, &why)) << "the store has no block for b's copy";
+  EXPECT_NE(why.find("needs 1 more blocks"), std::string::npos) << why;
+  expect_error([&] { b.append(0, 40, one_k, one_v); }, ErrorCode::capacity_exceeded, "needs 1 more blocks");
+}
+
+// An erase stages the rows that move, not a ring's worth: an unquantized tensor's ring spans the
+// capacity, and an erase in a cache of 2^28 positions holding 100 once allocated and zeroed 64 GiB.
+TEST(Limits, EraseStagesOnlyTheRowsThatMove) {
+  const CacheShape shape{.capacity = std::size_t(1) << 28, .rope_style = kvq::RopeStyle::none};
+  CacheConfig c = kvq::full_precision_config();
+  c.key_rope = kvq::KeyRope::post;
+  BasicKVCache cache(shape, c);
+  const auto keys = kvq::test::normal_vector(100 * 128, 7), values = kvq::test::normal_vector(100 * 128, 8);
+  cache.append(0, 0, keys, values);
+  cache.erase(10, 5);
+  ASSERT_EQ(cache.length(0), 95u);
+  std::vector<float> row(128);
+  for (const std::size_t p : {std::size_t(9), std::size_t(10), std::size_t(94)}) {
+    const std::size_t from = p < 10 ? p : p + 5;
+    cache.read_row(kvq::Tensor::keys, 0, 0, p, row.data());
+    for (std::size_t i = 0; i < 128; ++i) ASSERT_EQ(row[i], keys[from * 128 + i]) << p;
+  }
 }
 
 }  // namespace

@@ -80,7 +80,9 @@ struct ChunkGrid {
   std::size_t index(std::size_t p) const noexcept { return p < sinks ? 0 : (p - sinks) / chunk; }
   /// Chunk j's part of [begin, end).
   std::pair<std::size_t, std::size_t> range(std::size_t j, std::size_t begin, std::size_t end) const noexcept {
-    return {std::max(begin, j == 0 ? 0 : sinks + j * chunk), std::min(end, sinks + (j + 1) * chunk)};
+    // sinks may be up to SIZE_MAX; j * chunk stays within the capacity's tiles
+    return {std::max(begin, j == 0 ? 0 : saturating_add(sinks, j * chunk)),
+            std::min(end, saturating_add(sinks, (j + 1) * chunk))};
   }
 };
 
@@ -164,7 +166,7 @@ inline void run_range(const BasicKVCache& cache, std::size_t layer, std::size_t 
     t.next_keys = k < last ? rows_of(cache.keys(layer, kvh, k + 1)) : nullptr;
     t.next_values = k < last ? rows_of(cache.values(layer, kvh, k + 1)) : nullptr;
     t.begin = std::max(begin, cache.segment_begin(k));
-    t.end = std::min(end, sinks + (k + 1) * block);
+    t.end = std::min(end, saturating_add(sinks, (k + 1) * block));  // sinks may be up to SIZE_MAX
     t.resume = k != first;
   };
   t.tier = options.tier;  // a kernel computes the exact tier where the streams ask it to (computed_tier)

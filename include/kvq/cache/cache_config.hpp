@@ -213,7 +213,7 @@ inline CacheConfig parse_cache_config(std::string_view text) {
     c.residual = Scalar::f32, ++i;
   else if (i < parts.size() && parts[i] == "bf16")
     c.residual = Scalar::bf16, ++i;
-  if (i < parts.size() && parts[i].front() == 'd') {
+  if (i < parts.size() && !parts[i].empty() && parts[i].front() == 'd') {
     number(i, 'd', c.rollback_depth);
     if (c.rollback_depth == CacheConfig{}.rollback_depth)
       return fail("'" + std::string(parts[i]) + "' is the default rollback depth, which is not written");

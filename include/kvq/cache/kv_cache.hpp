@@ -174,7 +174,7 @@ class BasicKVCache {
                                                  std::to_string(shape.capacity));
     if (rope != nullptr && !same_rotation(rope->config(), shape.rope()))
       throw Error(ErrorCode::shape_mismatch, "cache: the RoPE table rotates otherwise than the shape's RoPE");
-    // before allocating them
+    // The own rows are charged before they are allocated.
     charge_ = OwnRowsCharge(store, own_bytes(shape, config), own_rows_name, own_rows_from);
     block_rows_ = kvq::block_tokens(shape, config);
     shape_.block_tokens = block_rows_;
@@ -303,7 +303,7 @@ class BasicKVCache {
   const CacheConfig& config() const noexcept { return config_; }
   const StreamLayout& layout(Tensor t) const noexcept { return layouts_[index(t)]; }
   const RopeTable& rope() const noexcept { return *rope_; }
-  std::size_t length(std::size_t layer) const { return lengths_.at(layer); }
+  std::size_t length(std::size_t layer) const { return lengths_[checked_layer(layer, "length")]; }
   std::size_t capacity() const noexcept { return shape_.capacity; }
   /// Positions per block (CacheShape::block_tokens as chosen).
   std::size_t block_tokens() const noexcept { return block_rows_; }
@@ -339,11 +339,17 @@ class BasicKVCache {
   }
 
   /// The same checks as append, without changing anything: an engine can ask first and fall back.
+  /// That includes the blocks it takes from a shared store (free now; another thread may take
+  /// them before the append).
   bool can_append(std::size_t layer, std::size_t position, std::span<const float> keys, std::span<const float> values,
                   std::string* why = nullptr) const {
     try {
       const auto [k, v] = stored_form(layer, position, keys, values);
-      (void)check_append(layer, position, k, v);
+      if (const std::size_t tokens = check_append(layer, position, k, v); tokens != 0) {
+        const auto [first_row, needed] = append_blocks(layer, position + tokens);
+        BlockReservation room(*store_);  // let go of at once: a free block now may be taken later
+        reserve_blocks(room, blocks_wanted(layer, first_row, needed), "layer", layer);
+      }
       return true;
     } catch (const Error& e) {
       if (why != nullptr) *why = e.what();
@@ -412,7 +418,7 @@ class BasicKVCache {
   /// Throws kvq::Error and leaves the cache unchanged when the range or the layout forbids it.
   void erase(std::size_t first, std::size_t count) {
     if (count == 0) return;
-    std::vector<std::uint8_t> staged(erase_staging_bytes());  // allocated before anything changes
+    std::vector<std::uint8_t> staged(erase_staging_bytes(first, count));  // before anything changes
     prepare_erase(first, count);
     erase_prepared(first, count, staged.data());
   }
@@ -434,13 +440,17 @@ class BasicKVCache {
   /// The largest |key| (as stored: rotated with -hk) appended to `layer` since the cache was built
   /// or cleared (an upper bound after truncate and erase). Attention uses it to refuse queries
   /// whose scores could overflow.
-  float key_peak(std::size_t layer) const { return key_peaks_.at(layer); }
+  float key_peak(std::size_t layer) const { return key_peaks_[checked_layer(layer, "key_peak")]; }
 
   /// First position of `layer` that `t` holds unquantized (= sinks while nothing is quantized).
-  std::size_t quantized_end(Tensor t, std::size_t layer) const { return quantized_ends_.at(layer * 2 + index(t)); }
+  std::size_t quantized_end(Tensor t, std::size_t layer) const {
+    return quantized_ends_[checked_layer(layer, "quantized_end") * 2 + index(t)];
+  }
   /// First position of `layer` whose full-precision `t` row the cache still holds (in the ring or
   /// the rollback history): truncate(length) fails only where it would re-open positions before it.
-  std::size_t rollback_floor(Tensor t, std::size_t layer) const { return history_begins_.at(layer * 2 + index(t)); }
+  std::size_t rollback_floor(Tensor t, std::size_t layer) const {
+    return history_begins_[checked_layer(layer, "rollback_floor") * 2 + index(t)];
+  }
 
   /// Segments a stream of `layer` is read in: segment 0 holds positions [0, sinks + B), segment
   /// k > 0 holds [sinks + kB, sinks + (k + 1)B), clipped to the length (B = block_tokens()).
@@ -470,11 +480,12 @@ class BasicKVCache {
     v.quantized = lay.quantized;
     v.head_dim = lay.head_dim;
     v.residual = lay.residual;
-    v.length = std::min(lengths_[layer], first + block_rows_);
+    const std::size_t last = saturating_add(first, block_rows_);  // sinks may be up to SIZE_MAX
+    v.length = std::min(lengths_[layer], last);
     v.sinks_stored = std::min(s, lengths_[layer]);
     v.sinks = own + lay.sink_offset;
     v.first_quantized = first;
-    v.end_quantized = std::clamp(quantized_end(t, layer), first, first + block_rows_);
+    v.end_quantized = std::clamp(quantized_end(t, layer), first, last);
     v.row_bytes = lay.row_bytes;
     const bool in_block = segment < tables_[layer].size();
     const std::uint8_t* block = in_block ? section(t, layer, head, segment) : nullptr;
@@ -547,7 +558,7 @@ class BasicKVCache {
   }
 
   /// Blocks layer `layer` refers to (shared ones included).
-  std::size_t block_count(std::size_t layer) const { return tables_.at(layer).size(); }
+  std::size_t block_count(std::size_t layer) const { return tables_[checked_layer(layer, "block_count")].size(); }
   /// Bytes of the blocks the cache refers to (shared ones included).
   std::size_t block_bytes_held() const noexcept {
     std::size_t blocks = 0;
@@ -612,11 +623,9 @@ class BasicKVCache {
   void append_stored(std::size_t layer, std::size_t position, std::span<const float> keys,
                      std::span<const float> values) {
     const std::size_t tokens = check_append(layer, position, keys, values);
-    const std::size_t end = position + tokens;
-    prepare_blocks(layer,
-                   first_block_row(position, quantized_end(Tensor::keys, layer), quantized_end(Tensor::values, layer)),
-                   blocks_for(end, std::max(quantized_end(Tensor::keys, layer), layouts_[0].quantized_end(end)),
-                              std::max(quantized_end(Tensor::values, layer), layouts_[1].quantized_end(end))));
+    if (tokens == 0) return;  // nothing to write: no block copied or taken
+    const auto [first_row, needed] = append_blocks(layer, position + tokens);
+    prepare_blocks(layer, first_row, needed);
     key_peaks_[layer] = std::max(key_peaks_[layer], largest_magnitude(keys.data(), keys.size()));
     for (std::size_t t = 0; t < tokens; ++t) {
       const std::size_t p = position + t;
@@ -633,10 +642,26 @@ class BasicKVCache {
     }
   }
 
+  /// The blocks an append to `layer` up to length `end` writes: from the first row's block
+  /// (first_block_row) up to the count it then refers to.
+  std::pair<std::size_t, std::size_t> append_blocks(std::size_t layer, std::size_t end) const {
+    return {first_block_row(length(layer), quantized_end(Tensor::keys, layer), quantized_end(Tensor::values, layer)),
+            blocks_for(end, std::max(quantized_end(Tensor::keys, layer), layouts_[0].quantized_end(end)),
+                       std::max(quantized_end(Tensor::values, layer), layouts_[1].quantized_end(end)))};
+  }
+
   friend struct detail::CacheAccess;
   friend class LayeredKVCache;  // erases its layers together (prepare_erase, erase_prepared)
 
   static constexpr std::size_t index(Tensor t) noexcept { return t == Tensor::keys ? 0 : 1; }
+
+  /// `layer`, or kvq::Error (invalid_argument) naming `operation` when the cache has no such layer.
+  std::size_t checked_layer(std::size_t layer, const char* operation) const {
+    if (layer >= shape_.layers)
+      throw Error(ErrorCode::invalid_argument, std::string("cache ") + operation + ": layer " + std::to_string(layer) +
+                                                   " of " + std::to_string(shape_.layers));
+    return layer;
+  }
 
   /// rows as (tokens, kv_heads, head_dim) floats.
   void gather(const TokenRows& rows, std::vector<float>& out) const {
@@ -1076,10 +1101,17 @@ class BasicKVCache {
   }
 
   /// Bytes erase() stages the pending rows that move in (one stream's ring).
-  std::size_t erase_staging_bytes() const noexcept {
-    return std::max(layouts_[0].ring_rows * row_size(layouts_[0]), layouts_[1].ring_rows * row_size(layouts_[1]));
+  /// Bytes erase(first, count) stages: the full-precision rows after the range that move down
+  /// (at most a ring's rows; an unquantized tensor's ring spans the capacity).
+  std::size_t erase_staging_bytes(std::size_t first, std::size_t count) const noexcept {
+    const std::size_t end = saturating_add(first, count);
+    std::size_t moved = 0;
+    for (const std::size_t length : lengths_) moved = std::max(moved, length > end ? length - end : 0);
+    return std::max(std::min(moved, layouts_[0].ring_rows) * row_size(layouts_[0]),
+                    std::min(moved, layouts_[1].ring_rows) * row_size(layouts_[1]));
   }
-  /// The second half of erase, after prepare_erase: cannot fail. `staged`: erase_staging_bytes().
+  /// The second half of erase, after prepare_erase: cannot fail. `staged`:
+  /// erase_staging_bytes(first, count).
   void erase_prepared(std::size_t first, std::size_t count, std::uint8_t* staged) noexcept {
     for (std::size_t l = 0; l < shape_.layers; ++l) {
       for (const Tensor t : {Tensor::keys, Tensor::values}) {

@@ -241,7 +241,7 @@ class LayeredKVCache {
     // Every layer's staging before the first change, so a bad_alloc cannot leave some shifted.
     std::vector<std::vector<std::uint8_t>> staged;
     staged.reserve(layers_.size());
-    for (const BasicKVCache& c : layers_) staged.emplace_back(c.erase_staging_bytes());
+    for (const BasicKVCache& c : layers_) staged.emplace_back(c.erase_staging_bytes(first, count));
     for (BasicKVCache& c : layers_) c.prepare_erase(first, count);  // checked above; no block is shared
     for (std::size_t l = 0; l < layers_.size(); ++l) layers_[l].erase_prepared(first, count, staged[l].data());
   }

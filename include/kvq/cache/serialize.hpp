@@ -213,8 +213,11 @@ struct CacheAccess {
   static void prepare_erase(BasicKVCache& c, std::size_t first, std::size_t count, BlockReservation& reserved) {
     c.prepare_erase(first, count, reserved);
   }
-  /// erase after prepare_erase, staging in `staged` (erase_staging_bytes(c) bytes): cannot fail.
-  static std::size_t erase_staging_bytes(const BasicKVCache& c) noexcept { return c.erase_staging_bytes(); }
+  /// erase after prepare_erase, staging in `staged` (erase_staging_bytes(c, first, count) bytes):
+  /// cannot fail.
+  static std::size_t erase_staging_bytes(const BasicKVCache& c, std::size_t first, std::size_t count) noexcept {
+    return c.erase_staging_bytes(first, count);
+  }
   static void erase_prepared(BasicKVCache& c, std::size_t first, std::size_t count, std::uint8_t* staged) noexcept {
     c.erase_prepared(first, count, staged);
   }

@@ -333,7 +333,7 @@ class KVPool {
       // cache needs one), so a group cannot fail after another has moved its rows.
       std::vector<std::vector<std::uint8_t>> staged;
       staged.reserve(s.size());
-      for (const auto& cache : s) staged.emplace_back(Access::erase_staging_bytes(*cache));
+      for (const auto& cache : s) staged.emplace_back(Access::erase_staging_bytes(*cache, first, count));
       std::vector<BlockReservation> reservations;
       reservations.reserve(s.size());
       for (std::size_t g = 0; g < s.size(); ++g)

@@ -144,6 +144,10 @@ inline void validate(const RopeConfig& config) {
     fail("rotary_dims must be even and at most head_dim (got " + std::to_string(dims) + " for head_dim " +
          std::to_string(config.head_dim) + ")");
   if (!(config.theta > 1.0f) || !std::isfinite(config.theta)) fail("theta must be finite and greater than 1");
+  // Positions plus the offset stay exact in double and far from the ends of ptrdiff_t.
+  if (constexpr std::ptrdiff_t most = std::ptrdiff_t(1) << 52;
+      config.position_offset > most || config.position_offset < -most)
+    fail("position_offset must be within +-2^52 (got " + std::to_string(config.position_offset) + ")");
   const RopeScaling& s = config.scaling;
   const std::string type = std::string(to_string(s.type)) + " scaling";
   switch (s.type) {
@@ -168,9 +172,10 @@ inline void validate(const RopeConfig& config) {
     if (!(s.beta_slow > 0.0f && s.beta_slow < s.beta_fast && std::isfinite(s.beta_fast)))
       fail(type + ": needs 0 < beta_slow < beta_fast, finite (got beta_slow " + number(s.beta_slow) + ", beta_fast " +
            number(s.beta_fast) + ")");
-    if (!(s.attention_factor >= 0.0f) || !std::isfinite(s.attention_factor))
-      fail(type + ": attention_factor must be finite and positive, or 0 for the default (got " +
-           number(s.attention_factor) + ")");
+    // Rotated q.k is scaled by its square: far outside what a model uses, that overflows.
+    if (!(s.attention_factor == 0.0f || (s.attention_factor >= 1e-4f && s.attention_factor <= 1e4f)))
+      fail(type + ": attention_factor must be in [1e-4, 1e4], or 0 for the default (got " + number(s.attention_factor) +
+           ")");
   }
   if (!s.frequency_divisors.empty()) {
     if (s.frequency_divisors.size() != dims / 2)
