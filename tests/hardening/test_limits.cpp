@@ -347,6 +347,8 @@ TEST(Limits, EraseStagesOnlyTheRowsThatMove) {
   BasicKVCache cache(shape, c);
   const auto keys = kvq::test::normal_vector(100 * 128, 7), values = kvq::test::normal_vector(100 * 128, 8);
   cache.append(0, 0, keys, values);
+  EXPECT_EQ(kvq::detail::CacheAccess::erase_staging_bytes(cache, 10, 5), 85u * 128 * sizeof(float))
+      << "the 85 rows after the range, in the wider of the two tensors' rows";
   cache.erase(10, 5);
   ASSERT_EQ(cache.length(0), 95u);
   std::vector<float> row(128);

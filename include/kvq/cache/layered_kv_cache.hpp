@@ -80,6 +80,8 @@ inline std::shared_ptr<const RopeTable> shared_table(std::vector<std::shared_ptr
     if (same_rotation(t->config(), rope)) return t;
   return tables.emplace_back(std::make_shared<const RopeTable>(rope, positions));
 }
+/// Most layers a model's configuration text names and a LayeredKVCache holds: far beyond any model.
+inline constexpr std::size_t max_layers = 4096;
 }  // namespace detail
 
 /// "a;b*3;c" -> {a, b, b, b, c}. Throws kvq::Error (invalid_argument) naming the item that is
@@ -90,7 +92,7 @@ inline std::vector<CacheConfig> parse_layer_configs(std::string_view text, std::
     throw Error(ErrorCode::invalid_argument, "per-layer configuration '" + original + "': " + why +
                                                  " (expected e.g. k8c32-v4t32-r32-s0;k4c32-v2t32-r32-s0*3)");
   };
-  constexpr std::size_t max_repeat = 4096;  // layers: far beyond any model
+  constexpr std::size_t max_repeat = detail::max_layers;
   std::vector<CacheConfig> configs;
   std::size_t item = 0;
   while (true) {
@@ -143,8 +145,8 @@ inline std::string to_string(std::span<const CacheConfig> configs) {
 
 class LayeredKVCache {
  public:
-  /// Most layers a layered cache holds (as parse_layer_configs reads): far beyond any model.
-  static constexpr std::size_t max_layers = 4096;
+  /// Most layers a layered cache holds, as parse_layer_configs reads.
+  static constexpr std::size_t max_layers = detail::max_layers;
 
   /// configs: one per layer of `shape` (shape.layers of them), every layer rotated by the
   /// shape's RoPE. Validates every layer's configuration against the shape before anything is

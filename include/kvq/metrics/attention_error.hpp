@@ -32,6 +32,12 @@ class AttentionErrorAccumulator {
   void add(const MatrixD& queries, const MatrixD& keys, const MatrixD& values, const MatrixD& keys_hat,
            const MatrixD& values_hat, std::size_t first_position) {
     check(queries, keys, values, keys_hat, values_hat, first_position);
+    add_checked(queries, keys, values, keys_hat, values_hat, first_position);
+  }
+
+  /// add() of inputs check() has passed.
+  void add_checked(const MatrixD& queries, const MatrixD& keys, const MatrixD& values, const MatrixD& keys_hat,
+                   const MatrixD& values_hat, std::size_t first_position) {
     MatrixD a, a_hat;  // attention weights, zero beyond each position
     (void)attend(queries, keys, values, first_position, &a);
     (void)attend(queries, keys_hat, values_hat, first_position, &a_hat);
@@ -126,7 +132,7 @@ inline void add_head_errors(AttentionErrorAccumulator& acc, const BasicKVCache& 
   const HeadTensors stored = read_head(cache, layer, kv_head);
   for (const MatrixD& q : queries)  // every query head checked before acc changes
     AttentionErrorAccumulator::check(q, keys, values, stored.keys, stored.values, first_position);
-  for (const MatrixD& q : queries) acc.add(q, keys, values, stored.keys, stored.values, first_position);
+  for (const MatrixD& q : queries) acc.add_checked(q, keys, values, stored.keys, stored.values, first_position);
 }
 
 }  // namespace kvq::inline v0
