@@ -458,6 +458,47 @@ TEST(Attend, BadRequestsThrowBeforeWritingAnything) {
   EXPECT_NO_THROW(kvq::attend(std::vector<AttentionRequest>{a, b, c}));  // apart: accepted
 }
 
+// New values are held to what the cache would store: attention adds up to its capacity of them
+// (value_limit(), here FLT_MAX / 2400), and a rotated cache rotates them first (each rotated value
+// is at most its block's norm). f32 rows of 1e37 are refused by name before anything is written
+// (they summed to inf); rows at the bound attend to finite outputs.
+TEST(Attend, NewValuesStayWithinWhatTheCacheSums) {
+  for (const char* text : {"k16-v16-r0-s0-f32", "k4c32-v2t32-r20-s3-post-hk-hv-f32"}) {
+    SCOPED_TRACE(text);
+    const BasicKVCache cache = filled(text, 2, 64, 100, 71);
+    const bool rotated = cache.rotation(kvq::Tensor::values) != nullptr;
+    const auto q = kvq::test::normal_vector(2 * 4 * 64, 72);
+    const auto nk = kvq::test::normal_vector(2 * 2 * 64, 73);
+    std::vector<float> nv = kvq::test::normal_vector(2 * 2 * 64, 74), out(q.size(), 7.0f);
+    const AttentionRequest r{.cache = &cache,
+                             .first_position = 100,
+                             .tokens = 2,
+                             .queries = q,
+                             .new_keys = nk,
+                             .new_values = nv,
+                             .out = out};
+    ASSERT_LT(cache.value_limit(), 1e37f);
+    std::fill(nv.begin() + 3 * 64, nv.end(), 1e37f);  // token 1, KV head 1
+    try {
+      kvq::attend(r);
+      ADD_FAILURE() << "values beyond what attention sums were accepted";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::unrepresentable) << e.what();
+      EXPECT_NE(std::string(e.what()).find("new values of token 1, KV head 1, channel 0"), std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find((rotated ? "L2 norm beyond" : "is beyond") +
+                                           std::string(" FLT_MAX / (2 x capacity 1200)")),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 7.0f; }));
+    // 64 equal values have a norm of 8 times one of them.
+    std::fill(nv.begin() + 3 * 64, nv.end(), cache.value_limit() / (rotated ? 8 : 1) * (1 - 1e-6f));
+    kvq::attend(r);
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return std::isfinite(x); }));
+  }
+}
+
 // Chunks of any size, up to SIZE_MAX, plan the same single chunk as one that spans the cache (a
 // chunk rounded up to whole tiles must not wrap, nor a chunk boundary past sinks of a tile or more).
 TEST(Attend, HugeChunksAreOneChunk) {

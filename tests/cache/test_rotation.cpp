@@ -4,6 +4,7 @@
 // oracle on rotated caches is in tests/attention (test_decode_attention, test_attend).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -225,6 +226,62 @@ TEST(Rotation, BadRowsAreRefusedWhereTheInputHasThemAndChangeNothing) {
   EXPECT_TRUE(cache.can_append(0, 1, spike, v));
   EXPECT_NO_THROW(cache.append(0, 1, spike, v));
   EXPECT_EQ(cache.length(0), 4u);
+}
+
+// An append to an empty one-layer cache whose first value is refused as unrepresentable, with
+// `why` in the message: the cache stays empty.
+void expect_first_value_refused(BasicKVCache& cache, const std::vector<float>& keys, const std::vector<float>& values,
+                                const std::string& why) {
+  try {
+    cache.append(0, 0, keys, values);
+    ADD_FAILURE() << "taken";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::unrepresentable);
+    EXPECT_NE(std::string(e.what()).find("position 0 (value), channel 0: value"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cache.length(0), 0u);
+}
+
+// f32 rows are rotated only within the rotation's range (butterfly sums of a block of 64 values of
+// 1e37 overflow float), and values, stored rotated, only within value_limit() (attention sums up
+// to capacity of them): beyond the smaller bound the input value is named, and the cache is left
+// as it was; a row at the bound is stored and read back.
+TEST(Rotation, InputsBeyondTheRotationsRangeAreRefused) {
+  for (const std::size_t capacity : {4u, 40u}) {  // the rotation's bound is the smaller, then the sums'
+    SCOPED_TRACE(capacity);
+    const CacheShape shape{1, 1, 64, capacity};
+    BasicKVCache cache(shape, kvq::parse_cache_config("k4t32-v4t32-r16-s0-post-hk-hv-f32"));
+    const float norm_limit = cache.rotation(kvq::Tensor::values)->max_block_norm();
+    EXPECT_EQ(cache.value_limit() < norm_limit, capacity == 40);
+    std::vector<float> k(64, 1.0f), v(64, 1e37f);
+    expect_first_value_refused(cache, k, v,
+                               capacity == 4 ? "has an L2 norm beyond FLT_MAX / (2 sqrt 64)"
+                                             : "L2 norm is beyond FLT_MAX / (2 x capacity 40)");
+    std::fill(v.begin(), v.end(), std::min(norm_limit, cache.value_limit()) / 8 * (1 - 1e-6f));  // norm 8x
+    cache.append(0, 0, k, v);
+    std::vector<float> row(64);
+    cache.read_row(kvq::Tensor::values, 0, 0, 0, row.data());
+    for (std::size_t c = 0; c < 64; ++c) EXPECT_NEAR(row[c] / v[c], 1.0f, 1e-5f) << c;
+  }
+}
+
+// Attention adds up to capacity values with weights up to 1: f32 values beyond value_limit()
+// (FLT_MAX / (2 capacity)) are refused by name and leave the cache as it was; values at the bound
+// attend to a finite output equal to the oracle's.
+TEST(Rotation, ValuesBeyondWhatAttentionSumsAreRefused) {
+  const CacheShape shape{1, 1, 64, 4096};
+  BasicKVCache cache(shape, kvq::parse_cache_config("k16-v16-r0-s0-f32"));
+  const std::vector<float> k(200 * 64, 0.0f);
+  std::vector<float> v(200 * 64, 1e37f);
+  expect_first_value_refused(cache, k, v, "is beyond FLT_MAX / (2 x capacity 4096)");
+  std::fill(v.begin(), v.end(), cache.value_limit() * (1 - 1e-6f));
+  cache.append(0, 0, k, v);
+  const std::vector<float> q(2 * 64, 1.0f);
+  std::vector<float> out(q.size()), ref(q.size());
+  kvq::decode_attention(cache, 0, 199, q, out);
+  kvq::reference_attention(cache, 0, 199, q, ref);
+  for (std::size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i] / ref[i], 1.0f, 1e-5f) << i;
 }
 
 // A file keeps the rotation in its configuration text; the loaded cache attends identically.

@@ -249,6 +249,27 @@ TEST(GgmlCodecs, NamesAndRefusals) {
   EXPECT_EQ(out, Bytes(18, 0xAA));
   std::vector<float> y(31);
   EXPECT_THROW(kvq::ggml::dequantize_row(BlockType::q8_0, q8, y), kvq::Error);
+  // Blocks from elsewhere with a NaN or Inf fp16 scale (or q4_1's minimum): refused by block.
+  for (const BlockType t : {BlockType::q8_0, BlockType::q4_1}) {
+    for (const std::size_t at : t == BlockType::q4_1 ? std::vector<std::size_t>{0, 2} : std::vector<std::size_t>{0})
+      for (const unsigned bits : {0x7e00u, 0x7c00u, 0xfc00u}) {  // NaN, +Inf, -Inf
+        Bytes blocks(2 * kvq::ggml::block_bytes(t), 0x11);
+        blocks[kvq::ggml::block_bytes(t) + at] = std::uint8_t(bits & 0xff);  // block 1, little-endian
+        blocks[kvq::ggml::block_bytes(t) + at + 1] = std::uint8_t(bits >> 8);
+        std::vector<float> z(64, 7.0f);
+        try {
+          kvq::ggml::dequantize_row(t, blocks, z);
+          ADD_FAILURE() << "taken";
+        } catch (const kvq::Error& e) {
+          EXPECT_EQ(e.code(), kvq::ErrorCode::non_finite_input);
+          EXPECT_NE(std::string(e.what()).find("block 1 holds a NaN or Inf"), std::string::npos) << e.what();
+        }
+        EXPECT_EQ(z, std::vector<float>(64, 7.0f));
+        blocks[kvq::ggml::block_bytes(t) + at + 1] = 0x11;
+        kvq::ggml::dequantize_row(t, blocks, z);
+        for (const float v : z) EXPECT_TRUE(std::isfinite(v));
+      }
+  }
 }
 
 // ggml's quantize_row_q8_0_ref / q4_0_ref / q5_0_ref for one block of 32, written out here on

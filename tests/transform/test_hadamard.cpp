@@ -6,6 +6,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "kvq/transform/hadamard.hpp"
@@ -107,6 +108,41 @@ TEST(Hadamard, RejectsBadShapes) {
   std::vector<float> x(12, 1.0f);
   EXPECT_THROW(t.forward(x), kvq::Error);
   EXPECT_EQ(x[0], 1.0f);
+}
+
+// Blocks beyond max_block_norm() (butterfly sums that would overflow float) and NaN/Inf are
+// refused by name before anything is written; blocks at the bound round-trip finite.
+TEST(Hadamard, RefusesValuesItCannotTransform) {
+  for (const bool signs : {false, true}) {
+    const HadamardTransform t = signs ? HadamardTransform(96, 3) : HadamardTransform(96);
+    ASSERT_FLOAT_EQ(t.max_block_norm(), std::numeric_limits<float>::max() / (2 * std::sqrt(32.0f)));
+    for (const bool forward : {true, false}) {
+      auto apply = [&](std::vector<float>& x) { forward ? t.forward(x) : t.inverse(x); };
+      // Blocks of 32 equal values at the bound: the first butterfly sums reach 32 x the value.
+      std::vector<float> x(2 * 96, t.max_block_norm() / std::sqrt(32.0f) * (1 - 1e-6f));
+      std::vector<float> y = x;
+      apply(y);
+      EXPECT_TRUE(std::all_of(y.begin(), y.end(), [](float v) { return std::isfinite(v); }));
+      forward ? t.inverse(y) : t.forward(y);
+      for (std::size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(y[i] / x[i], 1.0f, 1e-5f) << i;
+
+      const std::vector<float> before = x;
+      for (const float bad : {2 * t.max_block_norm(), -std::numeric_limits<float>::max(),
+                              std::numeric_limits<float>::infinity(), std::nanf("")}) {
+        x = before;
+        x[96 + 37] = bad;  // head 1, channel 37
+        try {
+          apply(x);
+          ADD_FAILURE() << "accepted " << bad;
+        } catch (const kvq::Error& e) {
+          EXPECT_EQ(e.code(), std::isfinite(bad) ? kvq::ErrorCode::invalid_argument : kvq::ErrorCode::non_finite_input);
+          EXPECT_NE(std::string(e.what()).find("at head 1, channel 37"), std::string::npos) << e.what();
+        }
+        x[96 + 37] = before[96 + 37];
+        EXPECT_EQ(x, before) << "a refused transform wrote";
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -75,13 +75,28 @@ inline void check_request(const AttentionRequest& r, std::size_t index) {
                 which + "new keys of " + std::to_string(r.new_keys.size()) + " and values of " +
                     std::to_string(r.new_values.size()) + " floats are not " + std::to_string(r.tokens) + " tokens x " +
                     std::to_string(s.kv_heads) + " KV heads x " + std::to_string(s.head_dim));
-  for (const auto& [span, what] : {std::pair{r.new_keys, "new keys"}, std::pair{r.new_values, "new values"}}) {
-    if (all_below(span.data(), span.size(), std::numeric_limits<float>::infinity())) continue;
-    const std::size_t at =
-        std::size_t(std::find_if(span.begin(), span.end(), [](float x) { return !std::isfinite(x); }) - span.begin());
-    throw Error(ErrorCode::non_finite_input, which + what + " of token " + std::to_string(at / per_token) +
-                                                 ", KV head " + std::to_string(at % per_token / s.head_dim) +
-                                                 ", channel " + std::to_string(at % s.head_dim) + " is not finite");
+  // New rows of a rotated tensor are rotated here as the cache would store them: within the
+  // rotation's range, as appends are; new values within the cache's value_limit() as stored.
+  for (const Tensor t : {Tensor::keys, Tensor::values}) {
+    const std::span<const float> span = t == Tensor::keys ? r.new_keys : r.new_values;
+    const HadamardTransform* rotation = r.cache->rotation(t);
+    const float limit = t == Tensor::values ? r.cache->value_limit() : std::numeric_limits<float>::infinity();
+    std::size_t at = span.size();
+    if (rotation)  // a rotated value is at most its block's norm
+      at = rotation->first_out_of_range(span, limit);
+    else if (!all_below(span.data(), span.size(), limit))
+      at = std::size_t(std::find_if(span.begin(), span.end(), [limit](float x) { return !(std::fabs(x) < limit); }) -
+                       span.begin());
+    if (at == span.size()) continue;
+    const std::string place =
+        which + (t == Tensor::keys ? "new keys" : "new values") + " of token " + std::to_string(at / per_token) +
+        ", KV head " + std::to_string(at % per_token / s.head_dim) + ", channel " + std::to_string(at % s.head_dim);
+    if (!std::isfinite(span[at])) throw Error(ErrorCode::non_finite_input, place + " is not finite");
+    const bool beyond_sums = t == Tensor::values && limit < (rotation ? rotation->max_block_norm() : HUGE_VALF);
+    throw Error(ErrorCode::unrepresentable, place + ": " + std::to_string(span[at]) +
+                                                (!beyond_sums ? ", " + rotation->range_text()
+                                                 : rotation   ? ", its block's L2 norm " + r.cache->value_limit_text()
+                                                              : " is " + r.cache->value_limit_text()));
   }
   for (const auto& [span, what] :
        {std::pair{r.queries, "queries"}, std::pair{r.new_keys, "new keys"}, std::pair{r.new_values, "new values"}})
@@ -253,8 +268,9 @@ inline void attend(std::span<const AttentionRequest> original, const DecodeOptio
         if (pre) cache.rope().rotate_query(x, r.first_position + t);
         for (std::size_t c = 0; c < dim; ++c) x[c] *= scale;
       }
-    if (const auto rotation = detail::query_rotation(cache))  // q.k = Hq.Hk
-      rotation->forward(std::span(own_queries.data() + p.query_offset, cache.shape().kv_heads * p.rows * dim));
+    if (const auto rotation = detail::query_rotation(cache))  // q.k = Hq.Hk; sums within |q|_1 (check_attention_args)
+      rotation->forward_unchecked(
+          std::span(own_queries.data() + p.query_offset, cache.shape().kv_heads * p.rows * dim));
   }
 
   // Work items: (request, KV head, batch) x (prefix chunks + the exact tail).
@@ -305,8 +321,8 @@ inline void attend(std::span<const AttentionRequest> original, const DecodeOptio
       if (fresh && j >= R) {
         std::copy_n(r.new_keys.data() + ((j - R) * kv_heads + it.kvh) * dim, dim, k);
         std::copy_n(r.new_values.data() + ((j - R) * kv_heads + it.kvh) * dim, dim, v);
-        if (key_rotation) key_rotation->forward(std::span(k, dim));
-        if (value_rotation) value_rotation->forward(std::span(v, dim));
+        if (key_rotation) key_rotation->forward_unchecked(std::span(k, dim));  // within range: check_request
+        if (value_rotation) value_rotation->forward_unchecked(std::span(v, dim));
       } else {
         cache.read_stored_row(Tensor::keys, r.layer, it.kvh, position, k);
         cache.read_stored_row(Tensor::values, r.layer, it.kvh, position, v);
@@ -362,7 +378,8 @@ inline void attend(std::span<const AttentionRequest> original, const DecodeOptio
                             stride, dim, detail::sink_logit(options.scores, kvh * p.group + g),
                             r.out.data() + (t * p.heads + kvh * p.group + g) * dim);
       }
-    if (const auto rotation = r.cache->rotation(Tensor::values)) rotation->inverse(r.out);  // sum p Hv = H sum p v
+    if (const auto rotation = r.cache->rotation(Tensor::values))
+      rotation->inverse_unchecked(r.out);  // sum p Hv = H sum p v: within the bound v was stored under
   }
 }
 

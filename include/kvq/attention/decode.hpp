@@ -234,7 +234,8 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
     if (pre) cache.rope().rotate_query(x, position);  // kernels rotate keys without the factor
     for (std::size_t c = 0; c < dim; ++c) x[c] *= scale;
   }
-  if (const auto r = detail::query_rotation(cache)) r->forward(ws.queries);  // q.k = Hq.Hk
+  if (const auto r = detail::query_rotation(cache))  // q.k = Hq.Hk; sums within |q|_1 (check_attention_args)
+    r->forward_unchecked(ws.queries);
 
   const detail::ChunkGrid grid{cache.config().sinks, plan.chunk};
   auto task_at = [&](std::size_t i) {
@@ -258,7 +259,7 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
                           detail::sink_logit(options.scores, kvh * plan.group + g),
                           out.data() + (kvh * plan.group + g) * dim);
   }
-  if (const auto r = cache.rotation(Tensor::values)) r->inverse(out);  // sum p Hv = H sum p v
+  if (const auto r = cache.rotation(Tensor::values)) r->inverse_unchecked(out);  // sum p Hv = H sum p v
 }
 
 /// The kernel decode_attention runs on the packed rows of this cache, by name: its registry

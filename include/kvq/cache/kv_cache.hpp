@@ -442,6 +442,18 @@ class BasicKVCache {
   /// whose scores could overflow.
   float key_peak(std::size_t layer) const { return key_peaks_[checked_layer(layer, "key_peak")]; }
 
+  /// The largest |value| (as stored: rotated with -hv) an append takes beyond the residual type's
+  /// own range: attention adds up to capacity() values with weights up to 1, so its sums stay
+  /// within float with values under FLT_MAX / (2 capacity()).
+  float value_limit() const noexcept {
+    return float(double(std::numeric_limits<float>::max()) / (2.0 * double(shape_.capacity)));
+  }
+  /// Why a value beyond value_limit() is refused, for errors that name it.
+  std::string value_limit_text() const {
+    return "beyond FLT_MAX / (2 x capacity " + std::to_string(shape_.capacity) +
+           "), past which attention's sums over the cache overflow";
+  }
+
   /// First position of `layer` that `t` holds unquantized (= sinks while nothing is quantized).
   std::size_t quantized_end(Tensor t, std::size_t layer) const {
     return quantized_ends_[checked_layer(layer, "quantized_end") * 2 + index(t)];
@@ -519,7 +531,7 @@ class BasicKVCache {
   /// rotates): out (head_dim). The slow, plain way for oracles and checks.
   void read_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position, float* out) const {
     read_stored_row(t, layer, head, position, out);
-    if (const auto r = rotation(t)) r->inverse(std::span(out, shape_.head_dim));
+    if (const auto r = rotation(t)) r->inverse_head(out);
   }
   /// The row at `position` as stored (dequantized, still rotated): what the kernels read.
   void read_stored_row(Tensor t, std::size_t layer, std::size_t head, std::size_t position, float* out) const {
@@ -589,15 +601,20 @@ class BasicKVCache {
       (void)check_append(layer, position, keys, values);  // throws
     for (const Tensor t : {Tensor::keys, Tensor::values}) {
       const std::span<const float> data = t == Tensor::keys ? keys : values;
-      if (all_below(data.data(), data.size(), std::numeric_limits<float>::infinity())) continue;
-      const auto at = std::find_if(data.begin(), data.end(), [](float x) { return !std::isfinite(x); });
-      throw value_error(t, layer, position, std::size_t(at - data.begin()), *at, false);
+      if (rotation(t)) {  // values: stored rotated, each at most its block's norm
+        const double norm_limit = t == Tensor::values ? value_limit() : HUGE_VAL;
+        if (const std::size_t at = rotation(t)->first_out_of_range(data, norm_limit); at < data.size())
+          throw value_error(t, layer, position, at, data[at], false);
+      } else if (!all_below(data.data(), data.size(), std::numeric_limits<float>::infinity())) {
+        const auto at = std::find_if(data.begin(), data.end(), [](float x) { return !std::isfinite(x); });
+        throw value_error(t, layer, position, std::size_t(at - data.begin()), *at, false);
+      }
     }
     thread_local std::vector<float> k, v;  // this thread's: appends to different layers may run concurrently
     k.assign(keys.begin(), keys.end());
     v.assign(values.begin(), values.end());
-    if (key_rotation) key_rotation->forward(k);
-    if (value_rotation) value_rotation->forward(v);
+    if (key_rotation) key_rotation->forward_unchecked(k);  // checked above, with the row's place
+    if (value_rotation) value_rotation->forward_unchecked(v);
     return {k, v};
   }
 
@@ -614,7 +631,13 @@ class BasicKVCache {
         (rotated ? channel_text(t, i % shape_.head_dim) : ", channel " + std::to_string(i % shape_.head_dim)) +
         ": value " + std::to_string(x);
     if (!rotated && !std::isfinite(x)) return Error(ErrorCode::non_finite_input, place + " is not finite");
-    // A finite input rotated beyond float (f32 residual) is as unrepresentable as one beyond f16.
+    if (const auto r = rotation(t); r && !rotated)  // the input, beyond the smaller bound on its blocks
+      return Error(ErrorCode::unrepresentable, place + ": " +
+                                                   (t == Tensor::values && value_limit() < r->max_block_norm()
+                                                        ? "its block's L2 norm is " + value_limit_text()
+                                                        : r->range_text()));
+    if (t == Tensor::values && !(std::fabs(x) < value_limit()))
+      return Error(ErrorCode::unrepresentable, place + " is " + value_limit_text());
     return Error(ErrorCode::unrepresentable,
                  place + " exceeds the range of the residual type " + to_string(config_.residual));
   }
@@ -891,9 +914,10 @@ class BasicKVCache {
       throw Error(ErrorCode::capacity_exceeded,
                   "layer " + std::to_string(layer) + ": appending " + std::to_string(tokens) + " tokens to " +
                       std::to_string(lengths_[layer]) + " exceeds the capacity of " + std::to_string(shape_.capacity));
-    const float limit = overflow_threshold(config_.residual);
     for (const Tensor t : {Tensor::keys, Tensor::values}) {
       const std::span<const float> data = t == Tensor::keys ? keys : values;
+      const float limit = t == Tensor::keys ? overflow_threshold(config_.residual)
+                                            : std::min(overflow_threshold(config_.residual), value_limit());
       if (!all_below(data.data(), data.size(), limit)) {
         for (std::size_t i = 0; i < data.size(); ++i) {
           const float x = data[i];

@@ -190,6 +190,12 @@ inline void quantize_block(BlockType t, const float* x, std::uint8_t* out) noexc
   }
 }
 
+/// The block's fp16 parameters (the scale d, and q4_1/q5_1's minimum m after it) are finite.
+inline bool parameters_finite(BlockType t, const std::uint8_t* block) noexcept {
+  const bool with_min = t == BlockType::q4_1 || t == BlockType::q5_1;
+  return std::isfinite(load_half(block)) && (!with_min || std::isfinite(load_half(block + 2)));
+}
+
 }  // namespace detail
 
 /// Dequantizes `blocks` blocks of type T at `src` into blocks * 32 floats at `out` (no checks:
@@ -243,20 +249,25 @@ inline void quantize_row(BlockType t, std::span<const float> x, std::span<std::u
   for (std::size_t b = 0; b < blocks; ++b) {
     std::uint8_t* block = staged.data() + b * block_bytes(t);
     detail::quantize_block(t, x.data() + b * block_values, block);
-    const bool with_min = t == BlockType::q4_1 || t == BlockType::q5_1;
-    if (!std::isfinite(detail::load_half(block)) || (with_min && !std::isfinite(detail::load_half(block + 2))))
+    if (!detail::parameters_finite(t, block))
       throw Error(ErrorCode::unrepresentable, what + "the scale of block " + std::to_string(b) + " overflows fp16");
   }
   std::copy(staged.begin(), staged.end(), out.begin());
 }
 
 /// Inverse of quantize_row: blocks.size() / block_bytes(t) blocks into out (32 values each).
+/// Blocks read from elsewhere may hold a NaN or Inf fp16 parameter, which no quantizer writes:
+/// refused by block, writing nothing.
 inline void dequantize_row(BlockType t, std::span<const std::uint8_t> blocks, std::span<float> out) {
   const std::size_t count = blocks.size() / block_bytes(t);
   if (blocks.size() % block_bytes(t) != 0 || out.size() != count * block_values)
     throw Error(ErrorCode::shape_mismatch, "ggml " + std::string(name(t)) + ": " + std::to_string(blocks.size()) +
                                                " bytes and " + std::to_string(out.size()) +
                                                " values are not matching whole blocks");
+  for (std::size_t b = 0; b < count; ++b)
+    if (!detail::parameters_finite(t, blocks.data() + b * block_bytes(t)))
+      throw Error(ErrorCode::non_finite_input, "ggml " + std::string(name(t)) + ": block " + std::to_string(b) +
+                                                   " holds a NaN or Inf fp16 parameter");
   switch (t) {
     case BlockType::q8_0:
       return dequantize_blocks<BlockType::q8_0>(blocks.data(), count, out.data());
