@@ -799,6 +799,98 @@ TEST(KVPool, ForgedPoolContentsWithValidCrcsAreRefused) {
   EXPECT_EQ(target.sequence_count(), 2u);
 }
 
+// A forged table (valid CRCs) that lists one block twice in a sequence, its block count and block
+// sections made to match: refused by name (it loaded, one sequence reading the same bytes at two
+// places). Table: 5 u64s, then per sequence its id and per layer a 60-byte state, a block count
+// and the block indices.
+TEST(KVPool, ForgedTableListingABlockTwiceIsRefused) {
+  const CacheConfig config = config_of("k4c32-v2t32-r16-s1");
+  KVPool pool(small_pool(), config);
+  Tokens tokens;
+  (void)add_tokens(pool, tokens, 200, 31);
+  const std::string file = saved_pool(pool);
+  std::string forged = file.substr(0, 16);
+  int block_section = 0;
+  for (const auto& [start, size] : kvq::test::file_sections(file)) {
+    std::string section = file.substr(start, 12 + size + 4);
+    const std::uint32_t tag = kvq::test::section_tag(file, start);
+    if (tag == 0x4C424154) {  // "TABL": layer 0 lists [0, 0, 1, ...], the others one less, block 1 gone
+      std::uint64_t blocks;
+      std::memcpy(&blocks, section.data() + 12 + 32, 8);
+      --blocks;
+      std::memcpy(section.data() + 12 + 32, &blocks, 8);
+      std::size_t at = 12 + 40 + 8;
+      for (int l = 0; l < 2; ++l) {
+        at += 60;
+        std::uint64_t n;
+        std::memcpy(&n, section.data() + at, 8);
+        at += 8;
+        ASSERT_GE(n, 2u);
+        for (std::uint64_t i = 0; i < n; ++i, at += 8) {
+          std::uint64_t b;
+          std::memcpy(&b, section.data() + at, 8);
+          b = l == 0 && i == 1 ? 0 : b >= 2 ? b - 1 : b;
+          std::memcpy(section.data() + at, &b, 8);
+        }
+      }
+      kvq::test::reseal(section, 0, size);
+    }
+    if (tag == 0x4B4F4C42 && block_section++ == 1) continue;  // "BLOK" 1 dropped
+    forged += section;
+  }
+  KVPool target(small_pool(), config);
+  try {
+    load_pool(target, forged);
+    ADD_FAILURE() << "loaded";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::io) << e.what();
+    EXPECT_NE(std::string(e.what()).find("layer 0: block 0 appears twice in the sequence"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(target.sequence_count(), 0u);
+  EXPECT_EQ(target.blocks().counts().in_use, 0u);
+  load_pool(target, file);
+  EXPECT_EQ(target.sequence_count(), 1u);
+}
+
+// Ids grow and are never handed out twice: a load does not move the next id back (ids removed
+// before it stay unused), and a forged next id of 2^64 - 1 leaves add_sequence refused rather than
+// wrapping to 0, an id the file holds (the new sequence was dropped and 0 returned).
+TEST(KVPool, SequenceIdsAreNeverHandedOutTwice) {
+  const CacheConfig config = config_of("k4c32-v2t32-r16-s1");
+  KVPool source(small_pool(), config);
+  Tokens tokens;
+  const SequenceId a = add_tokens(source, tokens, 100, 32);
+  ASSERT_EQ(a, 0u);
+  const std::string file = saved_pool(source);  // next id 1
+  KVPool pool(small_pool(), config);
+  for (int i = 0; i < 4; ++i) pool.remove_sequence(pool.add_sequence());
+  load_pool(pool, file);
+  EXPECT_EQ(pool.add_sequence(), 4u);
+
+  std::string forged = file;
+  bool found = false;
+  for (const auto& [start, size] : kvq::test::file_sections(forged))
+    if (kvq::test::section_tag(forged, start) == 0x4C424154) {  // the table's third u64: the next id
+      const std::uint64_t last = ~std::uint64_t(0);
+      std::memcpy(forged.data() + start + 12 + 16, &last, 8);
+      kvq::test::reseal(forged, start, size);
+      found = true;
+    }
+  ASSERT_TRUE(found);
+  KVPool target(small_pool(), config);
+  load_pool(target, forged);
+  try {
+    (void)target.add_sequence();
+    ADD_FAILURE() << "an id was handed out";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::capacity_exceeded) << e.what();
+    EXPECT_NE(std::string(e.what()).find("sequence ids are used up"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(target.sequence_count(), 1u);
+  EXPECT_EQ(target.length(0, 0), 100u);
+}
+
 TEST(KVPool, DamagedPoolFileThrowsIoAndChangesNothing) {
   PoolShape shape = small_pool(64);
   shape.kv_heads = 1, shape.head_dim = 16, shape.max_tokens = 256;
@@ -1673,15 +1765,43 @@ TEST(KVPool, BadArgumentsAreNamed) {
   PoolShape shape = small_pool();
   shape.block_tokens = 48;
   EXPECT_THROW(KVPool(shape, config), kvq::Error);
-  KVPool pool(small_pool(), config);
+  shape = small_pool();
+  for (const std::size_t layers : {std::size_t(4097), std::numeric_limits<std::size_t>::max()}) {
+    shape.layers = layers;  // refused before anything is sized by it (a vector of SIZE_MAX threw length_error)
+    try {
+      KVPool refused(shape, config);
+      FAIL();
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("pool shape: layers of " + std::to_string(layers)), std::string::npos)
+          << e.what();
+    }
+  }
+  shape = small_pool(0);
   try {
-    pool.truncate(42, 0);
+    KVPool refused(shape, config);
     FAIL();
   } catch (const kvq::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("no sequence 42"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("pool shape: memory_blocks must be at least 1"), std::string::npos)
+        << e.what();
+  }
+  // A block size that rounds up to whole cache lines past SIZE_MAX (it wrapped to 0 and divided by it).
+  EXPECT_THROW(kvq::BlockStore(std::numeric_limits<std::size_t>::max() - 10, 1), kvq::Error);
+  KVPool pool(small_pool(), config);
+  std::vector<float> k(3 * 128, 1.0f), v(3 * 128, 1.0f);
+  const std::pair<const char*, std::function<void()>> missing[] = {{"truncate", [&] { pool.truncate(42, 0); }},
+                                                                   {"erase", [&] { pool.erase(42, 0, 1); }},
+                                                                   {"append", [&] { pool.append(42, 0, 0, k, v); }}};
+  for (const auto& [operation, call] : missing) {
+    try {
+      call();
+      FAIL() << operation;
+    } catch (const kvq::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("pool " + std::string(operation) + ": no sequence 42"), std::string::npos)
+          << e.what();
+    }
   }
   const SequenceId s = pool.add_sequence();
-  std::vector<float> k(3 * 128, 1.0f), v(3 * 128, 1.0f);
   try {
     pool.append(s, 0, 5, k, v);
     FAIL();

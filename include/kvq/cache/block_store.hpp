@@ -63,13 +63,15 @@ class BlockStore {
  public:
   /// Most blocks one store hands out: ids are 32-bit.
   static constexpr std::size_t max_blocks_limit = std::size_t(1) << 31;
+  /// Largest block: rounding it up to whole cache lines must not wrap.
+  static constexpr std::size_t max_block_bytes = std::size_t(1) << 40;
 
   BlockStore(std::size_t block_bytes, std::size_t max_blocks, StoreLimit limit = StoreLimit::blocks)
-      : block_bytes_((block_bytes + 63) / 64 * 64), max_blocks_(max_blocks), limit_(limit) {
-    if (block_bytes == 0 || max_blocks == 0 || max_blocks > max_blocks_limit)
+      : block_bytes_((std::min(block_bytes, max_block_bytes) + 63) / 64 * 64), max_blocks_(max_blocks), limit_(limit) {
+    if (block_bytes == 0 || block_bytes > max_block_bytes || max_blocks == 0 || max_blocks > max_blocks_limit)
       throw Error(ErrorCode::invalid_argument, "block store: " + std::to_string(max_blocks) + " blocks of " +
                                                    std::to_string(block_bytes) + " bytes (need at least one block of " +
-                                                   "at least one byte, and at most 2^31 blocks)");
+                                                   "1 byte to 2^40 bytes, and at most 2^31 blocks)");
     try {
       slots_ = std::make_unique<Slot[]>(max_blocks);
     } catch (const std::bad_alloc&) {

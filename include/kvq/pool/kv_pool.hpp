@@ -61,6 +61,7 @@
 #include <filesystem>
 #include <fstream>
 #include <istream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -155,12 +156,12 @@ class KVPool {
  public:
   /// Every layer in one configuration.
   KVPool(const PoolShape& shape, const CacheConfig& config)
-      : KVPool(shape, std::vector<CacheConfig>(shape.layers, config)) {}
+      : KVPool(shape, std::vector<CacheConfig>(checked_layers(shape), config)) {}
 
   /// A configuration per layer (parse_layer_configs; kvq-eval --advise prints one), every layer
   /// rotated by the shape's RoPE.
   KVPool(const PoolShape& shape, const std::vector<CacheConfig>& configs)
-      : KVPool(shape, configs, std::vector<RopeConfig>(shape.layers, shape.sequence_shape().rope())) {}
+      : KVPool(shape, configs, std::vector<RopeConfig>(checked_layers(shape), shape.sequence_shape().rope())) {}
 
   /// As above with each layer's own RoPE, `ropes` (one per layer, for the shape's head_dim and
   /// position_offset 0; see LayeredKVCache for layers without RoPE). Layers of one configuration
@@ -176,6 +177,9 @@ class KVPool {
       throw Error(ErrorCode::shape_mismatch, "pool: " + std::to_string(ropes.size()) + " RoPE configurations for " +
                                                  std::to_string(shape.layers) + " layers");
     if (shape.layers == 0) throw Error(ErrorCode::invalid_argument, "pool shape needs at least one layer");
+    checked_layers(shape);
+    if (shape.memory_blocks == 0)
+      throw Error(ErrorCode::invalid_argument, "pool shape: memory_blocks must be at least 1");
     check_limit(shape.memory_blocks, BlockStore::max_blocks_limit, "pool shape: memory_blocks");
     if (shape.block_tokens == 0)
       throw Error(ErrorCode::invalid_argument,
@@ -294,20 +298,20 @@ class KVPool {
               std::span<const float> values) {
     std::shared_lock lock(mutex_);
     const Place p = locate(layer, "append");
-    with_context(id, p, [&](Sequence& s) { s[p.group]->append(p.index, position, keys, values); });
+    with_context(id, "append", p, [&](Sequence& s) { s[p.group]->append(p.index, position, keys, values); });
   }
   /// The same from rows in the engine's layout and type (TokenRows: f16/bf16 with strides).
   void append(SequenceId id, std::size_t layer, std::size_t position, const TokenRows& keys, const TokenRows& values) {
     std::shared_lock lock(mutex_);
     const Place p = locate(layer, "append");
-    with_context(id, p, [&](Sequence& s) { s[p.group]->append(p.index, position, keys, values); });
+    with_context(id, "append", p, [&](Sequence& s) { s[p.group]->append(p.index, position, keys, values); });
   }
   /// BasicKVCache::truncate on one sequence (rolling back speculative tokens), every layer
   /// checked, and its shared blocks copied, before any changes.
   void truncate(SequenceId id, std::size_t length) {
     using Access = detail::CacheAccess;
     std::shared_lock lock(mutex_);
-    with_context(id, std::nullopt, [&](Sequence& s) {
+    with_context(id, "truncate", std::nullopt, [&](Sequence& s) {
       // Every group's checks, then every group's copies of shared blocks reserved, before any group
       // copies one: a refused call unshares none.
       for (std::size_t g = 0; g < s.size(); ++g)
@@ -325,7 +329,7 @@ class KVPool {
   void erase(SequenceId id, std::size_t first, std::size_t count) {
     using Access = detail::CacheAccess;
     std::shared_lock lock(mutex_);
-    with_context(id, std::nullopt, [&](Sequence& s) {
+    with_context(id, "erase", std::nullopt, [&](Sequence& s) {
       if (count == 0) return;
       for (std::size_t g = 0; g < s.size(); ++g)
         if (const auto e = s[g]->erase_error(first, count)) throw Error(e->code(), relabel(e->message(), g));
@@ -435,7 +439,7 @@ class KVPool {
     expect_empty_locked();
     sequences_.reserve(loaded.sequences.size());
     for (auto& [id, seq] : loaded.sequences) sequences_.emplace(id, std::move(seq));
-    next_id_ = loaded.next_id;
+    next_id_ = std::max(next_id_, loaded.next_id);  // not an id this pool handed out before
   }
 
   /// Content hashes of the sealed blocks of one layer of a sequence (blocks no append writes
@@ -501,6 +505,12 @@ class KVPool {
   }
 
  private:
+  /// shape.layers, or kvq::Error above LayeredKVCache's limit: before anything is sized by it.
+  static std::size_t checked_layers(const PoolShape& shape) {
+    check_limit(shape.layers, detail::max_layers, "pool shape: layers");
+    return shape.layers;
+  }
+
   /// Layers of one configuration and RoPE: one block store, and one cache per sequence holding them.
   struct LayerGroup {
     CacheConfig config;
@@ -554,10 +564,13 @@ class KVPool {
     }
   }
 
+  /// Ids are handed out in increasing order, never twice; the largest is never handed out (the
+  /// next would wrap to 0, an id a loaded pool may hold).
   SequenceId insert(Sequence seq) {
-    const SequenceId id = next_id_++;
-    sequences_.emplace(id, std::move(seq));
-    return id;
+    if (next_id_ == std::numeric_limits<SequenceId>::max())
+      throw Error(ErrorCode::capacity_exceeded, "pool: sequence ids are used up");
+    sequences_.emplace(next_id_, std::move(seq));  // every id held is below next_id_
+    return next_id_++;
   }
 
   /// block_hashes of pool layer `layer`, read from a sequence's cache of that layer's group.
@@ -724,7 +737,9 @@ class KVPool {
     std::unordered_set<SequenceId> ids;
     constexpr std::size_t no_group = std::size_t(-1);
     std::vector<std::size_t> group_of(std::size_t(std::min<std::uint64_t>(block_count, t.remaining() / 8)), no_group);
+    std::unordered_set<std::uint64_t> own_blocks;  // of one sequence: no block twice, in any layers
     for (Saved& q : saved) {
+      own_blocks.clear();
       q.id = t.value<std::uint64_t>();
       const std::string who = "sequence " + std::to_string(q.id);
       if (q.id >= next_id)
@@ -751,6 +766,8 @@ class KVPool {
           if (b >= group_of.size())
             file.fail("table", table_start,
                       where + "block " + std::to_string(b) + " of " + std::to_string(block_count));
+          if (!own_blocks.insert(b).second)
+            file.fail("table", table_start, where + "block " + std::to_string(b) + " appears twice in the sequence");
           std::size_t& owner = group_of[std::size_t(b)];
           if (owner != no_group && owner != g)
             file.fail("table", table_start,
@@ -940,8 +957,8 @@ class KVPool {
   /// Runs op on the sequence; errors gain the sequence's id (and, from one layer's group, the
   /// pool's layer numbers).
   template <class Op>
-  void with_context(SequenceId id, std::optional<Place> place, Op&& op) {
-    Sequence& seq = find(id, "operation");
+  void with_context(SequenceId id, const char* operation, std::optional<Place> place, Op&& op) {
+    Sequence& seq = find(id, operation);
     try {
       op(seq);
     } catch (const Error& e) {
