@@ -486,7 +486,7 @@ TEST(Attend, NewValuesStayWithinWhatTheCacheSums) {
       EXPECT_EQ(e.code(), kvq::ErrorCode::unrepresentable) << e.what();
       EXPECT_NE(std::string(e.what()).find("new values of token 1, KV head 1, channel 0"), std::string::npos)
           << e.what();
-      EXPECT_NE(std::string(e.what()).find((rotated ? "L2 norm beyond" : "is beyond") +
+      EXPECT_NE(std::string(e.what()).find((rotated ? "its block's L2 norm is beyond" : "it is beyond") +
                                            std::string(" FLT_MAX / (2 x capacity 1200)")),
                 std::string::npos)
           << e.what();

@@ -75,28 +75,17 @@ inline void check_request(const AttentionRequest& r, std::size_t index) {
                 which + "new keys of " + std::to_string(r.new_keys.size()) + " and values of " +
                     std::to_string(r.new_values.size()) + " floats are not " + std::to_string(r.tokens) + " tokens x " +
                     std::to_string(s.kv_heads) + " KV heads x " + std::to_string(s.head_dim));
-  // New rows of a rotated tensor are rotated here as the cache would store them: within the
-  // rotation's range, as appends are; new values within the cache's value_limit() as stored.
+  // New rows are held to what an append of them would store (a rotated tensor rotates them here).
   for (const Tensor t : {Tensor::keys, Tensor::values}) {
     const std::span<const float> span = t == Tensor::keys ? r.new_keys : r.new_values;
-    const HadamardTransform* rotation = r.cache->rotation(t);
-    const float limit = t == Tensor::values ? r.cache->value_limit() : std::numeric_limits<float>::infinity();
-    std::size_t at = span.size();
-    if (rotation)  // a rotated value is at most its block's norm
-      at = rotation->first_out_of_range(span, limit);
-    else if (!all_below(span.data(), span.size(), limit))
-      at = std::size_t(std::find_if(span.begin(), span.end(), [limit](float x) { return !(std::fabs(x) < limit); }) -
-                       span.begin());
+    const std::size_t at = r.cache->first_unstorable(t, span);
     if (at == span.size()) continue;
     const std::string place =
         which + (t == Tensor::keys ? "new keys" : "new values") + " of token " + std::to_string(at / per_token) +
         ", KV head " + std::to_string(at % per_token / s.head_dim) + ", channel " + std::to_string(at % s.head_dim);
     if (!std::isfinite(span[at])) throw Error(ErrorCode::non_finite_input, place + " is not finite");
-    const bool beyond_sums = t == Tensor::values && limit < (rotation ? rotation->max_block_norm() : HUGE_VALF);
-    throw Error(ErrorCode::unrepresentable, place + ": " + std::to_string(span[at]) +
-                                                (!beyond_sums ? ", " + rotation->range_text()
-                                                 : rotation   ? ", its block's L2 norm " + r.cache->value_limit_text()
-                                                              : " is " + r.cache->value_limit_text()));
+    throw Error(ErrorCode::unrepresentable,
+                place + ": value " + std::to_string(span[at]) + ": " + r.cache->unstorable_text(t));
   }
   for (const auto& [span, what] :
        {std::pair{r.queries, "queries"}, std::pair{r.new_keys, "new keys"}, std::pair{r.new_values, "new values"}})

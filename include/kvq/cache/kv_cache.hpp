@@ -448,10 +448,24 @@ class BasicKVCache {
   float value_limit() const noexcept {
     return float(double(std::numeric_limits<float>::max()) / (2.0 * double(shape_.capacity)));
   }
-  /// Why a value beyond value_limit() is refused, for errors that name it.
-  std::string value_limit_text() const {
-    return "beyond FLT_MAX / (2 x capacity " + std::to_string(shape_.capacity) +
-           "), past which attention's sums over the cache overflow";
+  /// Where rows of `t`, as given to append (before any rotation), leave what the cache rotates,
+  /// stores and sums: the first NaN or Inf, else, rotated, the largest value of the first block
+  /// whose L2 norm exceeds the rotation's range or (values) value_limit(), else (values) the first
+  /// value at or beyond value_limit(); data.size() where none does. The residual type's range is
+  /// checked on the rows as stored. attend() holds new rows to the same.
+  std::size_t first_unstorable(Tensor t, std::span<const float> data) const noexcept {
+    const float limit = t == Tensor::values ? value_limit() : std::numeric_limits<float>::infinity();
+    if (const auto r = rotation(t)) return r->first_out_of_range(data, limit);  // a rotated value <= its block's norm
+    if (all_below(data.data(), data.size(), limit)) return data.size();
+    return std::size_t(std::find_if(data.begin(), data.end(), [limit](float x) { return !(std::fabs(x) < limit); }) -
+                       data.begin());
+  }
+  /// Why first_unstorable() stopped at a finite value, for errors that name it.
+  std::string unstorable_text(Tensor t) const {
+    const auto r = rotation(t);
+    if (r && !(t == Tensor::values && value_limit() < r->max_block_norm())) return r->range_text();
+    return std::string(r ? "its block's L2 norm" : "it") + " is beyond FLT_MAX / (2 x capacity " +
+           std::to_string(shape_.capacity) + "), past which attention's sums over the cache overflow";
   }
 
   /// First position of `layer` that `t` holds unquantized (= sinks while nothing is quantized).
@@ -601,14 +615,8 @@ class BasicKVCache {
       (void)check_append(layer, position, keys, values);  // throws
     for (const Tensor t : {Tensor::keys, Tensor::values}) {
       const std::span<const float> data = t == Tensor::keys ? keys : values;
-      if (rotation(t)) {  // values: stored rotated, each at most its block's norm
-        const double norm_limit = t == Tensor::values ? value_limit() : HUGE_VAL;
-        if (const std::size_t at = rotation(t)->first_out_of_range(data, norm_limit); at < data.size())
-          throw value_error(t, layer, position, at, data[at], false);
-      } else if (!all_below(data.data(), data.size(), std::numeric_limits<float>::infinity())) {
-        const auto at = std::find_if(data.begin(), data.end(), [](float x) { return !std::isfinite(x); });
-        throw value_error(t, layer, position, std::size_t(at - data.begin()), *at, false);
-      }
+      if (const std::size_t at = first_unstorable(t, data); at < data.size())
+        throw value_error(t, layer, position, at, data[at], false);
     }
     thread_local std::vector<float> k, v;  // this thread's: appends to different layers may run concurrently
     k.assign(keys.begin(), keys.end());
@@ -631,13 +639,8 @@ class BasicKVCache {
         (rotated ? channel_text(t, i % shape_.head_dim) : ", channel " + std::to_string(i % shape_.head_dim)) +
         ": value " + std::to_string(x);
     if (!rotated && !std::isfinite(x)) return Error(ErrorCode::non_finite_input, place + " is not finite");
-    if (const auto r = rotation(t); r && !rotated)  // the input, beyond the smaller bound on its blocks
-      return Error(ErrorCode::unrepresentable, place + ": " +
-                                                   (t == Tensor::values && value_limit() < r->max_block_norm()
-                                                        ? "its block's L2 norm is " + value_limit_text()
-                                                        : r->range_text()));
-    if (t == Tensor::values && !(std::fabs(x) < value_limit()))
-      return Error(ErrorCode::unrepresentable, place + " is " + value_limit_text());
+    if (!rotated && (rotation(t) || (t == Tensor::values && !(std::fabs(x) < value_limit()))))
+      return Error(ErrorCode::unrepresentable, place + ": " + unstorable_text(t));  // what first_unstorable found
     return Error(ErrorCode::unrepresentable,
                  place + " exceeds the range of the residual type " + to_string(config_.residual));
   }
