@@ -9,6 +9,9 @@
 #define KVQ_HAVE_X86_KERNELS 1
 #include <cpuid.h>
 #endif
+#if defined(__aarch64__) && !defined(KVQ_FORCE_REFERENCE)
+#define KVQ_HAVE_NEON_KERNELS 1
+#endif
 
 // GCC 12 warns on its own intrinsic headers (_mm*_undefined_* placeholders) when inlined through
 // target attributes, and about vector arguments of functions a kernel template shares with

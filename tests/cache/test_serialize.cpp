@@ -2,11 +2,14 @@
 // must throw kvq::Error and leave the target as it was.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <initializer_list>
 #include <limits>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
@@ -85,6 +88,18 @@ BasicKVCache sample_cache(const CacheShape& shape, const CacheConfig& config, st
   return cache;
 }
 
+// The largest |value| of `t` that `layer` holds as stored, row by row.
+float largest_stored(const BasicKVCache& cache, Tensor t, std::size_t layer) {
+  std::vector<float> row(cache.shape().head_dim);
+  float peak = 0.0f;
+  for (std::size_t h = 0; h < cache.shape().kv_heads; ++h)
+    for (std::size_t p = 0; p < cache.length(layer); ++p) {
+      cache.read_stored_row(t, layer, h, p, row.data());
+      for (const float x : row) peak = std::max(peak, std::fabs(x));
+    }
+  return peak;
+}
+
 TEST(CacheFile, RoundTripRestoresEverything) {
   for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4c16-r0-s0", "k16-v16-r0-s2", "k8c16s-v4t64s-r33-s2-bf16",
                            "k3c8-v5t16-r5-s0-f32-d5", "k2t32-v2c32-r7-s1-d0", "k4c32-v2t32-r128-s1-post",
@@ -108,6 +123,10 @@ TEST(CacheFile, RoundTripRestoresEverything) {
       for (std::size_t l = 0; l < shape.layers; ++l) {
         EXPECT_EQ(into.key_peak(l), original.key_peak(l)) << "layer " << l;
         EXPECT_EQ(fresh.key_peak(l), original.key_peak(l)) << "layer " << l;
+        // What attention counts on: stored keys within twice the peak, values within the bound.
+        EXPECT_LE(largest_stored(fresh, Tensor::keys, l), 2 * fresh.key_peak(l)) << "layer " << l;
+        EXPECT_LE(largest_stored(fresh, Tensor::values, l), fresh.value_peak(l)) << "layer " << l;
+        EXPECT_LE(fresh.value_peak(l), 1.01f * original.value_peak(l) + 1e-3f) << "layer " << l;
       }
       EXPECT_EQ(saved(fresh), bytes) << "saving the restored cache writes the same file";
       // The restored caches go on exactly like the original, rollbacks included.
@@ -120,6 +139,24 @@ TEST(CacheFile, RoundTripRestoresEverything) {
       kvq::test::expect_same_state(fresh, original, "after more appends and a rollback (new cache)");
       if (::testing::Test::HasFailure()) return;
     }
+  }
+}
+
+// Keys of a few ten-thousandths quantize with f16 scales in subnormal steps, so their codes decode a
+// little past them (e5m2 by up to 57344 x 2^-24): a load keeps the saved peak all the same.
+TEST(CacheFile, TinyKeysKeepTheirPeakThroughARoundTrip) {
+  for (const char* text : {"k8c8e5m2-v8t8e5m2-r4-s1", "k4c8-v2t8-r4-s1", "k4c8n-v4t8l-r4-s1"}) {
+    SCOPED_TRACE(text);
+    const CacheShape shape{1, 2, 16, 48};
+    BasicKVCache original(shape, config_of(text));
+    std::vector<float> k = kvq::test::normal_vector(30 * 2 * 16, 7), v = kvq::test::normal_vector(k.size(), 8);
+    for (float& x : k) x *= 1e-4f;
+    original.append(0, 0, k, v);
+    const std::string bytes = saved(original);
+    BasicKVCache loaded(shape, original.config());
+    load_text(loaded, bytes);
+    EXPECT_EQ(loaded.key_peak(0), original.key_peak(0));
+    EXPECT_TRUE(saved(loaded) == bytes) << "saving the loaded cache writes another file";
   }
 }
 
@@ -396,6 +433,88 @@ TEST(CacheFile, ForgedContentsWithValidCrcsAreRejected) {
     expect_load_refused(target, bytes, kvq::ErrorCode::io, {"section 'layer 0'", f.needle}, what);
     load_text(target, file);  // the file as saved loads
     EXPECT_TRUE(snapshot(target) == snapshot(source)) << what;
+  }
+}
+
+// Attention trusts a layer's key peak to bound its scores, and sums values that appends kept under
+// value_limit(). A load holds a file to what it stores, not to what its table says: finite forged
+// contents under valid CRCs are refused at attention by name (a key scale of 2e37 behind the saved
+// peak gave NaN outputs).
+TEST(CacheFile, ALoadedCacheIsHeldToWhatItStores) {
+  using Access = kvq::detail::CacheAccess;
+  using Piece = Access::Piece;
+  const CacheShape shape{1, 1, 16, 48};
+  const CacheConfig config = config_of("k4c8s.f32-v2t8s.f32-r4-s1-f32");
+  const BasicKVCache source = sample_cache(shape, config, 30, 5);
+  const std::string file = saved(source);
+  // `source` loaded from its file with the first value of the first (or last) `piece` of `t` in
+  // layer 0 set to x, and the table's key peak for layer 0 to `peak` where given.
+  auto load_forged = [&](Piece piece, Tensor t, float x, bool last = false, float peak = -1.0f) {
+    std::size_t offset = 0, found = SIZE_MAX;
+    Access::visit_pieces(source, 0, Access::state(source, 0), [&](Piece p, Tensor u, std::size_t n, auto) {
+      if ((found == SIZE_MAX || last) && p == piece && u == t && n >= 4) found = offset;
+      offset += n;
+    });
+    EXPECT_NE(found, SIZE_MAX);
+    const auto sections = kvq::test::file_sections(file);
+    std::string bytes = file;
+    std::memcpy(bytes.data() + sections[2].first + 12 + found, &x, 4);
+    kvq::test::reseal(bytes, sections[2].first, sections[2].second);
+    if (peak >= 0.0f) {
+      std::memcpy(bytes.data() + sections[1].first + 12 + 56, &peak, 4);  // the table's first entry
+      kvq::test::reseal(bytes, sections[1].first, sections[1].second);
+    }
+    auto loaded = std::make_unique<BasicKVCache>(shape, config);
+    load_text(*loaded, bytes);
+    return loaded;
+  };
+  auto expect_attention_refused = [](const BasicKVCache& cache, float q_value, const std::string& needle) {
+    SCOPED_TRACE(needle);
+    const std::vector<float> q(16, q_value);
+    std::vector<float> out(16);
+    try {
+      kvq::decode_attention(cache, 0, cache.length(0) - 1, q, out);
+      ADD_FAILURE() << needle << ": no error; out[0] = " << out[0];
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::unrepresentable) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+
+  {  // the file as saved: peaks as they were, and attention runs
+    BasicKVCache loaded(shape, config);
+    load_text(loaded, file);
+    EXPECT_EQ(loaded.key_peak(0), source.key_peak(0));
+    EXPECT_LE(loaded.value_peak(0), source.value_peak(0) * 1.01f);
+    std::vector<float> q(16, 100.0f), out(16);
+    kvq::decode_attention(loaded, 0, loaded.length(0) - 1, q, out);
+    for (const float y : out) EXPECT_TRUE(std::isfinite(y));
+  }
+  {  // a key scale of 2e37: codes dequantize to 1.5e38, far past the saved peak
+    const auto loaded = load_forged(Piece::scales, Tensor::keys, 2e37f);
+    EXPECT_GE(loaded->key_peak(0), 1e38f);
+    expect_attention_refused(*loaded, 100.0f, "against keys up to");
+  }
+  {  // a full-precision value of 1e37, beyond FLT_MAX / 48
+    const auto loaded = load_forged(Piece::rows, Tensor::values, 1e37f);
+    EXPECT_EQ(loaded->value_peak(0), 1e37f);
+    expect_attention_refused(*loaded, 1.0f, "holds stored values up to");
+    float row[16];
+    loaded->read_row(Tensor::values, 0, 0, 0, row);  // what it holds stays readable
+    EXPECT_EQ(row[0], 1e37f);
+  }
+  {  // the same in the last row of the rollback history, which attention reads only after a truncate
+    ASSERT_LT(source.rollback_floor(Tensor::values, 0), source.quantized_end(Tensor::values, 0));
+    const auto loaded = load_forged(Piece::rows, Tensor::values, 1e37f, true);
+    EXPECT_EQ(loaded->value_peak(0), 1e37f);
+    expect_attention_refused(*loaded, 1.0f, "holds stored values up to");
+  }
+  for (const float peak : {-1.0f, 3e38f}) {  // a key scale of 3e38, finite, whose codes decode to
+    // infinity (with the file's peak, or a forged one twice which passes FLT_MAX): refused even
+    // for a zero query
+    const auto loaded = load_forged(Piece::scales, Tensor::keys, 3e38f, false, peak);
+    EXPECT_EQ(loaded->key_peak(0), std::numeric_limits<float>::infinity());
+    expect_attention_refused(*loaded, 0.0f, "keys that decode beyond float's range");
   }
 }
 

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -357,6 +359,37 @@ TEST(Limits, EraseStagesOnlyTheRowsThatMove) {
     cache.read_row(kvq::Tensor::keys, 0, 0, p, row.data());
     for (std::size_t i = 0; i < 128; ++i) ASSERT_EQ(row[i], keys[from * 128 + i]) << p;
   }
+}
+
+// An allocator that refuses more than 1000 elements, as a system out of memory refuses.
+template <class T>
+struct RefusingAllocator {
+  using value_type = T;
+  RefusingAllocator() = default;
+  template <class U>
+  RefusingAllocator(const RefusingAllocator<U>&) noexcept {}
+  T* allocate(std::size_t n) {
+    if (n > 1000) throw std::bad_alloc();
+    return std::allocator<T>().allocate(n);
+  }
+  void deallocate(T* p, std::size_t n) noexcept { std::allocator<T>().deallocate(p, n); }
+  friend bool operator==(const RefusingAllocator&, const RefusingAllocator&) { return true; }
+};
+
+// Workspaces sized by a call (erase's staging, append's rotated rows, attention's queries and
+// partial results) go through checked_resize: a refusal is kvq::Error (out_of_memory) naming the
+// workspace, as the README promises, where std::vector threw std::bad_alloc.
+TEST(Limits, RefusedWorkspacesAreOutOfMemoryNotBadAlloc) {
+  std::vector<float, RefusingAllocator<float>> v(10, 1.0f);
+  expect_error([&] { kvq::checked_resize(v, 5000, "the test's workspace"); }, ErrorCode::out_of_memory,
+               "the test's workspace: 5000 elements of 4 bytes could not be allocated");
+  EXPECT_EQ(v.size(), 10u);
+  EXPECT_EQ(v[9], 1.0f);
+  kvq::checked_resize(v, 1000, "the test's workspace");
+  EXPECT_EQ(v.size(), 1000u);
+  std::vector<double> w;
+  expect_error([&] { kvq::checked_resize(w, size_max, "a workspace"); }, ErrorCode::out_of_memory,
+               "a workspace: " + std::to_string(size_max) + " elements exceed what a vector holds");
 }
 
 }  // namespace

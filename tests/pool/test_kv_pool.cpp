@@ -853,6 +853,37 @@ TEST(KVPool, ForgedTableListingABlockTwiceIsRefused) {
   EXPECT_EQ(target.sequence_count(), 1u);
 }
 
+// A pool file's key peaks are held to the keys its blocks store (a forged peak of 0 under valid
+// CRCs bounded nothing, and attention's overflow check passed queries whose scores overflowed).
+TEST(KVPool, ForgedKeyPeaksAreRaisedToWhatTheBlocksHold) {
+  const CacheConfig config = config_of("k4c32-v2t32-r16-s1");
+  KVPool pool(small_pool(), config);
+  Tokens tokens;
+  const SequenceId id = add_tokens(pool, tokens, 200, 33);
+  const std::string file = saved_pool(pool);
+  std::string forged = file;
+  for (const auto& [start, size] : kvq::test::file_sections(file))
+    if (kvq::test::section_tag(file, start) == 0x4C424154) {  // "TABL": each layer's key peak set to 0
+      std::size_t at = start + 12 + 40 + 8;
+      for (std::size_t l = 0; l < pool.sequence(id).shape().layers; ++l) {
+        std::memset(forged.data() + at + 56, 0, 4);
+        std::uint64_t n;
+        std::memcpy(&n, forged.data() + at + 60, 8);
+        at += 60 + 8 + 8 * n;
+      }
+      kvq::test::reseal(forged, start, size);
+    }
+  ASSERT_NE(forged, file);
+  KVPool target(small_pool(), config);
+  load_pool(target, forged);
+  for (std::size_t l = 0; l < pool.sequence(id).shape().layers; ++l) {
+    const float peak = pool.sequence(id).key_peak(l), raised = target.sequence(id).key_peak(l);
+    EXPECT_GT(peak, 0.0f) << "layer " << l;
+    EXPECT_GE(raised, 0.99f * peak) << "layer " << l;
+    EXPECT_LE(raised, 1.01f * peak) << "layer " << l;
+  }
+}
+
 // Ids grow and are never handed out twice: a load does not move the next id back (ids removed
 // before it stay unused), and a forged next id of 2^64 - 1 leaves add_sequence refused rather than
 // wrapping to 0, an id the file holds (the new sequence was dropped and 0 returned).

@@ -31,6 +31,7 @@
 
 #include "kvq/attention/decode.hpp"
 #include "kvq/cache/kv_cache.hpp"
+#include "kvq/core/checked.hpp"
 #include "kvq/error.hpp"
 
 namespace kvq::inline v0 {
@@ -240,8 +241,8 @@ inline void attend(std::span<const AttentionRequest> original, const DecodeOptio
   thread_local std::vector<float> queries_scratch, partial_scratch;
   std::vector<float>& own_queries = queries_scratch;
   std::vector<float>& own_partial = partial_scratch;
-  own_queries.resize(query_floats);
-  own_partial.resize(partial_floats);
+  checked_resize(own_queries, query_floats, "attend's queries");
+  checked_resize(own_partial, partial_floats, "attend's partial results");
   // Queries per KV head as rows (t, g): rotated to their own positions and scaled.
   for (const detail::RequestPlan& p : plans) {
     const AttentionRequest& r = *p.request;
@@ -297,8 +298,8 @@ inline void attend(std::span<const AttentionRequest> original, const DecodeOptio
     const std::size_t R = p.shared - p.ragged, tail = fresh ? p.tokens : p.tokens - 1,
                       kv_heads = cache.shape().kv_heads;
     thread_local std::vector<float> keys, values;  // this task's thread: no allocation once warm
-    keys.resize((R + tail) * dim);
-    values.resize((R + tail) * dim);
+    checked_resize(keys, (R + tail) * dim, "attend's exact keys");
+    checked_resize(values, (R + tail) * dim, "attend's exact values");
     // Keys in the queries' space: rotated as the cache stores them when the queries are
     // (post-RoPE), in the model's space when RoPE comes first (pre-RoPE).
     const auto key_rotation = detail::query_rotation(cache), key_unrotation = detail::key_unrotation(cache);

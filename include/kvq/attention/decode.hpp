@@ -39,6 +39,7 @@
 #include "kvq/attention/reference.hpp"
 #include "kvq/attention/scores.hpp"
 #include "kvq/cache/kv_cache.hpp"
+#include "kvq/core/checked.hpp"
 #include "kvq/error.hpp"
 #include "kvq/kernels/attention/integer_range.hpp"
 #include "kvq/kernels/attention/registry.hpp"
@@ -224,8 +225,8 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
   thread_local DecodeWorkspace own;
   DecodeWorkspace& ws = options.workspace != nullptr ? *options.workspace : own;
   const std::size_t dim = plan.dim, stride = plan.group * (dim + 2);
-  ws.queries.resize(plan.heads * dim);
-  ws.partial.resize(plan.kv_heads * plan.chunks * stride);
+  checked_resize(ws.queries, plan.heads * dim, "decode attention's queries");
+  checked_resize(ws.partial, plan.kv_heads * plan.chunks * stride, "decode attention's partial results");
 
   const float scale = detail::score_scale(options.scores, dim);
   std::copy(q.begin(), q.end(), ws.queries.begin());

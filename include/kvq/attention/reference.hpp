@@ -111,6 +111,17 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
                                                  std::to_string(cache.capacity()) + "; " + std::to_string(tokens) +
                                                  " new tokens from position " + std::to_string(first_position) +
                                                  " need the positions before them stored and room after");
+  // Sums of up to capacity values with weights up to 1 overflow past FLT_MAX / capacity. Appends
+  // keep values below half that (value_limit()) and keys finite; a file's may decode beyond.
+  if (!(double(cache.value_peak(layer)) < 2.0 * double(cache.value_limit())))
+    throw Error(ErrorCode::unrepresentable,
+                "attention: layer " + std::to_string(layer) + " holds stored values up to " +
+                    std::to_string(cache.value_peak(layer)) + ", beyond FLT_MAX / capacity " +
+                    std::to_string(cache.capacity()) + ", past which attention's sums overflow (appends refuse " +
+                    "such values: these came from a file)");
+  if (!std::isfinite(cache.key_peak(layer)))
+    throw Error(ErrorCode::unrepresentable, "attention: layer " + std::to_string(layer) +
+                                                " holds stored keys that decode beyond float's range (from a file)");
   if (!all_below(q.data(), q.size(), std::numeric_limits<float>::infinity())) {
     const std::size_t at =
         std::size_t(std::find_if(q.begin(), q.end(), [](float x) { return !std::isfinite(x); }) - q.begin());

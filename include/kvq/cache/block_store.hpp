@@ -134,7 +134,9 @@ class BlockStore {
   }
   void release(BlockId id) noexcept {
     std::lock_guard lock(mutex_);
-    const unsigned before = slots_[id].refs.fetch_sub(1, std::memory_order_relaxed);
+    // Release: a holder that then finds itself alone (shared(), acquire) writes only after what
+    // this one read of the block.
+    const unsigned before = slots_[id].refs.fetch_sub(1, std::memory_order_release);
     if (before == 2) --shared_;
     if (before == 1) {
       free_.push_back(id);  // room reserved when its slab was committed
@@ -147,7 +149,7 @@ class BlockStore {
   /// How many caches refer to the block.
   unsigned references(BlockId id) const noexcept { return slots_[id].refs.load(std::memory_order_relaxed); }
   /// True when more than one cache refers to the block: it must be copied before a write.
-  bool shared(BlockId id) const noexcept { return slots_[id].refs.load(std::memory_order_relaxed) > 1; }
+  bool shared(BlockId id) const noexcept { return slots_[id].refs.load(std::memory_order_acquire) > 1; }
 
   /// Changes whenever the block's bytes may have changed: on acquire, and when its sole holder
   /// is about to write to it (written()). Hashes of a block's bytes stay valid while it holds.

@@ -205,6 +205,7 @@ class BasicKVCache {
     tables_.resize(shape.layers);
     lengths_.assign(shape.layers, 0);
     key_peaks_.assign(shape.layers, 0.0f);
+    value_peaks_.assign(shape.layers, 0.0f);
     quantized_ends_.resize(shape.layers * 2);
     history_begins_.resize(shape.layers * 2);
     kept_from_.resize(shape.layers * 2);
@@ -292,6 +293,7 @@ class BasicKVCache {
     std::swap(tables_, other.tables_);
     std::swap(lengths_, other.lengths_);
     std::swap(key_peaks_, other.key_peaks_);
+    std::swap(value_peaks_, other.value_peaks_);
     std::swap(quantized_ends_, other.quantized_ends_);
     std::swap(history_begins_, other.history_begins_);
     std::swap(kept_from_, other.kept_from_);
@@ -418,7 +420,8 @@ class BasicKVCache {
   /// Throws kvq::Error and leaves the cache unchanged when the range or the layout forbids it.
   void erase(std::size_t first, std::size_t count) {
     if (count == 0) return;
-    std::vector<std::uint8_t> staged(erase_staging_bytes(first, count));  // before anything changes
+    std::vector<std::uint8_t> staged;  // before anything changes
+    checked_resize(staged, erase_staging_bytes(first, count), "erase's staging");
     prepare_erase(first, count);
     erase_prepared(first, count, staged.data());
   }
@@ -435,12 +438,16 @@ class BasicKVCache {
       lengths_[l] = 0;
     }
     std::fill(key_peaks_.begin(), key_peaks_.end(), 0.0f);
+    std::fill(value_peaks_.begin(), value_peaks_.end(), 0.0f);
   }
 
   /// The largest |key| (as stored: rotated with -hk) appended to `layer` since the cache was built
   /// or cleared (an upper bound after truncate and erase). Attention uses it to refuse queries
   /// whose scores could overflow.
   float key_peak(std::size_t layer) const { return key_peaks_[checked_layer(layer, "key_peak")]; }
+  /// The same for values, or what a load found stored: appends keep it below value_limit(), a file
+  /// need not (attention then refuses the layer).
+  float value_peak(std::size_t layer) const { return value_peaks_[checked_layer(layer, "value_peak")]; }
 
   /// The largest |value| (as stored: rotated with -hv) an append takes beyond the residual type's
   /// own range: attention adds up to capacity() values with weights up to 1, so its sums stay
@@ -619,8 +626,10 @@ class BasicKVCache {
         throw value_error(t, layer, position, at, data[at], false);
     }
     thread_local std::vector<float> k, v;  // this thread's: appends to different layers may run concurrently
-    k.assign(keys.begin(), keys.end());
-    v.assign(values.begin(), values.end());
+    checked_resize(k, keys.size(), "append's rotated keys");
+    checked_resize(v, values.size(), "append's rotated values");
+    std::copy(keys.begin(), keys.end(), k.begin());
+    std::copy(values.begin(), values.end(), v.begin());
     if (key_rotation) key_rotation->forward_unchecked(k);  // checked above, with the row's place
     if (value_rotation) value_rotation->forward_unchecked(v);
     return {k, v};
@@ -653,6 +662,7 @@ class BasicKVCache {
     const auto [first_row, needed] = append_blocks(layer, position + tokens);
     prepare_blocks(layer, first_row, needed);
     key_peaks_[layer] = std::max(key_peaks_[layer], largest_magnitude(keys.data(), keys.size()));
+    value_peaks_[layer] = std::max(value_peaks_[layer], largest_magnitude(values.data(), values.size()));
     for (std::size_t t = 0; t < tokens; ++t) {
       const std::size_t p = position + t;
       for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
@@ -679,6 +689,30 @@ class BasicKVCache {
   friend struct detail::CacheAccess;
   friend class LayeredKVCache;  // erases its layers together (prepare_erase, erase_prepared)
 
+  /// A bound on |value| for the rows of `t` that `layer` holds as stored (dequantized, still
+  /// rotated): residual rows as they are, packed groups by what their extreme codes decode to
+  /// (decoding every code made a load 20x slower). A load holds the peaks to it.
+  float largest_stored(Tensor t, std::size_t layer) const noexcept {
+    float row[max_head_dim], peak = 0.0f;
+    const std::size_t s = layouts_[index(t)].sinks, length = lengths_[layer];
+    for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
+      const auto extreme = kernels::reference::extreme_codes(head_spec(t, h));
+      for (std::size_t p = 0; p < length;) {
+        const std::size_t segment = p < s ? 0 : (p - s) / block_rows_;
+        const StreamView v = view(t, layer, h, segment);
+        const std::size_t end = std::min(length, saturating_add(s, (segment + 1) * block_rows_));
+        const std::size_t packed_begin = std::max(p, v.first_quantized), packed_end = std::min(end, v.end_quantized);
+        peak = std::max(peak, v.packed_bound(packed_begin, packed_end, extreme));
+        for (; p < end; ++p)
+          if (v.residual_at(p)) {
+            load_row(v.residual, v.residual_row(p), shape_.head_dim, row);
+            peak = std::max(peak, largest_magnitude(row, shape_.head_dim));
+          }
+      }
+    }
+    return peak;
+  }
+
   static constexpr std::size_t index(Tensor t) noexcept { return t == Tensor::keys ? 0 : 1; }
 
   /// `layer`, or kvq::Error (invalid_argument) naming `operation` when the cache has no such layer.
@@ -692,7 +726,7 @@ class BasicKVCache {
   /// rows as (tokens, kv_heads, head_dim) floats.
   void gather(const TokenRows& rows, std::vector<float>& out) const {
     const std::size_t dim = shape_.head_dim, heads = shape_.kv_heads, bytes = size_of(rows.type);
-    out.resize(checked_mul(checked_mul(rows.tokens, heads, "token rows"), dim, "token rows"));
+    checked_resize(out, checked_mul(checked_mul(rows.tokens, heads, "token rows"), dim, "token rows"), "token rows");
     for (std::size_t t = 0; t < rows.tokens; ++t)
       for (std::size_t h = 0; h < heads; ++h)
         load_row(rows.type,
@@ -727,6 +761,7 @@ class BasicKVCache {
         tables_(other.tables_.size()),
         lengths_(other.lengths_),
         key_peaks_(other.key_peaks_),
+        value_peaks_(other.value_peaks_),
         quantized_ends_(other.quantized_ends_),
         history_begins_(other.history_begins_),
         kept_from_(other.kept_from_),
@@ -1337,6 +1372,7 @@ class BasicKVCache {
   std::vector<std::vector<BlockId>> tables_;  // (layers): block k holds positions [sinks + kB, sinks + (k + 1)B)
   std::vector<std::size_t> lengths_;
   std::vector<float> key_peaks_;             // (layers): see key_peak
+  std::vector<float> value_peaks_;           // (layers): see value_peak
   std::vector<std::size_t> quantized_ends_;  // (layers, 2): first unquantized key / value position
   std::vector<std::size_t> history_begins_;  // (layers, 2): rollback floor: rows from here on are held
   std::vector<std::size_t> kept_from_;       // (layers, 2): the history holds packed rows [kept_from, quantized end)

@@ -26,6 +26,7 @@
 #include "kvq/cache/cache_config.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/cache/memory.hpp"
+#include "kvq/core/checked.hpp"
 #include "kvq/error.hpp"
 #include "kvq/rope/rope.hpp"
 
@@ -240,10 +241,11 @@ class LayeredKVCache {
     for (std::size_t l = 0; l < layers_.size(); ++l)
       if (const auto e = layers_[l].erase_error(first, count)) throw Error(e->code(), relabel(e->message(), l));
     if (count == 0) return;
-    // Every layer's staging before the first change, so a bad_alloc cannot leave some shifted.
+    // Every layer's staging before the first change, so a refused allocation leaves none shifted.
     std::vector<std::vector<std::uint8_t>> staged;
-    staged.reserve(layers_.size());
-    for (const BasicKVCache& c : layers_) staged.emplace_back(c.erase_staging_bytes(first, count));
+    checked_resize(staged, layers_.size(), "erase's staging");
+    for (std::size_t l = 0; l < layers_.size(); ++l)
+      checked_resize(staged[l], layers_[l].erase_staging_bytes(first, count), "erase's staging");
     for (BasicKVCache& c : layers_) c.prepare_erase(first, count);  // checked above; no block is shared
     for (std::size_t l = 0; l < layers_.size(); ++l) layers_[l].erase_prepared(first, count, staged[l].data());
   }

@@ -419,6 +419,18 @@ struct CacheAccess {
     return tables;
   }
 
+  /// The largest |x| of the `bytes` bytes of `type` values at p.
+  static float largest_in(Scalar type, const std::uint8_t* p, std::size_t bytes) noexcept {
+    float chunk[max_head_dim], peak = 0.0f;
+    const std::size_t count = bytes / size_of(type);
+    for (std::size_t i = 0; i < count; i += max_head_dim) {
+      const std::size_t n = std::min(max_head_dim, count - i);
+      load_row(type, p + i * size_of(type), n, chunk);
+      peak = std::max(peak, largest_magnitude(chunk, n));
+    }
+    return peak;
+  }
+
   /// Replaces the cache's contents with checked layer states, section payloads and the blocks
   /// the cache now holds (zeroed, or already filled for Pieces::own). noexcept: everything was
   /// validated before.
@@ -430,21 +442,31 @@ struct CacheAccess {
     for (std::size_t l = 0; l < states.size(); ++l) {
       const LayerState& s = states[l];
       const std::uint8_t* in = payloads[l].data();
+      float rows_peak[2] = {0.0f, 0.0f};  // every restored row: truncate re-opens history and ring rows
       visit_pieces(
           c, l, s,
-          [&](Piece, Tensor, std::size_t n, auto at) {
+          [&](Piece piece, Tensor t, std::size_t n, auto at) {
             if (n != 0) std::memcpy(at(), in, n);
+            if (piece == Piece::rows)
+              rows_peak[BasicKVCache::index(t)] =
+                  std::max(rows_peak[BasicKVCache::index(t)], largest_in(layout(c, t).residual, in, n));
             in += n;
           },
           pieces);
       c.lengths_[l] = std::size_t(s.length);
-      c.key_peaks_[l] = s.key_peak;
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         const std::size_t i = l * 2 + BasicKVCache::index(t);
         c.quantized_ends_[i] = std::size_t(s.streams[BasicKVCache::index(t)].quantized_end);
         c.history_begins_[i] = std::size_t(s.streams[BasicKVCache::index(t)].rollback_floor);
         c.kept_from_[i] = std::size_t(s.streams[BasicKVCache::index(t)].kept_from);
       }
+      // Attention trusts the peaks to bound what it reads, so they cover what the file holds. A
+      // saved peak is kept while the stored keys stay within twice it plus 1: dequantized keys
+      // round a little past the appended ones (tiny ones by f16 subnormal steps), and attention's
+      // score bound allows for it, so round trips stay exact. In double: 2 x peak may pass FLT_MAX.
+      const float keys = std::max(rows_peak[0], c.largest_stored(Tensor::keys, l));
+      c.key_peaks_[l] = double(keys) <= 2.0 * double(s.key_peak) + 1.0 ? s.key_peak : keys;
+      c.value_peaks_[l] = std::max(rows_peak[1], c.largest_stored(Tensor::values, l));
     }
   }
 };
@@ -887,7 +909,7 @@ inline BasicKVCache load(std::istream& in, std::size_t max_bytes = default_load_
                     " (load's max_bytes, or load into a cache you made)");
     cache.emplace(h.shape, h.config);
   } catch (const Error& e) {
-    if (e.code() == ErrorCode::io) throw;
+    if (e.code() == ErrorCode::io || e.code() == ErrorCode::out_of_memory) throw;  // the file's, or the system's
     file.fail("header", 16, std::string("the shape and configuration make no cache: ") + e.what());
   }
   detail::read_body(file, *cache);

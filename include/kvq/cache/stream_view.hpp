@@ -6,11 +6,15 @@
 // later positions are rows of the residual type in a ring by position (slot (p - ring_origin) mod
 // ring_rows). Kernels read this directly; read_row() is the plain (slow) way for oracles.
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "kvq/core/convert.hpp"
 #include "kvq/kernels/quantize/reference.hpp"
+#include "kvq/pack/bitpack.hpp"
 #include "kvq/quant/spec.hpp"
 
 namespace kvq::inline v0 {
@@ -58,6 +62,32 @@ struct StreamView {
   /// Index of the first parameter pair that applies to `position` (a packed position of the segment).
   std::size_t param_index(std::size_t position) const noexcept {
     return params_before(spec, head_dim, position - first_quantized);
+  }
+
+  /// The largest |value| that packed rows [begin, end) of the segment can decode to: inliers by
+  /// their group's extreme codes (`extreme`, from extreme_codes(spec)), outliers exactly.
+  float packed_bound(std::size_t begin, std::size_t end, std::pair<std::uint8_t, std::uint8_t> extreme) const noexcept {
+    if (begin >= end) return 0.0f;
+    const bool per_channel = spec.axis == Axis::per_channel;
+    const std::size_t per_row = per_channel ? head_dim : groups_per_row(spec, head_dim);
+    float bound = 0.0f;
+    for (std::size_t i = param_index(begin), last = param_index(end - 1) + per_row; i < last; ++i) {
+      const kernels::reference::GroupParams p = kernels::reference::load_params(spec, scales, zeros, i);
+      bound = std::max(bound, std::max(std::fabs(kernels::reference::decode(p, extreme.first)),
+                                       std::fabs(kernels::reference::decode(p, extreme.second))));
+      for (std::size_t e = i * spec.outliers; e < (i + 1) * spec.outliers; ++e) {
+        const std::size_t slot = outlier_slots[e];
+        if (slot >= spec.group) continue;  // a forged slot, refused once a pool load checks its blocks
+        // Group i's slot-th row (per channel: channel i mod head_dim) or value (per token).
+        const std::size_t row = per_channel ? first_quantized + i / head_dim * spec.group + slot
+                                            : first_quantized + i / per_row,
+                          channel = per_channel ? i % head_dim : i % per_row * spec.group + slot;
+        const float x = kernels::reference::decode(p, code_at(code_row(row), channel, spec.bits)) +
+                        load_scalar(spec.param, outlier_corrections, e);
+        bound = std::max(bound, std::fabs(x));
+      }
+    }
+    return bound;
   }
 
   /// The stored row at `position` as floats (dequantized when packed): out (head_dim).

@@ -4,6 +4,8 @@
 // size the library derives from them goes through these and fails with the field's name.
 
 #include <cstddef>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 
@@ -36,6 +38,22 @@ inline void check_limit(std::size_t value, std::size_t limit, std::string_view w
   if (value > limit)
     throw Error(ErrorCode::invalid_argument,
                 std::string(what) + " of " + std::to_string(value) + " exceeds the limit of " + std::to_string(limit));
+}
+
+/// v.resize(n), or kvq::Error (out_of_memory) naming `what` when the memory is refused: workspaces
+/// sized by a call's arguments fail as the library's own allocations do, not with std::bad_alloc.
+template <class Vector>
+void checked_resize(Vector& v, std::size_t n, std::string_view what) {
+  try {
+    v.resize(n);
+  } catch (const std::bad_alloc&) {
+    throw Error(ErrorCode::out_of_memory, std::string(what) + ": " + std::to_string(n) + " elements of " +
+                                              std::to_string(sizeof(typename Vector::value_type)) +
+                                              " bytes could not be allocated");
+  } catch (const std::length_error&) {
+    throw Error(ErrorCode::out_of_memory,
+                std::string(what) + ": " + std::to_string(n) + " elements exceed what a vector holds");
+  }
 }
 
 }  // namespace kvq::inline v0

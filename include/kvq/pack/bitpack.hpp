@@ -75,4 +75,12 @@ inline void unpack_codes(const std::uint8_t* KVQ_RESTRICT in, std::size_t n, int
   }
 }
 
+/// Code j of a packed row: reads the bytes it spans only.
+inline std::uint8_t code_at(const std::uint8_t* in, std::size_t j, int bits) noexcept {
+  const std::size_t bit = j * std::size_t(bits);
+  unsigned word = in[bit / 8];
+  if (bit % 8 + std::size_t(bits) > 8) word |= unsigned(in[bit / 8 + 1]) << 8;
+  return std::uint8_t((word >> (bit % 8)) & ((1u << bits) - 1u));
+}
+
 }  // namespace kvq::inline v0

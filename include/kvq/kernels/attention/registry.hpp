@@ -110,7 +110,7 @@ KVQ_REGISTRY_LINKAGE std::span<const KernelEntry> registry() noexcept {
      .accepts = vector_kernel_accepts<ops::Avx2::width>,
      .run = vector_avx2_task},
 #endif
-#if defined(__aarch64__)
+#if defined(KVQ_HAVE_NEON_KERNELS)
     {.name = "vector-neon",
      .needs = "asimd",
      .outliers = true,

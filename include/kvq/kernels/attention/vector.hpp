@@ -40,7 +40,7 @@
 #include "kvq/kernels/ops/avx2.hpp"
 #include "kvq/kernels/ops/avx512.hpp"
 #endif
-#if defined(__aarch64__)
+#if defined(KVQ_HAVE_NEON_KERNELS)
 #include "kvq/kernels/ops/neon.hpp"
 #endif
 
@@ -107,7 +107,7 @@ __attribute__((target(KVQ_AVX512_OPS_FEATURES), flatten)) inline void vector_avx
   x86_avx512::VectorKernel<ops::Avx512>::run(task);
 }
 #endif
-#if defined(__aarch64__)
+#if defined(KVQ_HAVE_NEON_KERNELS)
 inline void vector_neon_task(const DecodeTask& task) noexcept { portable::VectorKernel<ops::Neon>::run(task); }
 #endif
 

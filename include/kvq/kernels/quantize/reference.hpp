@@ -214,6 +214,20 @@ inline float decode(const GroupParams& p, std::uint8_t code) noexcept {
   return p.levels != nullptr ? p.zero + p.levels[code] * p.scale : p.zero + float(code) * p.scale;
 }
 
+/// The codes of the spec's lowest and highest finite level: decode() is linear in the code (or its
+/// level), so these two bound what any code of a group decodes to.
+inline std::pair<std::uint8_t, std::uint8_t> extreme_codes(const QuantizerSpec& spec) noexcept {
+  const float* levels = code_levels(spec);
+  if (levels == nullptr) return {std::uint8_t(0), std::uint8_t(spec.levels() - 1)};
+  int lo = -1, hi = -1;
+  for (int c = 0; c < spec.levels(); ++c)
+    if (std::isfinite(levels[c])) {
+      if (lo < 0 || levels[c] < levels[lo]) lo = c;
+      if (hi < 0 || levels[c] > levels[hi]) hi = c;
+    }
+  return {std::uint8_t(lo), std::uint8_t(hi)};
+}
+
 /// A group's parameters from its stored scale and zero point (read only when the spec keeps one).
 inline GroupParams group_params(const QuantizerSpec& spec, float scale, float zero) noexcept {
   if (spec.has_zero_point()) return {scale, zero, code_levels(spec)};
