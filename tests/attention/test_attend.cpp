@@ -209,6 +209,15 @@ TEST(Attend, BatchesAreBitIdenticalToSingleRequestsAndDecode) {
     };
     kvq::ThreadPool threads(2);
     kvq::attend(batch, {.tier = tier, .chunk_tokens = 128, .executor = &threads});
+    // In the caller's workspace (which the caller can free), bit for bit the same.
+    kvq::DecodeWorkspace workspace;
+    std::vector<float> oa2(qa.size());
+    AttentionRequest again[] = {batch[0], batch[1], batch[2]};
+    again[0].out = oa2;
+    kvq::attend(again, {.tier = tier, .chunk_tokens = 128, .executor = &threads, .workspace = &workspace});
+    EXPECT_EQ(oa2, oa);
+    EXPECT_EQ(workspace.queries.size(), qa.size() + qb.size() + qc.size()) << "attend left the workspace unused";
+    EXPECT_FALSE(workspace.partial.empty());
     for (std::size_t i = 0; i < 3; ++i) {
       AttentionRequest alone = batch[i];
       std::vector<float> out(alone.out.size());

@@ -470,6 +470,38 @@ TEST(DecodeAttention, KernelRegistry) {
   }
 }
 
+// decode_tier says which tier a kernel computes when the integer one is asked for: where it says
+// exact, the integer request's output is the exact tier's bit for bit; where it says integer, it
+// is not. Every kernel this CPU runs, on caches the integer tier reads and caches it does not
+// (outliers, ggml's levels, 3-bit keys, keys stored rotated).
+TEST(DecodeAttention, DecodeTierSaysWhichTierRan) {
+  std::size_t answers[2] = {0, 0};
+  for (const char* config :
+       {"k4c32-v2t32-r16-s1-post", "k4c32-v2t32-r16-s1", "k3c32-v2t32-r16-s1-post", "k4c32o1-v2t32-r16-s1-post",
+        "k4c32g-v2t32g-r16-s1-post", "k4c32-v2t32-r16-s1-hsk", "k8c32-v4t32-r16-s0"}) {
+    const BasicKVCache cache = make_cache({config, 2, 4, 128, 300, 299}, 6);
+    const auto q = kvq::test::normal_vector(8 * 128, 9, 0.5f);
+    const kvq::RopeTable* rope = cache.config().key_rope == kvq::KeyRope::pre ? &cache.rope() : nullptr;
+    for (const auto& e : kvq::kernels::attention::registry()) {
+      if (!e.available() || !kvq::kernels::attention::kernel_takes(e, cache.keys(0, 0, 0), cache.values(0, 0, 0), 4,
+                                                                   rope, kvq::detail::key_unrotation(cache) != nullptr))
+        continue;
+      SCOPED_TRACE(std::string(config) + " on '" + e.name + "'");
+      const DecodeOptions exact{.tier = Tier::exact, .kernel = e.name},
+          integer{.tier = Tier::integer, .kernel = e.name, .guard_outliers = false};
+      EXPECT_EQ(kvq::decode_tier(cache, 8, exact), Tier::exact);
+      std::vector<float> a(q.size()), b(q.size());
+      kvq::decode_attention(cache, 0, 299, q, a, exact);
+      kvq::decode_attention(cache, 0, 299, q, b, integer);
+      const Tier said = kvq::decode_tier(cache, 8, integer);
+      EXPECT_EQ(a == b, said == Tier::exact) << "decode_tier says " << kvq::to_string(said);
+      ++answers[said == Tier::integer];
+    }
+  }
+  EXPECT_GT(answers[0], 0u);  // some ran exact, some integer, on every CPU (the reference
+  EXPECT_GT(answers[1], 0u);  // kernel computes the integer tier)
+}
+
 // decode_kernel names the kernel a cache's packed rows run on, so a change that sends a fast
 // layout to a slower kernel fails here rather than only in the benchmarks.
 TEST(DecodeAttention, KernelSelection) {

@@ -377,6 +377,37 @@ TEST(KVCacheOperations, EraseRejectsWhatItCannotMoveAndChangesNothing) {
   EXPECT_EQ(cache.length(1), 129u);
 }
 
+// shift_unit is erase's granule: a context shift that keeps the sinks and a number of tokens and
+// drops a number, each rounded up to it, is accepted; one token off it is refused where packed
+// per-channel groups are involved.
+TEST(KVCacheOperations, ShiftsRoundedToTheShiftUnitAreAccepted) {
+  const CacheShape shape{2, 2, 64, 400};
+  const auto k = kvq::test::normal_vector(300 * 128, 51), v = kvq::test::normal_vector(300 * 128, 52);
+  for (const auto& [text, unit] : {std::pair{"k4c32-v2t32-r20-s3", 32u},
+                                   {"k2c16-v4c16-r0-s0", 16u},
+                                   {"k4c32-v4c64-r8-s1", 64u},
+                                   {"k16-v16-r0-s2", 1u},
+                                   {"k4t32-v2t32-r16-s1", 1u}}) {
+    SCOPED_TRACE(text);
+    const CacheConfig config = config_of(text);
+    EXPECT_EQ(kvq::shift_unit(config), std::size_t(unit));
+    BasicKVCache cache(shape, config);
+    append_all(cache, k, v, 0, 300);
+    const std::size_t u = unit;  // clang 14 lambdas cannot capture a structured binding
+    const auto round_up = [u](std::size_t n) { return (n + u - 1) / u * u; };
+    for (const auto& [keep, drop] : {std::pair{5u, 40u}, {37u, 100u}, {64u, 31u}, {100u, 100u}, {0u, 7u}}) {
+      const std::size_t first = config.sinks + round_up(keep), count = round_up(drop);
+      ASSERT_LE(first + count, 300u);
+      const auto error = cache.erase_error(first, count);
+      EXPECT_FALSE(error) << "keep " << keep << ", drop " << drop << ": " << error->what();
+    }
+    if (unit > 1) {
+      EXPECT_TRUE(cache.erase_error(config.sinks + 1, unit)) << "a range starting off the unit";
+      EXPECT_TRUE(cache.erase_error(config.sinks, unit / 2)) << "a range spanning half the unit";
+    }
+  }
+}
+
 // ---- exact rollback ----
 
 // Random appends (random chunks of new random tokens) and rollbacks of up to D tokens below the

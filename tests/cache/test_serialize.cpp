@@ -160,6 +160,79 @@ TEST(CacheFile, TinyKeysKeepTheirPeakThroughARoundTrip) {
   }
 }
 
+// A load bounds every packed group by what its extreme codes decode to (StreamView::inlier_bound,
+// blocks of 256 parameter pairs converted at once): the same as decoding them pair by pair with
+// the reference. With the outliers (packed_bound), the bound is what the rows read back where an
+// outlier exceeds it. 700 tokens of head_dim 96 give
+// 2016 per-channel and 2100 per-token pairs, neither a multiple of the block.
+TEST(CacheFile, PackedGroupBoundsMatchTheReferenceDecode) {
+  namespace ref = kvq::kernels::reference;
+  for (const char* text : {"k4c32-v2t32-r0-s0", "k8c16s.bf16-v4t32s.f32-r0-s0", "k3c32o2-v2t32o1.f32-r0-s0",
+                           "k4t32g-v8t32g.bf16-r0-s0", "k4c32n.f32-v3t32l.bf16-r0-s0", "k8c8e5m2-v8t32e4m3-r0-s0"}) {
+    SCOPED_TRACE(text);
+    const CacheShape shape{1, 2, 96, 800};
+    BasicKVCache cache(shape, config_of(text));
+    std::vector<float> k = kvq::test::normal_vector(700 * 2 * 96, 11), v = kvq::test::normal_vector(k.size(), 12);
+    for (std::size_t i = 0; i < k.size(); ++i) {  // channels and tokens of very different sizes
+      k[i] *= float(1 + i % 96 % 7 * 30);
+      v[i] *= float(1 + i / 192 % 5 * 20);
+    }
+    cache.append(0, 0, k, v);
+    for (const Tensor t : {Tensor::keys, Tensor::values})
+      for (std::size_t h = 0; h < shape.kv_heads; ++h) {
+        const kvq::StreamView view = cache.view(t, 0, h, 0);
+        ASSERT_GT(view.end_quantized, view.first_quantized + 600);
+        const auto extreme = ref::extreme_codes(view.spec);
+        const bool per_channel = view.spec.axis == kvq::Axis::per_channel;
+        const std::size_t per_row = per_channel ? shape.head_dim : kvq::groups_per_row(view.spec, shape.head_dim);
+        const std::size_t first = view.param_index(view.first_quantized),
+                          last = view.param_index(view.end_quantized - 1) + per_row;
+        float expected = 0.0f;
+        for (std::size_t i = first; i < last; ++i) {
+          const ref::GroupParams p = ref::load_params(view.spec, view.scales, view.zeros, i);
+          expected =
+              std::max({expected, std::fabs(ref::decode(p, extreme.first)), std::fabs(ref::decode(p, extreme.second))});
+        }
+        EXPECT_FLOAT_EQ(view.inlier_bound(first, last, extreme), expected) << "head " << h;
+        // Outliers are bounded exactly: by what their rows read back.
+        float read = 0.0f;
+        std::vector<float> row(shape.head_dim);
+        for (std::size_t p = view.first_quantized; p < view.end_quantized; ++p) {
+          view.read_row(p, row.data());
+          for (const float x : row) read = std::max(read, std::fabs(x));
+        }
+        const float bound = view.packed_bound(view.first_quantized, view.end_quantized, extreme);
+        EXPECT_FLOAT_EQ(bound, std::max(expected, read)) << "head " << h;
+        EXPECT_LE(read, bound) << "head " << h;
+      }
+  }
+}
+
+// A group whose parameters decode past FLT_MAX bounds at +inf, whichever way it overflows: an
+// implied zero of -mid x scale (symmetric, ggml's levels) or the top code times the scale
+// (asymmetric). Hand-built segments of one key group, two channels, f32 parameters.
+TEST(CacheFile, OverflowingGroupsBoundAtInfinity) {
+  namespace ref = kvq::kernels::reference;
+  for (const char* text : {"k4c32s.f32", "k4c32.f32", "k4c32g.f32"}) {
+    SCOPED_TRACE(text);
+    kvq::StreamView view;
+    view.spec = kvq::parse_quantizer(text, 'k');
+    view.quantized = true;
+    view.head_dim = 2;
+    view.end_quantized = 32;
+    const std::vector<std::uint8_t> codes(32 * 1, 0x5A);  // 32 rows of 2 four-bit codes
+    const float scales[2] = {1.0f, 3e38f}, zeros[2] = {0.0f, 0.0f};
+    view.codes = codes.data();
+    view.row_bytes = 1;
+    view.scales = reinterpret_cast<const std::uint8_t*>(scales);
+    view.zeros = reinterpret_cast<const std::uint8_t*>(zeros);
+    EXPECT_EQ(view.packed_bound(0, 32, ref::extreme_codes(view.spec)), std::numeric_limits<float>::infinity());
+    const float finite[2] = {1.0f, 2.0f};
+    view.scales = reinterpret_cast<const std::uint8_t*>(finite);
+    EXPECT_LT(view.packed_bound(0, 32, ref::extreme_codes(view.spec)), 100.0f);
+  }
+}
+
 TEST(CacheFile, SavesToAndLoadsFromAFile) {
   const CacheShape shape{2, 2, 32, 128};
   const BasicKVCache original = sample_cache(shape, config_of("k4c8-v2t8-r8-s1"), 60, 3);

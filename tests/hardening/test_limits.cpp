@@ -392,4 +392,67 @@ TEST(Limits, RefusedWorkspacesAreOutOfMemoryNotBadAlloc) {
                "a workspace: " + std::to_string(size_max) + " elements exceed what a vector holds");
 }
 
+// Library-owned per-thread scratch (converted rows of append, attention's own workspace) keeps
+// what it took only up to kept_scratch_bytes: a long prompt's 128 MiB is released when the call
+// ends, by return or by throw, and a decode step's few KiB stay for the next call.
+TEST(Limits, LargeScratchIsReleasedWhenTheCallEnds) {
+  std::vector<float> small, large;
+  {
+    const kvq::ScratchTrim trim(small, large);
+    small.resize(1000);
+    large.resize(kvq::kept_scratch_bytes / sizeof(float) + 1);
+  }
+  EXPECT_GE(small.capacity(), 1000u);
+  EXPECT_EQ(large.capacity(), 0u);
+  std::vector<double> thrown;
+  try {
+    const kvq::ScratchTrim trim(thrown);
+    thrown.resize(kvq::kept_scratch_bytes / sizeof(double) * 2);
+    throw kvq::Error(ErrorCode::invalid_argument, "a bad request");
+  } catch (const kvq::Error&) {
+  }
+  EXPECT_EQ(thrown.capacity(), 0u);
+}
+
+// decode_attention and attend hold this thread's own workspace for the call (OwnScratch): a call
+// nested on the same thread (an executor running other work while its caller waits) gets a fresh
+// one, so it neither overwrites nor frees the outer call's; the next call finds the thread's
+// workspace again, trimmed.
+TEST(Limits, NestedCallsOnOneThreadGetAWorkspaceOfTheirOwn) {
+  const kvq::DecodeWorkspace* own = nullptr;
+  {
+    kvq::OwnScratch<kvq::DecodeWorkspace> outer;
+    own = &outer.get();
+    outer.get().partial.resize(kvq::kept_scratch_bytes / sizeof(float) + 1, 1.0f);
+    const float* data = outer.get().partial.data();
+    {
+      kvq::OwnScratch<kvq::DecodeWorkspace> inner;
+      EXPECT_NE(&inner.get(), own);
+      EXPECT_TRUE(inner.get().partial.empty());
+      inner.get().partial.resize(kvq::kept_scratch_bytes / sizeof(float) * 2);
+    }
+    EXPECT_EQ(outer.get().partial.data(), data);
+    EXPECT_EQ(outer.get().partial.back(), 1.0f);
+  }
+  kvq::OwnScratch<kvq::DecodeWorkspace> next;
+  EXPECT_EQ(&next.get(), own);
+  EXPECT_EQ(next.get().partial.capacity(), 0u);
+}
+
+// attend and share_prefixes allocate small bookkeeping on the way (per-request lists, hash maps):
+// they run inside with_memory_errors, which turns a refusal into out_of_memory naming the call and
+// lets everything else through as it was.
+TEST(Limits, RefusedBookkeepingIsOutOfMemoryNotBadAlloc) {
+  expect_error([] { kvq::with_memory_errors("attend", [] { std::vector<float, RefusingAllocator<float>> v(5000); }); },
+               ErrorCode::out_of_memory, "attend: memory for its bookkeeping was refused");
+  expect_error([] { kvq::with_memory_errors("share_prefixes", [] { std::vector<double>().reserve(size_max); }); },
+               ErrorCode::out_of_memory, "share_prefixes: its bookkeeping exceeds what a container holds");
+  expect_error(
+      [] {
+        kvq::with_memory_errors("attend", [] { throw kvq::Error(ErrorCode::invalid_argument, "request 3: bad"); });
+      },
+      ErrorCode::invalid_argument, "request 3: bad");
+  EXPECT_EQ(kvq::with_memory_errors("share_prefixes", [] { return std::size_t(42); }), 42u);
+}
+
 }  // namespace

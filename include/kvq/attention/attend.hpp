@@ -32,6 +32,7 @@
 #include "kvq/attention/decode.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/core/checked.hpp"
+#include "kvq/core/scratch.hpp"
 #include "kvq/error.hpp"
 
 namespace kvq::inline v0 {
@@ -182,13 +183,8 @@ inline std::vector<AttentionRequest> split_at_attention_chunks(std::span<const A
   return parts;
 }
 
-}  // namespace detail
-
-/// Attention for a batch of requests (see the top of this file); every output is written only
-/// after every request has been checked. Throws kvq::Error naming the request on bad shapes,
-/// positions the cache does not hold, NaN/Inf queries or new tokens, outputs overlapping inputs
-/// or each other, and queries whose scores would overflow float.
-inline void attend(std::span<const AttentionRequest> original, const DecodeOptions& options = {}) {
+/// attend() without its translation of refused memory.
+inline void attend_requests(std::span<const AttentionRequest> original, const DecodeOptions& options) {
   using kernels::attention::max_group;
   detail::check_requests(original, options);
   // One position without new tokens: decode_attention, bit for bit (for the GQA groups it takes).
@@ -237,10 +233,12 @@ inline void attend(std::span<const AttentionRequest> original, const DecodeOptio
     partial_floats += kv_heads * p.batches * (p.chunks + 1) * p.batch_rows * (dim + 2);
   }
 
-  // The caller's scratch, captured by reference: tasks on other threads must not see their own.
-  thread_local std::vector<float> queries_scratch, partial_scratch;
-  std::vector<float>& own_queries = queries_scratch;
-  std::vector<float>& own_partial = partial_scratch;
+  // The caller's workspace (options.workspace, else this thread's), captured by reference: tasks
+  // on other threads must not see their own. A 512-token chunk over 32K takes about 80 MB.
+  OwnScratch<DecodeWorkspace> own;
+  DecodeWorkspace& ws = options.workspace != nullptr ? *options.workspace : own.get();
+  std::vector<float>& own_queries = ws.queries;
+  std::vector<float>& own_partial = ws.partial;
   checked_resize(own_queries, query_floats, "attend's queries");
   checked_resize(own_partial, partial_floats, "attend's partial results");
   // Queries per KV head as rows (t, g): rotated to their own positions and scaled.
@@ -297,7 +295,9 @@ inline void attend(std::span<const AttentionRequest> original, const DecodeOptio
     const bool fresh = !r.new_keys.empty(), pre = cache.config().key_rope == KeyRope::pre;
     const std::size_t R = p.shared - p.ragged, tail = fresh ? p.tokens : p.tokens - 1,
                       kv_heads = cache.shape().kv_heads;
-    thread_local std::vector<float> keys, values;  // this task's thread: no allocation once warm
+    // this task's thread: no allocation once warm (up to kept_scratch_bytes a vector)
+    thread_local std::vector<float> keys, values;
+    const ScratchTrim trim(keys, values);
     checked_resize(keys, (R + tail) * dim, "attend's exact keys");
     checked_resize(values, (R + tail) * dim, "attend's exact values");
     // Keys in the queries' space: rotated as the cache stores them when the queries are
@@ -371,6 +371,17 @@ inline void attend(std::span<const AttentionRequest> original, const DecodeOptio
     if (const auto rotation = r.cache->rotation(Tensor::values))
       rotation->inverse_unchecked(r.out);  // sum p Hv = H sum p v: within the bound v was stored under
   }
+}
+
+}  // namespace detail
+
+/// Attention for a batch of requests (see the top of this file); every output is written only
+/// after every request has been checked. Throws kvq::Error naming the request on bad shapes,
+/// positions the cache does not hold, NaN/Inf queries or new tokens, outputs overlapping inputs
+/// or each other, and queries whose scores would overflow float; refused memory is kvq::Error
+/// (out_of_memory), workspaces and per-request lists alike.
+inline void attend(std::span<const AttentionRequest> requests, const DecodeOptions& options = {}) {
+  with_memory_errors("attend", [&] { detail::attend_requests(requests, options); });
 }
 
 /// One request: attend({&request, 1}, options).

@@ -40,6 +40,7 @@
 #include "kvq/attention/scores.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/core/checked.hpp"
+#include "kvq/core/scratch.hpp"
 #include "kvq/error.hpp"
 #include "kvq/kernels/attention/integer_range.hpp"
 #include "kvq/kernels/attention/registry.hpp"
@@ -222,8 +223,8 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
   const HadamardTransform* unrotate = detail::key_unrotation(cache);
   const kernels::attention::KernelEntry& kernel = kernels::attention::select_kernel(
       cache.keys(layer, 0, 0), cache.values(layer, 0, 0), plan.group, rope, unrotate != nullptr, options.kernel);
-  thread_local DecodeWorkspace own;
-  DecodeWorkspace& ws = options.workspace != nullptr ? *options.workspace : own;
+  OwnScratch<DecodeWorkspace> own;
+  DecodeWorkspace& ws = options.workspace != nullptr ? *options.workspace : own.get();
   const std::size_t dim = plan.dim, stride = plan.group * (dim + 2);
   checked_resize(ws.queries, plan.heads * dim, "decode attention's queries");
   checked_resize(ws.partial, plan.kv_heads * plan.chunks * stride, "decode attention's partial results");
@@ -263,6 +264,28 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
   if (const auto r = cache.rotation(Tensor::values)) r->inverse_unchecked(out);  // sum p Hv = H sum p v
 }
 
+namespace detail {
+/// The task decode_kernel and decode_tier ask about (the cache's first segment stands for all:
+/// every segment has its layout) and the kernel it runs on.
+struct KernelChoice {
+  kernels::attention::DecodeTask task;
+  const kernels::attention::KernelEntry* kernel = nullptr;
+};
+inline KernelChoice choose_kernel(const BasicKVCache& cache, std::size_t heads, const DecodeOptions& options) {
+  check_decode_heads(cache, heads);
+  KernelChoice c;
+  c.task.keys = cache.keys(0, 0, 0);
+  c.task.values = cache.values(0, 0, 0);
+  c.task.group = heads / cache.shape().kv_heads;
+  c.task.rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
+  c.task.unrotate = key_unrotation(cache);
+  c.task.tier = kernel_tier(cache, options.tier);
+  c.kernel = &kernels::attention::select_kernel(c.task.keys, c.task.values, c.task.group, c.task.rope,
+                                                c.task.unrotate != nullptr, options.kernel);
+  return c;
+}
+}  // namespace detail
+
 /// The kernel decode_attention runs on the packed rows of this cache, by name: its registry
 /// entry's (kernels/attention/registry.hpp), and for "avx512" the AVX-512 kernel its rows take
 /// ("avx512-dense", "avx512-integer", "avx512-exact" or "avx512-generic"; avx512::Kernel). The
@@ -270,20 +293,27 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
 /// (DecodeOptions::guard_outliers). Throws kvq::Error as decode_attention does for a kernel the
 /// options name that cannot run here.
 inline const char* decode_kernel(const BasicKVCache& cache, std::size_t heads, const DecodeOptions& options = {}) {
-  detail::check_decode_heads(cache, heads);
-  kernels::attention::DecodeTask task;
-  task.keys = cache.keys(0, 0, 0);
-  task.values = cache.values(0, 0, 0);
-  task.group = heads / cache.shape().kv_heads;
-  task.rope = cache.config().key_rope == KeyRope::pre ? &cache.rope() : nullptr;
-  task.unrotate = detail::key_unrotation(cache);
-  task.tier = detail::kernel_tier(cache, options.tier);
-  const auto& kernel = kernels::attention::select_kernel(task.keys, task.values, task.group, task.rope,
-                                                         task.unrotate != nullptr, options.kernel);
+  const detail::KernelChoice c = detail::choose_kernel(cache, heads, options);
 #if defined(KVQ_HAVE_X86_KERNELS)
-  if (std::string_view(kernel.name) == "avx512") return to_string(kernels::attention::avx512::kernel_for(task));
+  if (std::string_view(c.kernel->name) == "avx512") return to_string(kernels::attention::avx512::kernel_for(c.task));
 #endif
-  return kernel.name;
+  return c.kernel->name;
+}
+
+/// The tier decode_attention computes on the packed rows of this cache with these options (and
+/// attend on a stored prefix; the positions it reads row by row are exact in both tiers):
+/// options.tier, or exact where the integer tier was asked for and the streams or the kernel
+/// compute the exact one instead (Tier's comment lists where), so an engine can tell before it
+/// relies on the speed or the bound. The outlier guard (DecodeOptions::guard_outliers) may also
+/// run a chunk of the integer tier exactly, as its data requires. Throws as decode_kernel does.
+inline Tier decode_tier(const BasicKVCache& cache, std::size_t heads, const DecodeOptions& options = {}) {
+  const detail::KernelChoice c = detail::choose_kernel(cache, heads, options);
+  if (c.task.tier == Tier::exact || !c.kernel->integer_tier) return Tier::exact;
+#if defined(KVQ_HAVE_X86_KERNELS)
+  if (std::string_view(c.kernel->name) == "avx512" && kernels::attention::avx512::exact_for_integer(c.task))
+    return Tier::exact;
+#endif
+  return Tier::integer;
 }
 
 }  // namespace kvq::inline v0

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kvq/attention/scores.hpp"
+#include "kvq/core/scratch.hpp"
 #include "kvq/parallel/executor.hpp"
 
 namespace kvq::inline v0 {
@@ -32,6 +33,12 @@ class DecodeWorkspace {
   std::vector<float> partial;  // (tasks, group, head_dim + 2)
 };
 
+/// Releases what the library's own workspace holds beyond kept_scratch_bytes (OwnScratch).
+inline void trim_scratch(DecodeWorkspace& w) noexcept {
+  trim_scratch(w.queries);
+  trim_scratch(w.partial);
+}
+
 struct DecodeOptions {
   Tier tier = Tier::exact;
   /// Context positions per work item, rounded up to whole tiles (key blocks). Fixed, never
@@ -39,7 +46,8 @@ struct DecodeOptions {
   std::size_t chunk_tokens = 4096;
   /// nullptr: run on the calling thread.
   Executor* executor = nullptr;
-  /// nullptr: a per-thread workspace of the library's own.
+  /// nullptr: a per-thread workspace of the library's own, kept between calls up to
+  /// kept_scratch_bytes a vector (core/scratch.hpp). decode_attention and attend use it alike.
   DecodeWorkspace* workspace = nullptr;
   /// The kernel to run, by its name in kernels/attention/registry.hpp ("reference", "avx2",
   /// "vector-neon", ...); empty: the best this CPU has for the cache. Tests, bisecting and

@@ -49,6 +49,7 @@
 #include "kvq/cache/stream_view.hpp"
 #include "kvq/core/aligned_buffer.hpp"
 #include "kvq/core/checked.hpp"
+#include "kvq/core/scratch.hpp"
 #include "kvq/core/convert.hpp"
 #include "kvq/error.hpp"
 #include "kvq/kernels/quantize/quantize.hpp"
@@ -318,6 +319,7 @@ class BasicKVCache {
   /// With a rotation (CacheConfig::key_rotation, value_rotation) the rows are rotated first and
   /// the checks below see the rotated rows, but a NaN or Inf is reported where the input has it.
   void append(std::size_t layer, std::size_t position, std::span<const float> keys, std::span<const float> values) {
+    const ScratchTrim trim(rotated_rows()[0], rotated_rows()[1]);
     const auto [k, v] = stored_form(layer, position, keys, values);
     append_stored(layer, position, k, v);
   }
@@ -335,6 +337,7 @@ class BasicKVCache {
                                                  std::to_string(keys.tokens) + " and value rows of " +
                                                  std::to_string(values.tokens) + " tokens (or a null view)");
     thread_local std::vector<float> k, v;
+    const ScratchTrim trim(k, v);  // a long prompt's rows are not kept for the thread's life
     gather(keys, k);
     gather(values, v);
     append(layer, position, k, v);
@@ -346,6 +349,7 @@ class BasicKVCache {
   bool can_append(std::size_t layer, std::size_t position, std::span<const float> keys, std::span<const float> values,
                   std::string* why = nullptr) const {
     try {
+      const ScratchTrim trim(rotated_rows()[0], rotated_rows()[1]);
       const auto [k, v] = stored_form(layer, position, keys, values);
       if (const std::size_t tokens = check_append(layer, position, k, v); tokens != 0) {
         const auto [first_row, needed] = append_blocks(layer, position + tokens);
@@ -609,8 +613,15 @@ class BasicKVCache {
   std::size_t own_bytes() const noexcept { return own_.size() + history_.size() + scratch_.size() * sizeof(float); }
 
  private:
+  /// This thread's copies of rotated key and value rows (appends to different layers may run
+  /// concurrently), trimmed when the append or can_append using them ends (core/scratch.hpp).
+  static std::array<std::vector<float>, 2>& rotated_rows() noexcept {
+    thread_local std::array<std::vector<float>, 2> rows;
+    return rows;
+  }
+
   /// The rows as append() stores them: the input, or rotated copies in this thread's scratch
-  /// (valid until its next call here). What a rotation would blur is reported first, where the
+  /// (rotated_rows(), valid until the calling append ends). What a rotation would blur is reported first, where the
   /// input has it: a bad layer or size (check_append, before it reads a value), a NaN or Inf.
   std::pair<std::span<const float>, std::span<const float>> stored_form(std::size_t layer, std::size_t position,
                                                                         std::span<const float> keys,
@@ -625,7 +636,7 @@ class BasicKVCache {
       if (const std::size_t at = first_unstorable(t, data); at < data.size())
         throw value_error(t, layer, position, at, data[at], false);
     }
-    thread_local std::vector<float> k, v;  // this thread's: appends to different layers may run concurrently
+    auto& [k, v] = rotated_rows();
     checked_resize(k, keys.size(), "append's rotated keys");
     checked_resize(v, values.size(), "append's rotated values");
     std::copy(keys.begin(), keys.end(), k.begin());

@@ -42,15 +42,23 @@ constexpr std::size_t tile_tokens(const QuantizerSpec& spec, bool quantized) noe
   return 32;
 }
 
-/// Block lengths must be multiples of this: whole key tiles and whole 64-row steps of the dense
-/// kernel (so attention over blocks reads the tiles one pass would), and whole per-channel groups
-/// of either tensor.
-inline std::size_t block_unit(const CacheConfig& config) {
-  std::size_t unit = std::lcm(tile_tokens(config.key, config.quantize_keys), std::size_t(64));
+/// The granule of a context shift (BasicKVCache::erase): a range reaching into the packed groups of
+/// a stream quantized per channel starts at sinks + a multiple of it, and one moving such groups
+/// spans a multiple of it; 1 where no stream is packed per channel. An engine shifting its context
+/// rounds the tokens it keeps after the sinks, and those it drops, up to it.
+inline std::size_t shift_unit(const CacheConfig& config) {
+  std::size_t unit = 1;
   for (const auto& [spec, quantized] :
        {std::pair{config.key, config.quantize_keys}, std::pair{config.value, config.quantize_values}})
     if (quantized && spec.axis == Axis::per_channel) unit = std::lcm(unit, spec.group);
   return unit;
+}
+
+/// Block lengths must be multiples of this: whole key tiles and whole 64-row steps of the dense
+/// kernel (so attention over blocks reads the tiles one pass would), and whole per-channel groups
+/// of either tensor.
+inline std::size_t block_unit(const CacheConfig& config) {
+  return std::lcm(std::lcm(tile_tokens(config.key, config.quantize_keys), std::size_t(64)), shift_unit(config));
 }
 
 struct StreamLayout {

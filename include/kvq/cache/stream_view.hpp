@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <utility>
 
 #include "kvq/core/convert.hpp"
@@ -65,29 +66,60 @@ struct StreamView {
   }
 
   /// The largest |value| that packed rows [begin, end) of the segment can decode to: inliers by
-  /// their group's extreme codes (`extreme`, from extreme_codes(spec)), outliers exactly.
+  /// their group's extreme codes (`extreme`, from extreme_codes(spec)), outliers exactly. Infinite
+  /// where a group's parameters overflow.
   float packed_bound(std::size_t begin, std::size_t end, std::pair<std::uint8_t, std::uint8_t> extreme) const noexcept {
     if (begin >= end) return 0.0f;
     const bool per_channel = spec.axis == Axis::per_channel;
     const std::size_t per_row = per_channel ? head_dim : groups_per_row(spec, head_dim);
-    float bound = 0.0f;
-    for (std::size_t i = param_index(begin), last = param_index(end - 1) + per_row; i < last; ++i) {
+    const std::size_t first = param_index(begin), last = param_index(end - 1) + per_row;
+    float bound = inlier_bound(first, last, extreme);
+    for (std::size_t e = first * spec.outliers; e < last * spec.outliers; ++e) {
+      const std::size_t i = e / spec.outliers, slot = outlier_slots[e];
+      if (slot >= spec.group) continue;  // a forged slot, refused once a pool load checks its blocks
+      // Group i's slot-th row (per channel: channel i mod head_dim) or value (per token).
+      const std::size_t row = per_channel ? first_quantized + i / head_dim * spec.group + slot
+                                          : first_quantized + i / per_row,
+                        channel = per_channel ? i % head_dim : i % per_row * spec.group + slot;
       const kernels::reference::GroupParams p = kernels::reference::load_params(spec, scales, zeros, i);
-      bound = std::max(bound, std::max(std::fabs(kernels::reference::decode(p, extreme.first)),
-                                       std::fabs(kernels::reference::decode(p, extreme.second))));
-      for (std::size_t e = i * spec.outliers; e < (i + 1) * spec.outliers; ++e) {
-        const std::size_t slot = outlier_slots[e];
-        if (slot >= spec.group) continue;  // a forged slot, refused once a pool load checks its blocks
-        // Group i's slot-th row (per channel: channel i mod head_dim) or value (per token).
-        const std::size_t row = per_channel ? first_quantized + i / head_dim * spec.group + slot
-                                            : first_quantized + i / per_row,
-                          channel = per_channel ? i % head_dim : i % per_row * spec.group + slot;
-        const float x = kernels::reference::decode(p, code_at(code_row(row), channel, spec.bits)) +
-                        load_scalar(spec.param, outlier_corrections, e);
-        bound = std::max(bound, std::fabs(x));
-      }
+      const float x = kernels::reference::decode(p, code_at(code_row(row), channel, spec.bits)) +
+                      load_scalar(spec.param, outlier_corrections, e);
+      bound = std::max(bound, std::fabs(x));
     }
     return bound;
+  }
+
+  /// The largest |value| the extreme codes decode to with parameter pairs [first, last), or +inf
+  /// where one overflows: decode() written out per kind of spec, over a block of pairs at a time,
+  /// so that it vectorises (a load bounds every group it restores).
+  float inlier_bound(std::size_t first, std::size_t last,
+                     std::pair<std::uint8_t, std::uint8_t> extreme) const noexcept {
+    constexpr std::size_t block = 256;
+    alignas(64) float scale[block], zero[block], low[block], high[block];
+    const float* levels = code_levels(spec);
+    const float c0 = levels != nullptr ? levels[extreme.first] : float(extreme.first),
+                c1 = levels != nullptr ? levels[extreme.second] : float(extreme.second);
+    // Without a stored zero point: zero = -mid_code * scale, or exactly 0 with a level table.
+    const bool implied = !spec.has_zero_point() && levels == nullptr;
+    const float mid = implied ? kernels::reference::implied_zero(spec) : 0.0f;
+    const std::size_t param_bytes = size_of(spec.param);
+    float bound = 0.0f;
+    for (std::size_t i = first; i < last; i += block) {
+      const std::size_t n = std::min(block, last - i);
+      load_row(spec.param, scales + i * param_bytes, n, scale);
+      if (spec.has_zero_point())
+        load_row(spec.param, zeros + i * param_bytes, n, zero);
+      else
+        for (std::size_t j = 0; j < n; ++j) zero[j] = implied ? mid * scale[j] : 0.0f;
+      for (std::size_t j = 0; j < n; ++j) {
+        low[j] = zero[j] + c0 * scale[j];
+        high[j] = zero[j] + c1 * scale[j];
+      }
+      bound = std::max({bound, largest_magnitude(low, n), largest_magnitude(high, n)});
+    }
+    // Finite parameters (a load refuses others) overflow to inf, or to NaN = inf - inf in `high`
+    // only where the implied zero is infinite, and then `low` (code 0: zero + 0) is infinite too.
+    return bound <= std::numeric_limits<float>::max() ? bound : std::numeric_limits<float>::infinity();
   }
 
   /// The stored row at `position` as floats (dequantized when packed): out (head_dim).

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "kvq/error.hpp"
 
@@ -53,6 +54,19 @@ void checked_resize(Vector& v, std::size_t n, std::string_view what) {
   } catch (const std::length_error&) {
     throw Error(ErrorCode::out_of_memory,
                 std::string(what) + ": " + std::to_string(n) + " elements exceed what a vector holds");
+  }
+}
+
+/// f(), with std::bad_alloc or std::length_error from it turned into kvq::Error (out_of_memory)
+/// naming `what`: for calls whose bookkeeping (per-request lists, hash maps) allocates on the way.
+template <class F>
+decltype(auto) with_memory_errors(std::string_view what, F&& f) {
+  try {
+    return std::forward<F>(f)();
+  } catch (const std::bad_alloc&) {
+    throw Error(ErrorCode::out_of_memory, std::string(what) + ": memory for its bookkeeping was refused");
+  } catch (const std::length_error&) {
+    throw Error(ErrorCode::out_of_memory, std::string(what) + ": its bookkeeping exceeds what a container holds");
   }
 }
 

@@ -460,10 +460,22 @@ class KVPool {
   /// equal copies, the one most sequences already refer to). Exact: the sequence's bytes, views
   /// and attention are unchanged. Returns the bytes memory().used fell by. Reads the bytes of the
   /// blocks sealed or written since the last call (the others' hashes are kept) and of the
-  /// matches; waits for the operations in flight and runs alone.
+  /// matches; waits for the operations in flight and runs alone. Refused memory (for the hashes)
+  /// is kvq::Error (out_of_memory); the layers shared before it stay shared, which changes no byte.
   std::size_t share_prefixes(SequenceId id) {
-    using Access = detail::CacheAccess;
     std::unique_lock lock(mutex_);
+    return with_memory_errors("share_prefixes", [&] { return share_prefixes_locked(id); });
+  }
+
+  PoolMemory memory() const {
+    std::shared_lock lock(mutex_);
+    return memory_locked();
+  }
+
+ private:
+  /// share_prefixes, under the pool's lock.
+  std::size_t share_prefixes_locked(SequenceId id) {
+    using Access = detail::CacheAccess;
     Sequence& target = find(id, "share_prefixes");
     const PoolMemory before = memory_locked();
     for (std::size_t l = 0; l < shape_.layers; ++l) {
@@ -499,12 +511,6 @@ class KVPool {
     return before.used - memory_locked().used;
   }
 
-  PoolMemory memory() const {
-    std::shared_lock lock(mutex_);
-    return memory_locked();
-  }
-
- private:
   /// shape.layers, or kvq::Error above LayeredKVCache's limit: before anything is sized by it.
   static std::size_t checked_layers(const PoolShape& shape) {
     check_limit(shape.layers, detail::max_layers, "pool shape: layers");
