@@ -473,12 +473,14 @@ TEST(DecodeAttention, KernelRegistry) {
 // decode_tier says which tier a kernel computes when the integer one is asked for: where it says
 // exact, the integer request's output is the exact tier's bit for bit; where it says integer, it
 // is not. Every kernel this CPU runs, on caches the integer tier reads and caches it does not
-// (outliers, ggml's levels, 3-bit keys, keys stored rotated).
+// (outliers, ggml's levels, 3-bit keys, keys stored rotated, full-precision rows, pre-RoPE keys
+// beside full-precision values).
 TEST(DecodeAttention, DecodeTierSaysWhichTierRan) {
   std::size_t answers[2] = {0, 0};
   for (const char* config :
        {"k4c32-v2t32-r16-s1-post", "k4c32-v2t32-r16-s1", "k3c32-v2t32-r16-s1-post", "k4c32o1-v2t32-r16-s1-post",
-        "k4c32g-v2t32g-r16-s1-post", "k4c32-v2t32-r16-s1-hsk", "k8c32-v4t32-r16-s0"}) {
+        "k4c32g-v2t32g-r16-s1-post", "k4c32-v2t32-r16-s1-hsk", "k8c32-v4t32-r16-s0", "k16-v16-r0-s0",
+        "k4c32-v16-r16-s1", "k4c32-v16-r16-s1-post", "k16-v2t32-r16-s1"}) {
     const BasicKVCache cache = make_cache({config, 2, 4, 128, 300, 299}, 6);
     const auto q = kvq::test::normal_vector(8 * 128, 9, 0.5f);
     const kvq::RopeTable* rope = cache.config().key_rope == kvq::KeyRope::pre ? &cache.rope() : nullptr;

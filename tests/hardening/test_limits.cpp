@@ -439,6 +439,18 @@ TEST(Limits, NestedCallsOnOneThreadGetAWorkspaceOfTheirOwn) {
   EXPECT_EQ(next.get().partial.capacity(), 0u);
 }
 
+// A call given the caller's workspace leaves the thread's own to calls nested in it.
+TEST(Limits, ACallWithItsOwnWorkspaceLeavesTheThreadsToOthers) {
+  const kvq::DecodeWorkspace* threads = nullptr;
+  {
+    kvq::OwnScratch<kvq::DecodeWorkspace> first;
+    threads = &first.get();
+  }
+  const kvq::OwnScratch<kvq::DecodeWorkspace> brought(false);
+  kvq::OwnScratch<kvq::DecodeWorkspace> nested;
+  EXPECT_EQ(&nested.get(), threads);
+}
+
 // attend and share_prefixes allocate small bookkeeping on the way (per-request lists, hash maps):
 // they run inside with_memory_errors, which turns a refusal into out_of_memory naming the call and
 // lets everything else through as it was.

@@ -235,7 +235,7 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
 
   // The caller's workspace (options.workspace, else this thread's), captured by reference: tasks
   // on other threads must not see their own. A 512-token chunk over 32K takes about 80 MB.
-  OwnScratch<DecodeWorkspace> own;
+  OwnScratch<DecodeWorkspace> own(options.workspace == nullptr);
   DecodeWorkspace& ws = options.workspace != nullptr ? *options.workspace : own.get();
   std::vector<float>& own_queries = ws.queries;
   std::vector<float>& own_partial = ws.partial;

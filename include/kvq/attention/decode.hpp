@@ -223,7 +223,7 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
   const HadamardTransform* unrotate = detail::key_unrotation(cache);
   const kernels::attention::KernelEntry& kernel = kernels::attention::select_kernel(
       cache.keys(layer, 0, 0), cache.values(layer, 0, 0), plan.group, rope, unrotate != nullptr, options.kernel);
-  OwnScratch<DecodeWorkspace> own;
+  OwnScratch<DecodeWorkspace> own(options.workspace == nullptr);
   DecodeWorkspace& ws = options.workspace != nullptr ? *options.workspace : own.get();
   const std::size_t dim = plan.dim, stride = plan.group * (dim + 2);
   checked_resize(ws.queries, plan.heads * dim, "decode attention's queries");
@@ -309,6 +309,9 @@ inline const char* decode_kernel(const BasicKVCache& cache, std::size_t heads, c
 inline Tier decode_tier(const BasicKVCache& cache, std::size_t heads, const DecodeOptions& options = {}) {
   const detail::KernelChoice c = detail::choose_kernel(cache, heads, options);
   if (c.task.tier == Tier::exact || !c.kernel->integer_tier) return Tier::exact;
+  // The integer tier reads packed values, and packed keys whose scales fold into the query; rows
+  // in full precision, and pre-RoPE keys (rotated per position), are read exactly in both.
+  if (!c.task.values.quantized && !(c.task.keys.quantized && c.task.rope == nullptr)) return Tier::exact;
 #if defined(KVQ_HAVE_X86_KERNELS)
   if (std::string_view(c.kernel->name) == "avx512" && kernels::attention::avx512::exact_for_integer(c.task))
     return Tier::exact;

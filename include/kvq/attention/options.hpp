@@ -47,7 +47,8 @@ struct DecodeOptions {
   /// nullptr: run on the calling thread.
   Executor* executor = nullptr;
   /// nullptr: a per-thread workspace of the library's own, kept between calls up to
-  /// kept_scratch_bytes a vector (core/scratch.hpp). decode_attention and attend use it alike.
+  /// kept_scratch_bytes a vector (core/scratch.hpp). decode_attention and attend use it alike. A
+  /// workspace serves one call at a time: calls that may overlap need one each.
   DecodeWorkspace* workspace = nullptr;
   /// The kernel to run, by its name in kernels/attention/registry.hpp ("reference", "avx2",
   /// "vector-neon", ...); empty: the best this CPU has for the cache. Tests, bisecting and

@@ -118,7 +118,8 @@ struct StreamView {
       bound = std::max({bound, largest_magnitude(low, n), largest_magnitude(high, n)});
     }
     // Finite parameters (a load refuses others) overflow to inf, or to NaN = inf - inf in `high`
-    // only where the implied zero is infinite, and then `low` (code 0: zero + 0) is infinite too.
+    // only where the implied zero is infinite, and then `low` (code 0: zero + 0) is infinite too:
+    // largest_magnitude gives inf, or NaN, and either reads as +inf here.
     return bound <= std::numeric_limits<float>::max() ? bound : std::numeric_limits<float>::infinity();
   }
 

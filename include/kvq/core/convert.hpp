@@ -115,7 +115,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline std::uint32_t larges
 
 }  // namespace detail
 
-/// The largest |x[i]| of finite input (0 for n = 0): the cache's key peak, on the same scan as all_below.
+/// The largest |x[i]| (0 for n = 0): the cache's key peak, on the same scan as all_below. An
+/// infinite x[i] gives inf; a NaN gives NaN on AVX-512 and is passed over by the scalar loop.
 inline float largest_magnitude(const float* x, std::size_t n) noexcept {
 #if defined(KVQ_HAVE_X86_KERNELS)
   if (isa::detected() == isa::Level::avx512) return std::bit_cast<float>(detail::largest_magnitude_bits_avx512(x, n));

@@ -38,10 +38,11 @@ class ScratchTrim {
 /// This thread's own T (a workspace), held for one call and trimmed (trim_scratch(T&)) when it
 /// ends; a fresh T where a call on this thread already holds it, as when an executor runs other
 /// work on a thread that waits for its items, so a nested call neither overwrites nor frees it.
+/// `wanted` false (the caller brought its own) leaves the thread's T to other calls.
 template <class T>
 class OwnScratch {
  public:
-  OwnScratch() noexcept : held_(slot().busy ? nullptr : &slot().value) {
+  explicit OwnScratch(bool wanted = true) noexcept : held_(!wanted || slot().busy ? nullptr : &slot().value) {
     if (held_ != nullptr) slot().busy = true;
   }
   OwnScratch(const OwnScratch&) = delete;
