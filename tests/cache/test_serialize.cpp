@@ -56,6 +56,7 @@ void load_text(BasicKVCache& cache, const std::string& bytes) {
 void expect_load_refused(BasicKVCache& target, const std::string& bytes, kvq::ErrorCode code,
                          std::initializer_list<std::string> needles, const std::string& what) {
   const auto before = snapshot(target);
+  const kvq::BlockCounts blocks = target.blocks().counts();
   std::vector<std::size_t> lengths;
   for (std::size_t l = 0; l < target.shape().layers; ++l) lengths.push_back(target.length(l));
   try {
@@ -68,6 +69,7 @@ void expect_load_refused(BasicKVCache& target, const std::string& bytes, kvq::Er
   }
   EXPECT_TRUE(snapshot(target) == before) << what;
   for (std::size_t l = 0; l < target.shape().layers; ++l) EXPECT_EQ(target.length(l), lengths[l]) << what;
+  EXPECT_EQ(target.blocks().counts().in_use, blocks.in_use) << what << ": the blocks a load took were kept";
 }
 
 void expect_same_rollback_reach(const BasicKVCache& a, const BasicKVCache& b) {
@@ -101,9 +103,10 @@ float largest_stored(const BasicKVCache& cache, Tensor t, std::size_t layer) {
 }
 
 TEST(CacheFile, RoundTripRestoresEverything) {
-  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4c16-r0-s0", "k16-v16-r0-s2", "k8c16s-v4t64s-r33-s2-bf16",
-                           "k3c8-v5t16-r5-s0-f32-d5", "k2t32-v2c32-r7-s1-d0", "k4c32-v2t32-r128-s1-post",
-                           "k3c32o2-v2t32o1-r20-s3", "k4t32g-v8t16g-r8-s1-post", "k4c32n-v3t16l-r8-s1"}) {
+  for (const char* text :
+       {"k4c32-v2t32-r20-s3", "k2c16-v4c16-r0-s0", "k16-v16-r0-s2", "k8c16s-v4t64s-r33-s2-bf16",
+        "k3c8-v5t16-r5-s0-f32-d5", "k2t32-v2c32-r7-s1-d0", "k4c32-v2t32-r128-s1-post", "k3c32o2-v2t32o1-r20-s3",
+        "k4t32g-v8t16g-r8-s1-post", "k4c32n-v3t16l-r8-s1", "k4c32-v16-r20-s2", "k16-v2t32-r8-s1"}) {
     SCOPED_TRACE(text);
     const CacheShape shape{2, 2, 64, 320};
     const CacheConfig config = config_of(text);
@@ -489,10 +492,12 @@ TEST(CacheFile, ForgedContentsWithValidCrcsAreRejected) {
     const std::string file = saved(source);
     // The first piece of that kind in layer 0's section (the third: header, table, layer 0).
     std::size_t offset = 0, found = SIZE_MAX;
-    Access::visit_pieces(source, 0, Access::state(source, 0), [&](Piece piece, Tensor t, std::size_t n, auto) {
-      if (found == SIZE_MAX && piece == f.piece && t == f.tensor && n >= f.at + f.with.size()) found = offset;
-      offset += n;
-    });
+    Access::visit_pieces(source, 0, Access::state(source, 0),
+                         [&](Piece piece, Tensor t, std::size_t n, std::size_t, auto) {
+                           if (found == SIZE_MAX && piece == f.piece && t == f.tensor && n >= f.at + f.with.size())
+                             found = offset;
+                           offset += n;
+                         });
     ASSERT_NE(found, SIZE_MAX) << what;
     const auto sections = kvq::test::file_sections(file);
     ASSERT_EQ(sections.size(), 4u) << what;
@@ -524,7 +529,7 @@ TEST(CacheFile, ALoadedCacheIsHeldToWhatItStores) {
   // layer 0 set to x, and the table's key peak for layer 0 to `peak` where given.
   auto load_forged = [&](Piece piece, Tensor t, float x, bool last = false, float peak = -1.0f) {
     std::size_t offset = 0, found = SIZE_MAX;
-    Access::visit_pieces(source, 0, Access::state(source, 0), [&](Piece p, Tensor u, std::size_t n, auto) {
+    Access::visit_pieces(source, 0, Access::state(source, 0), [&](Piece p, Tensor u, std::size_t n, std::size_t, auto) {
       if ((found == SIZE_MAX || last) && p == piece && u == t && n >= 4) found = offset;
       offset += n;
     });
@@ -599,19 +604,19 @@ TEST(CacheFile, SharedPiecesAreCheckedForTheirLongestExtent) {
   const Access::LayerState state = Access::state(cache, 0);
   std::uint8_t* slots = nullptr;
   std::size_t bytes = 0;
-  Access::visit_pieces(cache, 0, state, [&](Access::Piece piece, Tensor t, std::size_t n, auto at) {
+  Access::visit_pieces(cache, 0, state, [&](Access::Piece piece, Tensor t, std::size_t n, std::size_t, auto at) {
     if (slots == nullptr && piece == Access::Piece::outlier_slots && t == Tensor::values && n >= 8)
       slots = at(), bytes = n;
   });
   ASSERT_NE(slots, nullptr);
-  EXPECT_EQ(Access::check_section(cache, 0, state, nullptr), "");
+  EXPECT_EQ(Access::check_section(cache, 0, state), "");
   const std::uint16_t outside = 8;
   std::memcpy(slots + bytes - 2, &outside, 2);  // the run's last entry: outside its group of 8
   Access::CheckedPieces checked{{slots, bytes - 2}};
-  EXPECT_NE(Access::check_section(cache, 0, state, nullptr, &checked).find("slot 8"), std::string::npos);
+  EXPECT_NE(Access::check_section(cache, 0, state, &checked).find("slot 8"), std::string::npos);
   EXPECT_EQ(checked[slots], bytes);
-  EXPECT_EQ(Access::check_section(cache, 0, state, nullptr, &checked), "");  // checked in full: skipped
-  EXPECT_NE(Access::check_section(cache, 0, state, nullptr).find("outside its group of 8"), std::string::npos);
+  EXPECT_EQ(Access::check_section(cache, 0, state, &checked), "");  // checked in full: skipped
+  EXPECT_NE(Access::check_section(cache, 0, state).find("outside its group of 8"), std::string::npos);
 }
 
 class DamagedFile : public ::testing::Test {
@@ -671,8 +676,8 @@ TEST_F(DamagedFile, ForeignPreambleNamesWhatIsWrong) {
   expect_rejected("", kvq::ErrorCode::io, "section 'preamble' at offset 0", "empty");
 }
 
-// A section whose CRC is right but whose table claims more than the file holds: rejected before
-// anything large is allocated (the layer payload grows only as bytes arrive).
+// A section whose CRC is right but whose table claims more than the file holds: rejected, blocks
+// taken only as bytes arrive and given back (LoadMemory tests what that holds).
 TEST_F(DamagedFile, ForgedTableWithAValidCrcIsRejected) {
   const std::size_t table = 16 + (16 + 104 + kvq::to_string(config).size());  // start of the table section
   std::string bytes = file;

@@ -320,6 +320,142 @@ TEST(KVPool, ForkAtAnOlderLengthIsExactWithinTheRollbackDepth) {
   EXPECT_EQ(pool.memory().used, used);
 }
 
+// Beam search: after reorder each beam holds its source's tokens, as a fresh cache fed them does,
+// and goes on from there without touching the beams it shares blocks with. The pool's limit is
+// full (no fork would fit), and the reorder needs no more.
+TEST(KVPool, ReorderGivesEachBeamItsSourceAndNeedsNoMemory) {
+  const CacheConfig config = config_of("k4c32-v2t32-r20-s2");
+  const CacheShape shape = small_pool().sequence_shape();
+  const std::size_t row = row_of(shape), own = KVPool(small_pool(), config).own_row_blocks();
+  const std::size_t lengths[] = {300, 257, 180, 333, 64};
+  std::vector<SequenceId> ids;
+  std::vector<Tokens> tokens(5);
+  auto add_beams = [&](KVPool& pool) {
+    ids.clear();
+    for (std::size_t i = 0; i < 5; ++i) {
+      tokens[i] = {};
+      ids.push_back(add_tokens(pool, tokens[i], lengths[i], unsigned(40 + i)));
+    }
+  };
+  KVPool probe(small_pool(), config);
+  add_beams(probe);
+  // Exactly the beams' own rows and the blocks their tokens fill.
+  KVPool pool(small_pool(5 * own + probe.blocks().counts().in_use), config);
+  add_beams(pool);
+  ASSERT_EQ(pool.blocks().available(), 0u);
+  EXPECT_THROW((void)pool.fork(ids[0], lengths[0]), kvq::Error);
+
+  // Beam 1 continues itself; sequence 2 continues as three beams, 4 as one, 0 and 3 end.
+  const std::vector<std::size_t> sources = {2, 1, 2, 4, 2};
+  const kvq::PoolMemory before = pool.memory();
+  pool.reorder(ids, sources);
+  EXPECT_EQ(pool.sequence_count(), 5u);
+  EXPECT_EQ(pool.memory().own, before.own);
+  EXPECT_LT(pool.memory().used, before.used) << "the blocks of the sequences that ended are let go of";
+  std::vector<Tokens> beams(5);
+  for (std::size_t i = 0; i < 5; ++i) {
+    beams[i] = tokens[sources[i]];
+    kvq::test::expect_same_state(pool.sequence(ids[i]), fresh_cache(shape, config, beams[i]),
+                                 "beam " + std::to_string(i) + " after the reorder");
+  }
+  // Each beam takes a different next token: shared blocks are copied as they are written.
+  std::mt19937 rng(90);
+  for (std::size_t i = 0; i < 5; ++i) {
+    const std::size_t n = beams[i].size(row);
+    beams[i].add(3, row, rng);
+    for (std::size_t l = 0; l < shape.layers; ++l)
+      pool.append(ids[i], l, n, beams[i].k(n, n + 3, row), beams[i].v(n, n + 3, row));
+  }
+  for (std::size_t i = 0; i < 5; ++i) {
+    kvq::test::expect_same_state(pool.sequence(ids[i]), fresh_cache(shape, config, beams[i]),
+                                 "beam " + std::to_string(i) + " after its next tokens");
+    EXPECT_EQ(decode_outputs(pool.sequence(ids[i])), decode_outputs(fresh_cache(shape, config, beams[i])));
+  }
+  // The identity, and a permutation, move no block.
+  const std::size_t in_use = pool.blocks().counts().in_use;
+  pool.reorder(ids, std::vector<std::size_t>{0, 1, 2, 3, 4});
+  pool.reorder(ids, std::vector<std::size_t>{4, 3, 2, 1, 0});
+  EXPECT_EQ(pool.blocks().counts().in_use, in_use);
+  for (std::size_t i = 0; i < 5; ++i)
+    EXPECT_TRUE(pool.sequence(ids[i]).stored_bytes() == fresh_cache(shape, config, beams[4 - i]).stored_bytes());
+  for (const SequenceId id : ids) pool.remove_sequence(id);
+  EXPECT_EQ(pool.blocks().counts().in_use, 0u);
+  EXPECT_EQ(pool.memory().used, 0u);
+}
+
+// Cycles, cycles mixed with shares, and a sequence outside the reorder that shares blocks with
+// one that ends: each beam holds its source's bytes, and the store's counts are exactly the
+// references the sequences' block tables hold.
+TEST(KVPool, ReorderHandlesCyclesSharesAndBystanders) {
+  using Access = kvq::detail::CacheAccess;
+  const CacheConfig config = config_of("k4c32-v2t32-r20-s2");
+  KVPool pool(small_pool(), config);
+  std::vector<Tokens> tokens(3);
+  std::vector<SequenceId> ids;
+  for (std::size_t i = 0; i < 3; ++i) ids.push_back(add_tokens(pool, tokens[i], 150 + 40 * i, unsigned(60 + i)));
+  const SequenceId bystander = pool.fork(ids[2], 230);
+  const auto bystander_bytes = pool.sequence(bystander).stored_bytes();
+  auto expect_counts_match_tables = [&](const std::string& when) {
+    std::map<kvq::BlockId, std::size_t> refs;
+    for (const SequenceId id : {ids[0], ids[1], ids[2], bystander})
+      for (std::size_t l = 0; l < pool.shape().layers; ++l)
+        for (const kvq::BlockId b : Access::table(pool.sequence(id), l)) ++refs[b];
+    const std::size_t shared =
+        std::size_t(std::count_if(refs.begin(), refs.end(), [](auto r) { return r.second > 1; }));
+    EXPECT_EQ(pool.blocks().counts().in_use, refs.size()) << when;
+    EXPECT_EQ(pool.blocks().counts().shared, shared) << when;
+  };
+  std::vector<std::vector<std::uint8_t>> held;
+  for (const SequenceId id : ids) held.push_back(pool.sequence(id).stored_bytes());
+  const std::vector<std::vector<std::size_t>> orders = {{1, 2, 0}, {1, 0, 0}, {2, 2, 2}, {0, 1, 2}, {2, 0, 1}};
+  for (const auto& order : orders) {
+    const std::string when = "order " + std::to_string(order[0]) + std::to_string(order[1]) + std::to_string(order[2]);
+    pool.reorder(ids, order);
+    std::vector<std::vector<std::uint8_t>> next;
+    for (std::size_t i = 0; i < 3; ++i) {
+      next.push_back(held[order[i]]);
+      EXPECT_TRUE(pool.sequence(ids[i]).stored_bytes() == next[i]) << when << ", beam " << i;
+    }
+    held = std::move(next);
+    EXPECT_TRUE(pool.sequence(bystander).stored_bytes() == bystander_bytes) << when;
+    expect_counts_match_tables(when);
+  }
+}
+
+TEST(KVPool, RefusedReorderNamesTheProblemAndChangesNothing) {
+  const CacheConfig config = config_of("k4c32-v2t32-r20-s2");
+  KVPool pool(small_pool(), config);
+  std::vector<SequenceId> ids;
+  std::vector<Tokens> tokens(3);
+  for (std::size_t i = 0; i < 3; ++i) ids.push_back(add_tokens(pool, tokens[i], 100 + 30 * i, unsigned(50 + i)));
+  std::vector<std::vector<std::uint8_t>> bytes;
+  for (const SequenceId id : ids) bytes.push_back(pool.sequence(id).stored_bytes());
+  const std::vector<SequenceId> repeated = {ids[0], ids[1], ids[0]}, unknown = {ids[0], ids[1], ids[2] + 100};
+  const std::vector<std::size_t> fine = {1, 1, 0}, short_sources = {1, 1}, beyond = {0, 3, 1};
+  const struct {
+    std::span<const SequenceId> ids;
+    std::span<const std::size_t> sources;
+    const char* needle;
+  } cases[] = {{ids, short_sources, "3 sequences and 2 source indices"},
+               {repeated, fine, "appears twice (index 2)"},
+               {unknown, fine, "no sequence"},
+               {ids, beyond, "source 3 of index 1 is not below 3"}};
+  for (const auto& c : cases) {
+    try {
+      pool.reorder(c.ids, c.sources);
+      ADD_FAILURE() << c.needle << ": accepted";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.code(), kvq::ErrorCode::invalid_argument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(c.needle), std::string::npos) << e.what();
+    }
+    for (std::size_t i = 0; i < 3; ++i) EXPECT_TRUE(pool.sequence(ids[i]).stored_bytes() == bytes[i]) << c.needle;
+  }
+  pool.reorder({}, {});  // no beams: nothing to do
+  EXPECT_EQ(pool.sequence_count(), 3u);
+  // Memory refused midway (reserve_share, result) would throw out_of_memory before the first
+  // share; no test makes the system refuse it.
+}
+
 TEST(KVPool, ExhaustedPoolNamesTheBlocksAndChangesNothing) {
   const CacheConfig config = config_of("k4c32-v2t32-r32-s0");
   KVPool pool(small_pool(9 + KVPool(small_pool(), config).own_row_blocks()), config);  // 9 for tokens
@@ -1328,15 +1464,18 @@ TEST(KVPoolPerLayer, EveryLayerHoldsWhatACacheOfItsConfigurationHolds) {
   model[c].cut(155, row);
   extend(c, 30);
   EXPECT_GT(pool.memory().shared, 0u);
-  for (const auto& [id, tokens] : model)
-    for (std::size_t l = 0; l < 4; ++l) {
-      const KVPool::LayerView v = pool.layer(id, l);
-      EXPECT_EQ(v.cache.config(), configs[l]);
-      EXPECT_EQ(pool.length(id, l), tokens.size(row));
-      const BasicKVCache fresh = fresh_cache(v.cache.shape(), configs[l], tokens);
-      ASSERT_TRUE(v.cache.stored_bytes() == fresh.stored_bytes()) << "sequence " << id << " layer " << l;
-      EXPECT_EQ(decode_outputs(v.cache), decode_outputs(fresh)) << "sequence " << id << " layer " << l;
-    }
+  auto expect_model = [&](const std::string& when) {
+    for (const auto& [id, tokens] : model)
+      for (std::size_t l = 0; l < 4; ++l) {
+        const KVPool::LayerView v = pool.layer(id, l);
+        EXPECT_EQ(v.cache.config(), configs[l]);
+        EXPECT_EQ(pool.length(id, l), tokens.size(row));
+        const BasicKVCache fresh = fresh_cache(v.cache.shape(), configs[l], tokens);
+        ASSERT_TRUE(v.cache.stored_bytes() == fresh.stored_bytes()) << when << ": sequence " << id << " layer " << l;
+        EXPECT_EQ(decode_outputs(v.cache), decode_outputs(fresh)) << when << ": sequence " << id << " layer " << l;
+      }
+  };
+  expect_model("after forks");
   // The forks share the prefix block by block in every layer.
   for (std::size_t l = 0; l < 4; ++l) {
     const auto ha = pool.block_hashes(a, l), hb = pool.block_hashes(b, l);
@@ -1354,6 +1493,10 @@ TEST(KVPoolPerLayer, EveryLayerHoldsWhatACacheOfItsConfigurationHolds) {
   EXPECT_EQ(pool.memory().used, blocks + own);
   EXPECT_EQ(&pool.blocks(0), &pool.blocks(2)) << "one configuration, one store";
   EXPECT_NE(&pool.blocks(0), &pool.blocks(1));
+  // A reorder moves every layer group's caches together.
+  pool.reorder(std::vector<SequenceId>{a, b, c}, std::vector<std::size_t>{2, 2, 0});
+  model = {{a, model[c]}, {b, model[c]}, {c, model[a]}};
+  expect_model("after a reorder");
   for (const auto& [id, tokens] : model) pool.remove_sequence(id);
   for (const std::size_t l : {0u, 1u, 3u}) EXPECT_EQ(pool.blocks(l).counts().in_use, 0u) << "layer " << l;
 }

@@ -121,7 +121,7 @@ class BlockStore {
                   what + " take " + std::to_string(n) + " blocks of " + std::to_string(block_bytes_) + " bytes, but " +
                       std::to_string(free) + " of " + std::to_string(max_blocks_) + " are free");
     charged_ += n;
-    give_back_free_slabs();
+    give_back_free_slabs(max_blocks_);
   }
   void refund(std::size_t n) noexcept {
     std::lock_guard lock(mutex_);
@@ -143,7 +143,7 @@ class BlockStore {
       std::push_heap(free_.begin(), free_.end(), std::greater<>());
       --in_use_;
       if (--slabs_[id / slab_blocks_].in_use == 0 && committed_ + charged_ >= max_blocks_ + slab_blocks_)
-        give_back_free_slabs();
+        give_back_free_slabs(max_blocks_);
     }
   }
   /// How many caches refer to the block.
@@ -162,6 +162,13 @@ class BlockStore {
   BlockCounts counts() const {
     std::lock_guard lock(mutex_);
     return {committed_, in_use_, shared_, charged_};
+  }
+
+  /// Gives back the memory of every slab with no block in use, as after a failed load that took
+  /// blocks for a cache: the store commits it again when blocks are next needed.
+  void give_back_unused() noexcept {
+    std::lock_guard lock(mutex_);
+    give_back_free_slabs(0);
   }
 
  private:
@@ -187,7 +194,7 @@ class BlockStore {
     std::lock_guard lock(mutex_);
     reserved_ -= n;
     charged_ += n;
-    give_back_free_slabs();
+    give_back_free_slabs(max_blocks_);
   }
   // A reserved block handed out as acquire() hands one out. Throws out_of_memory only, with the
   // reservation unchanged.
@@ -253,11 +260,11 @@ class BlockStore {
     slabs_[s].memory = std::move(memory);
     committed_ += n;
   }
-  // While committed blocks and charges exceed the limit, gives back slabs with no block in use,
-  // the last first (the lowest blocks are handed out first, so the last slabs empty first).
-  void give_back_free_slabs() noexcept {
+  // While committed blocks and charges exceed `keep` (the limit), gives back slabs with no block
+  // in use, the last first (the lowest blocks are handed out first, so the last slabs empty first).
+  void give_back_free_slabs(std::size_t keep) noexcept {
     std::size_t given = 0;
-    for (std::size_t s = slabs_.size(); s-- > 0 && committed_ + charged_ > max_blocks_;) {
+    for (std::size_t s = slabs_.size(); s-- > 0 && committed_ + charged_ > keep;) {
       if (!committed(s) || slabs_[s].in_use != 0) continue;
       for (std::size_t i = 0; i < slab_size(s); ++i)
         slots_[s * slab_blocks_ + i].data.store(nullptr, std::memory_order_relaxed);

@@ -7,8 +7,9 @@
 //
 // A restored cache equals the saved one: stored_bytes(), memory(), views, attention, how far it
 // can roll back, and what further appends do. Loading is all-or-nothing: every byte is read and
-// checked before the target changes. A damaged or foreign file throws kvq::Error(io) naming the
-// section and offset; a sound file for another shape, RoPE or configuration throws shape_mismatch.
+// checked before the target changes (packed rows straight into the new blocks they belong in). A
+// damaged or foreign file throws kvq::Error(io) naming the section and offset; a sound file for
+// another shape, RoPE or configuration throws shape_mismatch.
 //
 // Format (version 2), fields in the writer's byte order, which the marker records:
 //   "KVQCACHE"  u32 format version  u32 byte-order marker 0x01020304
@@ -48,8 +49,10 @@
 #include <utility>
 #include <vector>
 
+#include "kvq/cache/block_store.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/cache/layered_kv_cache.hpp"
+#include "kvq/core/checked.hpp"
 #include "kvq/core/crc32c.hpp"
 #include "kvq/error.hpp"
 #include "kvq/version.hpp"
@@ -201,6 +204,28 @@ struct CacheAccess {
     mine = other;
   }
 
+  /// A pool's reorder in two steps: room in `to`'s block tables for `from`'s (may throw), then
+  /// `to` made to hold what `from` holds, sharing its blocks as a fork does, in the own rows `to`
+  /// already has (cannot fail). Both are caches of one pool group: one store, shape and config.
+  static void reserve_share(BasicKVCache& to, const BasicKVCache& from) {
+    for (std::size_t l = 0; l < to.tables_.size(); ++l) to.tables_[l].reserve(from.tables_[l].size());
+  }
+  static void share(BasicKVCache& to, const BasicKVCache& from) noexcept {
+    for (const auto& table : from.tables_)
+      for (const BlockId id : table) from.store_->retain(id);
+    to.release_blocks();
+    for (std::size_t l = 0; l < to.tables_.size(); ++l)
+      to.tables_[l].assign(from.tables_[l].begin(), from.tables_[l].end());  // within the room reserved
+    if (from.own_.size() != 0) std::memcpy(to.own_.data(), from.own_.data(), from.own_.size());
+    if (from.history_.size() != 0) std::memcpy(to.history_.data(), from.history_.data(), from.history_.size());
+    std::copy(from.lengths_.begin(), from.lengths_.end(), to.lengths_.begin());
+    std::copy(from.key_peaks_.begin(), from.key_peaks_.end(), to.key_peaks_.begin());
+    std::copy(from.value_peaks_.begin(), from.value_peaks_.end(), to.value_peaks_.begin());
+    std::copy(from.quantized_ends_.begin(), from.quantized_ends_.end(), to.quantized_ends_.begin());
+    std::copy(from.history_begins_.begin(), from.history_begins_.end(), to.history_begins_.begin());
+    std::copy(from.kept_from_.begin(), from.kept_from_.end(), to.kept_from_.begin());
+  }
+
   /// truncate's and erase's checks with the blocks their copies of shared blocks take set aside,
   /// then the copies, without the change itself.
   static BlockReservation reserve_truncate(BasicKVCache& c, std::size_t length) { return c.reserve_truncate(length); }
@@ -263,13 +288,16 @@ struct CacheAccess {
   /// What a piece of a layer section holds.
   enum class Piece { rows, codes, scales, zero_points, outlier_slots, outlier_corrections };
 
-  /// Calls visit(piece, tensor, bytes, at) for every piece of one layer section, in file order,
-  /// where at() is the piece's place in `c` (const to save, mutable to restore) in state `s`:
-  /// computed only when called, so a walk over a section not restored yet (check_section)
-  /// touches no block. Packed rows [0, packed) of one stream are in blocks: the file holds all
-  /// their codes, then all scales, then all zero points, then the outliers' slots and
-  /// corrections, each visited by runs within one block. Pieces::own skips whatever lives in
-  /// blocks (those and the rows of an unquantized stream).
+  /// Where a piece lives when it is not in a block: the cache's own rows.
+  static constexpr std::size_t own_piece = std::size_t(-1);
+
+  /// Calls visit(piece, tensor, bytes, block, at) for every piece of one layer section, in file
+  /// order, where `block` is the index of the layer's block that holds the piece, or own_piece,
+  /// and at() its place in `c` (const to save, mutable to restore) in state `s`, computed only
+  /// when called. Packed rows [0, packed) of one stream are in blocks: the file holds all their
+  /// codes, then all scales, then all zero points, then the outliers' slots and corrections,
+  /// each visited by runs within one block. Pieces::own skips whatever lives in blocks (those and
+  /// the rows of an unquantized stream).
   template <class Cache, class Visit>
   static void visit_pieces(Cache& c, std::size_t layer, const LayerState& s, Visit&& visit,
                            Pieces pieces = Pieces::all) {
@@ -282,11 +310,12 @@ struct CacheAccess {
         const StreamState& st = s.streams[BasicKVCache::index(t)];
         const std::size_t r = row(lay), end = std::size_t(st.quantized_end), packed = end - lay.sinks;
         const std::size_t length = std::size_t(s.length), first = first_in_ring(lay, length);
-        visit(Piece::rows, t, std::min(lay.sinks, length) * r,
+        visit(Piece::rows, t, std::min(lay.sinks, length) * r, own_piece,
               [&] { return static_cast<Byte*>(cache.own_base(t, layer, h)) + lay.sink_offset; });
         if (pieces == Pieces::all || lay.quantized)
           for (std::size_t p = first; p < length; ++p)
-            visit(Piece::rows, t, r, [&] { return static_cast<Byte*>(cache.ring_row(t, layer, h, p)); });
+            visit(Piece::rows, t, r, lay.quantized ? own_piece : (p - lay.sinks) / block,
+                  [&] { return static_cast<Byte*>(cache.ring_row(t, layer, h, p)); });
         for (const Piece part :
              {Piece::codes, Piece::scales, Piece::zero_points, Piece::outlier_slots, Piece::outlier_corrections}) {
           if (pieces == Pieces::own) break;
@@ -294,27 +323,27 @@ struct CacheAccess {
               (part >= Piece::outlier_slots && lay.spec.outliers == 0))
             continue;
           for (std::size_t a = 0; a < packed;) {
-            const std::size_t n = std::min(packed - a, block - a % block);
+            const std::size_t n = std::min(packed - a, block - a % block), k = a / block;
             const std::size_t entries = params(lay, n) / size_of(lay.spec.param) * lay.spec.outliers;
             if (part == Piece::codes) {
-              visit(part, t, n * lay.row_bytes, [&] { return static_cast<Byte*>(cache.code_row(t, layer, h, a)); });
+              visit(part, t, n * lay.row_bytes, k, [&] { return static_cast<Byte*>(cache.code_row(t, layer, h, a)); });
             } else if (part == Piece::scales || part == Piece::zero_points) {
-              visit(part, t, params(lay, n), [&] {
+              visit(part, t, params(lay, n), k, [&] {
                 const auto [scales, zeros] = cache.params_of(t, layer, h, a);
                 return static_cast<Byte*>(part == Piece::scales ? scales : zeros);
               });
             } else if (part == Piece::outlier_slots) {
-              visit(part, t, entries * 2,
+              visit(part, t, entries * 2, k,
                     [&] { return reinterpret_cast<Byte*>(cache.outliers_of(t, layer, h, a).slots); });
             } else {
-              visit(part, t, entries * size_of(lay.spec.param),
+              visit(part, t, entries * size_of(lay.spec.param), k,
                     [&] { return static_cast<Byte*>(cache.outliers_of(t, layer, h, a).corrections); });
             }
             a += n;
           }
         }
         for (std::size_t p = std::size_t(st.kept_from); p < end; ++p)
-          visit(Piece::rows, t, r, [&] { return static_cast<Byte*>(cache.history_row(t, layer, h, p)); });
+          visit(Piece::rows, t, r, own_piece, [&] { return static_cast<Byte*>(cache.history_row(t, layer, h, p)); });
       }
   }
 
@@ -370,34 +399,26 @@ struct CacheAccess {
   using CheckedPieces = std::unordered_map<const std::uint8_t*, std::size_t>;
 
   /// The first problem check_piece finds in one layer section of `c` in state `s`, as its tensor
-  /// and where: read from `bytes` (a section in file order, not restored yet) or, when null, from
-  /// the cache itself, skipping what `checked` says was checked and adding the rest.
+  /// and the problem, read from the cache itself, skipping what `checked` says was checked and
+  /// adding the rest.
   static std::string check_section(const BasicKVCache& c, std::size_t layer, const LayerState& s,
-                                   const std::uint8_t* bytes, CheckedPieces* checked = nullptr) {
+                                   CheckedPieces* checked = nullptr) {
     std::string why;
-    std::size_t offset = 0;
-    visit_pieces(c, layer, s, [&](Piece piece, Tensor t, std::size_t n, auto at) {
-      if (why.empty() && n != 0) {
-        const std::uint8_t* p = bytes != nullptr ? bytes + offset : at();
-        // A quantized stream's rows are its own; the rest may live in shared blocks.
-        const bool own = piece == Piece::rows && layout(c, t).quantized;
-        std::size_t* done = checked != nullptr && !own ? &(*checked)[p] : nullptr;
-        if (done == nullptr || *done < n) why = check_piece(layout(c, t), piece, p, n);
-        if (done != nullptr) *done = std::max(*done, n);
-        if (!why.empty())
-          why = std::string(to_string(t)) +
-                (bytes != nullptr ? ", byte " + std::to_string(offset) + " of the payload" : "") + ": " + why;
-      }
-      offset += n;
+    visit_pieces(c, layer, s, [&](Piece piece, Tensor t, std::size_t n, std::size_t block, auto at) {
+      if (!why.empty() || n == 0) return;
+      const std::uint8_t* p = at();
+      // Own rows are checked where they are; a block may be shared, and is checked once.
+      std::size_t* done = checked != nullptr && block != own_piece ? &(*checked)[p] : nullptr;
+      if (done == nullptr || *done < n) why = check_piece(layout(c, t), piece, p, n);
+      if (done != nullptr) *done = std::max(*done, n);
+      if (!why.empty()) why = std::string(to_string(t)) + ": " + why;
     });
     return why;
   }
 
-  /// Fresh zeroed blocks for the layer states (before restore, which cannot fail), all reserved
-  /// before the first is taken. Throws kvq::Error when the store cannot supply them, having kept
-  /// none.
-  static std::vector<std::vector<BlockId>> fresh_blocks(BasicKVCache& c, const std::vector<LayerState>& states) {
-    std::vector<std::vector<BlockId>> tables(states.size());
+  /// The blocks a load of `states` takes, reserved (counted, not yet allocated). Throws kvq::Error
+  /// when the store cannot supply them.
+  static BlockReservation reserve_blocks(BasicKVCache& c, const std::vector<LayerState>& states) {
     std::size_t total = 0;
     for (const LayerState& s : states) total += blocks_for(c, s);  // checked states: no overflow
     BlockReservation reserved(*c.store_);
@@ -405,19 +426,52 @@ struct CacheAccess {
       throw Error(ErrorCode::capacity_exceeded, "a cache being loaded needs " + std::to_string(total) + " blocks of " +
                                                     std::to_string(c.store_->block_bytes()) + " bytes; " +
                                                     std::to_string(free) + " are free");
-    try {
-      for (std::size_t l = 0; l < states.size(); ++l) {
-        const std::size_t n = blocks_for(c, states[l]);
-        tables[l].reserve(n);
-        while (tables[l].size() < n) tables[l].push_back(reserved.take());
-      }
-    } catch (...) {
-      for (const auto& table : tables)
-        for (const BlockId id : table) c.store_->release(id);
-      throw;
-    }
-    return tables;
+    return reserved;
   }
+
+  /// New blocks for a load, filled through the cache's own addressing (at() of visit_pieces):
+  /// while this lives the cache's block tables are the new ones, taken as a read reaches them, and
+  /// its own tables wait aside. take() puts them back and hands over the new ones; a throw before
+  /// that puts them back and lets the new blocks go, and the store the memory they took. The
+  /// cache is not to be used meanwhile.
+  class FreshBlocks {
+   public:
+    FreshBlocks(BasicKVCache& c, BlockReservation& reserved) : cache_(c), reserved_(reserved) {
+      kept_.resize(c.tables_.size());
+      c.tables_.swap(kept_);
+    }
+    FreshBlocks(const FreshBlocks&) = delete;
+    FreshBlocks& operator=(const FreshBlocks&) = delete;
+    ~FreshBlocks() {
+      if (taken_) return;
+      cache_.tables_.swap(kept_);
+      bool any = false;
+      for (const auto& table : kept_)
+        for (const BlockId id : table) cache_.store_->release(id), any = true;
+      if (any) cache_.store_->give_back_unused();
+    }
+    /// Room for the `blocks` blocks `layer` will take.
+    void plan(std::size_t layer, std::size_t blocks) { cache_.tables_[layer].reserve(blocks); }
+    /// Takes blocks until `layer` has block `k` (zeroed).
+    void reach(std::size_t layer, std::size_t k) {
+      std::vector<BlockId>& table = cache_.tables_[layer];
+      while (table.size() <= k) {
+        table.reserve(k + 1);  // before the block, a throw must not strand one; a no-op once planned
+        table.push_back(reserved_.take());
+      }
+    }
+    std::vector<std::vector<BlockId>> take() noexcept {
+      taken_ = true;
+      cache_.tables_.swap(kept_);
+      return std::move(kept_);
+    }
+
+   private:
+    BasicKVCache& cache_;
+    BlockReservation& reserved_;
+    std::vector<std::vector<BlockId>> kept_;
+    bool taken_ = false;
+  };
 
   /// The largest |x| of the `bytes` bytes of `type` values at p.
   static float largest_in(Scalar type, const std::uint8_t* p, std::size_t bytes) noexcept {
@@ -431,28 +485,27 @@ struct CacheAccess {
     return peak;
   }
 
-  /// Replaces the cache's contents with checked layer states, section payloads and the blocks
-  /// the cache now holds (zeroed, or already filled for Pieces::own). noexcept: everything was
-  /// validated before.
+  /// Replaces the cache's contents with checked layer states, the blocks it now holds (filled)
+  /// and its own rows (`own`: per layer, as visit_pieces with Pieces::own lists them). noexcept:
+  /// everything was validated before.
   static void restore(BasicKVCache& c, const std::vector<LayerState>& states,
-                      const std::vector<std::vector<std::uint8_t>>& payloads,
-                      std::vector<std::vector<BlockId>>&& tables, Pieces pieces = Pieces::all) noexcept {
+                      const std::vector<std::vector<std::uint8_t>>& own,
+                      std::vector<std::vector<BlockId>>&& tables) noexcept {
     c.clear();
     c.tables_ = std::move(tables);
     for (std::size_t l = 0; l < states.size(); ++l) {
       const LayerState& s = states[l];
-      const std::uint8_t* in = payloads[l].data();
+      const std::uint8_t* in = own[l].data();
       float rows_peak[2] = {0.0f, 0.0f};  // every restored row: truncate re-opens history and ring rows
       visit_pieces(
           c, l, s,
-          [&](Piece piece, Tensor t, std::size_t n, auto at) {
+          [&](Piece, Tensor t, std::size_t n, std::size_t, auto at) {
             if (n != 0) std::memcpy(at(), in, n);
-            if (piece == Piece::rows)
-              rows_peak[BasicKVCache::index(t)] =
-                  std::max(rows_peak[BasicKVCache::index(t)], largest_in(layout(c, t).residual, in, n));
+            rows_peak[BasicKVCache::index(t)] =
+                std::max(rows_peak[BasicKVCache::index(t)], largest_in(layout(c, t).residual, in, n));
             in += n;
           },
-          pieces);
+          Pieces::own);
       c.lengths_[l] = std::size_t(s.length);
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         const std::size_t i = l * 2 + BasicKVCache::index(t);
@@ -559,8 +612,8 @@ class FileReader {
     if (in_.peek() != std::char_traits<char>::eof()) fail("end", offset_, "unexpected bytes after the last section");
   }
 
- private:
-  /// Tag and size (checked), the payload through read_payload(size, crc), then the CRC.
+  /// Tag and size (checked), the payload through read_payload(size, crc), then the CRC: for a
+  /// reader that puts the payload where it belongs as it arrives (a cache's layers).
   template <class ReadPayload>
   void checked_section(std::uint32_t tag, std::uint64_t least, std::uint64_t most, const std::string& name,
                        ReadPayload&& read_payload) {
@@ -584,6 +637,7 @@ class FileReader {
            "CRC-32C mismatch (stored " + hex(stored) + ", computed " + hex(crc) + "): the section is corrupt");
   }
 
+ private:
   std::istream& in_;
   std::string kind_;
   std::uint64_t offset_ = 0;
@@ -818,29 +872,70 @@ inline bool same_shape(const CacheShape& a, const CacheShape& b) {
          same_rotation(a.rope(), b.rope());
 }
 
+/// Reads the section of layer `l` in state `s`: its packed rows straight into `fresh` blocks,
+/// each taken when the read reaches it, and its own rows (sinks, ring, rollback copies) into
+/// `own`, checking every piece; throws kvq::Error(io) naming the first piece no cache writes.
+inline void read_layer(FileReader& file, BasicKVCache& target, std::size_t l, const CacheAccess::LayerState& s,
+                       CacheAccess::FreshBlocks& fresh, std::vector<std::uint8_t>& own) {
+  using Access = CacheAccess;
+  const std::string name = "layer " + std::to_string(l);
+  const std::uint64_t start = file.offset(), bytes = Access::layer_bytes(target, s);
+  checked_resize(own, Access::layer_bytes(target, s, Access::Pieces::own), "a loaded layer's own rows");
+  const std::size_t blocks = Access::blocks_for(target, s);
+  fresh.plan(l, blocks);
+  std::string why;  // reported once the CRC has passed: damage is named as damage
+  std::uint8_t* staged = own.data();
+  std::size_t offset = 0;
+  auto read_piece = [&](Access::Piece piece, Tensor t, std::size_t n, std::size_t block, auto at, std::uint32_t& crc) {
+    if (n == 0) return;
+    std::uint8_t* to = staged;
+    if (block == Access::own_piece) {
+      staged += n;
+    } else {
+      fresh.reach(l, block);
+      to = at();
+    }
+    file.read(to, n, name);
+    crc = crc32c(to, n, crc);
+    if (const std::string problem = why.empty() ? Access::check_piece(Access::layout(target, t), piece, to, n) : "";
+        !problem.empty())
+      why = std::string(to_string(t)) + ", byte " + std::to_string(offset) + " of the payload: " + problem;
+    offset += n;
+  };
+  file.checked_section(tag_layer, bytes, bytes, name, [&](std::uint64_t, std::uint32_t& crc) {
+    Access::visit_pieces(target, l, s, [&](Access::Piece piece, Tensor t, std::size_t n, std::size_t block, auto at) {
+      read_piece(piece, t, n, block, at, crc);
+    });
+  });
+  if (!why.empty()) file.fail(name, start, why);
+  if (blocks != 0) fresh.reach(l, blocks - 1);  // blocks no piece reached
+}
+
 /// Reads the table and layer sections after the header into `target` (its shape and config
-/// already match the header), all-or-nothing.
+/// already match the header), all-or-nothing. A load holds the file's packed rows once, in the
+/// blocks they end in. A block is taken when the first bytes for it arrive: a block holds every
+/// head's keys and values and a section gives the first head's keys first, so a file that stops
+/// early may have taken blocks many times the bytes it sent (never beyond the capacity), and a
+/// failed load gives that memory back. The cache's own rows are staged, since the cache keeps its
+/// contents until all is read and checked.
 inline void read_body(FileReader& file, BasicKVCache& target) {
+  using Access = CacheAccess;
   const std::size_t layers = target.shape().layers;
   const std::uint64_t table_start = file.offset();
-  const auto table = file.section(tag_table, std::uint64_t(layers) * CacheAccess::table_entry_bytes, "table");
+  const auto table = file.section(tag_table, std::uint64_t(layers) * Access::table_entry_bytes, "table");
   PayloadReader in(table, file, "table", table_start);
-  std::vector<CacheAccess::LayerState> states(layers);
+  std::vector<Access::LayerState> states(layers);
   for (std::size_t l = 0; l < layers; ++l) {
-    const CacheAccess::LayerState& s = states[l] = read_table_entry(in);
-    const std::string why = CacheAccess::check(target, s);
+    const Access::LayerState& s = states[l] = read_table_entry(in);
+    const std::string why = Access::check(target, s);
     if (!why.empty()) file.fail("table", table_start, "layer " + std::to_string(l) + ": " + why);
   }
-  std::vector<std::vector<std::uint8_t>> payloads(layers);
-  for (std::size_t l = 0; l < layers; ++l) {
-    const std::string name = "layer " + std::to_string(l);
-    const std::uint64_t start = file.offset();
-    payloads[l] = file.section(tag_layer, CacheAccess::layer_bytes(target, states[l]), name);
-    if (const std::string why = CacheAccess::check_section(target, l, states[l], payloads[l].data()); !why.empty())
-      file.fail(name, start, why);
-  }
+  BlockReservation reserved = Access::reserve_blocks(target, states);
+  std::vector<std::vector<std::uint8_t>> own(layers);
+  Access::FreshBlocks fresh(target, reserved);
+  for (std::size_t l = 0; l < layers; ++l) read_layer(file, target, l, states[l], fresh, own[l]);
   file.expect_end();
-  CacheAccess::restore(target, states, payloads, CacheAccess::fresh_blocks(target, states));
+  Access::restore(target, states, own, fresh.take());
 }
 
 }  // namespace detail
@@ -861,7 +956,7 @@ inline void save(const BasicKVCache& cache, std::ostream& out) {
   for (std::size_t l = 0; l < s.layers; ++l) {
     detail::SectionWriter w(out, detail::tag_layer, CacheAccess::layer_bytes(cache, CacheAccess::state(cache, l)));
     CacheAccess::visit_pieces(cache, l, CacheAccess::state(cache, l),
-                              [&](CacheAccess::Piece, Tensor, std::size_t n, auto at) { w.put(at(), n); });
+                              [&](CacheAccess::Piece, Tensor, std::size_t n, std::size_t, auto at) { w.put(at(), n); });
     w.finish();
   }
   if (!out) throw Error(ErrorCode::io, "saving a kvq cache: the output stream failed");

@@ -3,6 +3,7 @@
 //
 //   add_sequence / fork / load_sequence -> SequenceId
 //   append, truncate, erase             -> the sequence's BasicKVCache rules, all-or-nothing
+//   reorder(ids, sources)               -> beam search: each beam takes a source's tokens
 //   layer(id, l)                        -> one layer as attention reads it: {cache, layer}
 //   sequence(id)                        -> (one configuration) a BasicKVCache: decode_attention,
 //                                          reference_attention, metrics and save() take it as
@@ -32,8 +33,8 @@
 //
 // Thread safety: const operations may run concurrently with each other and with append,
 // truncate and erase of other sequences; append, truncate and erase of different sequences may
-// run concurrently. add_sequence, fork, load_sequence, remove_sequence, save_sequence, save,
-// load and share_prefixes wait for the operations in flight and run alone (add_sequence and
+// run concurrently. add_sequence, fork, reorder, load_sequence, remove_sequence, save_sequence,
+// save, load and share_prefixes wait for the operations in flight and run alone (add_sequence and
 // load_sequence build the new caches first, beside them). Two operations on one sequence need the
 // caller's synchronisation.
 //
@@ -283,6 +284,18 @@ class KVPool {
     sequences_.erase(id);
   }
 
+  /// Beam search's reorder: afterwards sequence ids[i] holds what sequence ids[sources[i]] held,
+  /// for every i at once (a sequence may continue as several beams, or as none). A beam that takes
+  /// another's tokens shares its blocks, as fork does, in the own rows of a sequence that no beam
+  /// continues, so a reorder needs no room in the pool's limit. Throws kvq::Error, and nothing
+  /// changes: invalid_argument for spans of different lengths, an unknown or repeated id, or a
+  /// source index out of range; out_of_memory when the system refuses its bookkeeping. Caches
+  /// move between ids: a view taken before (sequence, layer) may show another beam after.
+  void reorder(std::span<const SequenceId> ids, std::span<const std::size_t> sources) {
+    std::unique_lock lock(mutex_);
+    with_memory_errors("pool reorder", [&] { reorder_locked(ids, sources); });
+  }
+
   bool contains(SequenceId id) const {
     std::shared_lock lock(mutex_);
     return sequences_.count(id) != 0;
@@ -349,7 +362,8 @@ class KVPool {
   }
 
   /// The sequence's cache, for attention, metrics and save(), in a uniform pool (else kvq::Error
-  /// unsupported: a per-layer pool is read through layer(id, l)). Valid until the sequence is removed.
+  /// unsupported: a per-layer pool is read through layer(id, l)). Valid until the sequence is removed;
+  /// after a reorder it may show another one.
   const BasicKVCache& sequence(SequenceId id) const {
     std::shared_lock lock(mutex_);
     (void)uniform_group("sequence(id)");
@@ -357,7 +371,7 @@ class KVPool {
   }
   /// One layer of a sequence as attention reads it, in any pool: the cache holding it and its
   /// index there (decode_attention(v.cache, v.layer, ...), AttentionRequest{.cache = &v.cache,
-  /// .layer = v.layer}). Valid until the sequence is removed.
+  /// .layer = v.layer}). Valid until the sequence is removed; after a reorder it may show another one.
   struct LayerView {
     const BasicKVCache& cache;
     std::size_t layer;
@@ -473,6 +487,49 @@ class KVPool {
   }
 
  private:
+  /// reorder, under the pool's lock.
+  void reorder_locked(std::span<const SequenceId> ids, std::span<const std::size_t> sources) {
+    using Access = detail::CacheAccess;
+    const std::size_t n = ids.size(), none = std::size_t(-1);
+    if (sources.size() != n)
+      throw Error(ErrorCode::invalid_argument, "pool reorder: " + std::to_string(n) + " sequences and " +
+                                                   std::to_string(sources.size()) + " source indices");
+    std::vector<Sequence*> beams(n);
+    std::unordered_set<SequenceId> seen;
+    for (std::size_t i = 0; i < n; ++i) {
+      beams[i] = &find(ids[i], "reorder");
+      if (!seen.insert(ids[i]).second)
+        throw Error(ErrorCode::invalid_argument, "pool reorder: sequence " + std::to_string(ids[i]) +
+                                                     " appears twice (index " + std::to_string(i) + ")");
+      if (sources[i] >= n)
+        throw Error(ErrorCode::invalid_argument, "pool reorder: source " + std::to_string(sources[i]) + " of index " +
+                                                     std::to_string(i) + " is not below " + std::to_string(n));
+    }
+    // Each source's caches move to one beam that continues it (itself, if it does); the other
+    // beams continuing it take the caches of sequences no beam continues, filled by sharing.
+    std::vector<std::size_t> taker(n, none);
+    for (std::size_t i = 0; i < n; ++i)
+      if (sources[i] == i) taker[i] = i;
+    for (std::size_t i = 0; i < n; ++i)
+      if (taker[sources[i]] == none) taker[sources[i]] = i;
+    std::vector<std::size_t> unused;  // sequences no beam continues: as many as the beams sharing
+    for (std::size_t j = 0; j < n; ++j)
+      if (taker[j] == none) unused.push_back(j);
+    std::vector<std::pair<std::size_t, std::size_t>> shares;  // (beam, the unused sequence it takes)
+    for (std::size_t i = 0, next = 0; i < n; ++i)
+      if (taker[sources[i]] != i) shares.emplace_back(i, unused[next++]);
+    for (const auto& [i, j] : shares)
+      for (std::size_t g = 0; g < groups_.size(); ++g) Access::reserve_share(*(*beams[j])[g], *(*beams[sources[i]])[g]);
+    std::vector<Sequence> result(n);
+    // From here nothing can fail.
+    for (const auto& [i, j] : shares)
+      for (std::size_t g = 0; g < groups_.size(); ++g) Access::share(*(*beams[j])[g], *(*beams[sources[i]])[g]);
+    for (const auto& [i, j] : shares) result[i] = std::move(*beams[j]);
+    for (std::size_t j = 0; j < n; ++j)
+      if (taker[j] != none) result[taker[j]] = std::move(*beams[j]);
+    for (std::size_t i = 0; i < n; ++i) *beams[i] = std::move(result[i]);
+  }
+
   /// share_prefixes, under the pool's lock.
   std::size_t share_prefixes_locked(SequenceId id) {
     using Access = detail::CacheAccess;
@@ -685,7 +742,7 @@ class KVPool {
         const Access::LayerState st = Access::state(*cache, at);
         detail::SectionWriter w(out, detail::tag_own, Access::layer_bytes(*cache, st, Access::Pieces::own));
         Access::visit_pieces(
-            *cache, at, st, [&](Access::Piece, Tensor, std::size_t n, auto where) { w.put(where(), n); },
+            *cache, at, st, [&](Access::Piece, Tensor, std::size_t n, std::size_t, auto where) { w.put(where(), n); },
             Access::Pieces::own);
         w.finish();
       }
@@ -851,13 +908,13 @@ class KVPool {
             tables[i].push_back(id);
           }
         }
-        Access::restore(*seq[g], states, group_payloads, std::move(tables), Access::Pieces::own);
+        Access::restore(*seq[g], states, group_payloads, std::move(tables));
       }
       // The contents the kernels will trust, now in place (blocks, each piece once for its longest
       // use, and own rows): a sequence that does not join the pool lets go of them.
       for (std::size_t l = 0; l < shape_.layers; ++l) {
         const auto [cache, at] = layer_of(seq, l);
-        if (const std::string why = Access::check_section(*cache, at, q.states[l], nullptr, &checked); !why.empty())
+        if (const std::string why = Access::check_section(*cache, at, q.states[l], &checked); !why.empty())
           file.fail("sequence " + std::to_string(q.id) + " layer " + std::to_string(l), section_at[l],
                     why + " (in its blocks or its own rows)");
       }
