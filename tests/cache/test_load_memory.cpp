@@ -5,16 +5,18 @@
 
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <new>
 #include <optional>
 #include <span>
 #include <sstream>
+#include <streambuf>
 #include <string>
+#include <utility>
 
 #include "kvq/kvq.hpp"
 #include "support/random.hpp"
@@ -26,6 +28,7 @@ std::atomic<std::size_t> live_bytes{0}, peak_bytes{0};
 constexpr std::size_t size_header = 16;
 
 void* counted_alloc(std::size_t n) noexcept {
+  if (n > SIZE_MAX - size_header) return nullptr;
   void* p = std::malloc(n + size_header);
   if (p == nullptr) return nullptr;
   *static_cast<std::size_t*>(p) = n;
@@ -64,6 +67,17 @@ namespace {
 
 using kvq::BasicKVCache;
 using kvq::CacheShape;
+
+// A stream that cannot seek, as a pipe or a socket: a load cannot ask it how much it holds.
+class OneWay : public std::streambuf {
+ public:
+  explicit OneWay(std::string bytes) : bytes_(std::move(bytes)) {
+    setg(bytes_.data(), bytes_.data(), bytes_.data() + bytes_.size());
+  }
+
+ private:
+  std::string bytes_;
+};
 
 // The most operator new held during f() beyond what it held before.
 template <class F>
@@ -111,18 +125,35 @@ TEST(LoadMemory, PackedRowsAreHeldOnceInTheirBlocks) {
                                       << file.size();
     EXPECT_TRUE(same_as_source(*loaded));
   }
-  {  // files cut short: the target keeps its contents, and the blocks the load took go back
+  {  // files cut short: the target keeps its contents, and the store what it had committed
     BasicKVCache target(shape, config);
+    target.append(0, 0, keys, values);
+    target.clear();  // its blocks stay committed for reuse
     target.append(0, 0, std::span(keys).first(100 * row), std::span(values).first(100 * row));
     const auto bytes = target.stored_bytes();
     const kvq::BlockCounts before = target.blocks().counts();
     for (const std::size_t cut : {file.size() / 3, file.size() - 1000}) {
-      std::istringstream in(file.substr(0, cut), std::ios::binary);
-      EXPECT_THROW(kvq::load(target, in), kvq::Error) << "cut at " << cut;
+      const std::string part = file.substr(0, cut);
+      // A string stream says how much it holds: the load stops before it takes a block.
+      std::istringstream seekable(part, std::ios::binary);
+      try {
+        kvq::load(target, seekable);
+        ADD_FAILURE() << "cut at " << cut << ": loaded";
+      } catch (const kvq::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("bytes early (truncated)"), std::string::npos) << e.what();
+      }
+      // A pipe does not: the load takes blocks as bytes arrive and gives them back when it fails.
+      OneWay pipe_buffer(part);
+      std::istream pipe(&pipe_buffer);
+      EXPECT_THROW(kvq::load(target, pipe), kvq::Error) << "cut at " << cut;
       EXPECT_TRUE(target.stored_bytes() == bytes) << "cut at " << cut;
       EXPECT_EQ(target.blocks().counts().in_use, before.in_use) << "cut at " << cut;
       EXPECT_EQ(target.blocks().counts().committed, before.committed) << "cut at " << cut;
     }
+    OneWay whole_buffer(file);
+    std::istream whole(&whole_buffer);
+    kvq::load(target, whole);
+    EXPECT_TRUE(same_as_source(target)) << "a stream that cannot seek loads";
   }
 }
 

@@ -164,11 +164,11 @@ class BlockStore {
     return {committed_, in_use_, shared_, charged_};
   }
 
-  /// Gives back the memory of every slab with no block in use, as after a failed load that took
-  /// blocks for a cache: the store commits it again when blocks are next needed.
-  void give_back_unused() noexcept {
+  /// Gives back slabs with no block in use until no more than `committed` blocks are committed:
+  /// a failed load returns what it committed, and the blocks kept for reuse stay.
+  void give_back_unused(std::size_t committed) noexcept {
     std::lock_guard lock(mutex_);
-    give_back_free_slabs(0);
+    give_back_free_slabs(committed + charged_);
   }
 
  private:

@@ -432,11 +432,12 @@ struct CacheAccess {
   /// New blocks for a load, filled through the cache's own addressing (at() of visit_pieces):
   /// while this lives the cache's block tables are the new ones, taken as a read reaches them, and
   /// its own tables wait aside. take() puts them back and hands over the new ones; a throw before
-  /// that puts them back and lets the new blocks go, and the store the memory they took. The
-  /// cache is not to be used meanwhile.
+  /// that puts them back, lets the new blocks go and gives the store back the slabs it committed
+  /// for them. The cache is not to be used meanwhile.
   class FreshBlocks {
    public:
-    FreshBlocks(BasicKVCache& c, BlockReservation& reserved) : cache_(c), reserved_(reserved) {
+    FreshBlocks(BasicKVCache& c, BlockReservation& reserved)
+        : cache_(c), reserved_(reserved), committed_before_(c.store_->counts().committed) {
       kept_.resize(c.tables_.size());
       c.tables_.swap(kept_);
     }
@@ -448,7 +449,7 @@ struct CacheAccess {
       bool any = false;
       for (const auto& table : kept_)
         for (const BlockId id : table) cache_.store_->release(id), any = true;
-      if (any) cache_.store_->give_back_unused();
+      if (any) cache_.store_->give_back_unused(committed_before_);
     }
     /// Room for the `blocks` blocks `layer` will take.
     void plan(std::size_t layer, std::size_t blocks) { cache_.tables_[layer].reserve(blocks); }
@@ -469,6 +470,7 @@ struct CacheAccess {
    private:
     BasicKVCache& cache_;
     BlockReservation& reserved_;
+    std::size_t committed_before_;
     std::vector<std::vector<BlockId>> kept_;
     bool taken_ = false;
   };
@@ -610,6 +612,20 @@ class FileReader {
 
   void expect_end() {
     if (in_.peek() != std::char_traits<char>::eof()) fail("end", offset_, "unexpected bytes after the last section");
+  }
+
+  /// Bytes left in the stream, where it can seek (a file, a string); nullopt where it cannot.
+  std::optional<std::uint64_t> remaining() {
+    const std::istream::pos_type here = in_.tellg();
+    if (here == std::istream::pos_type(-1)) return std::nullopt;
+    const std::istream::pos_type end = in_.seekg(0, std::ios::end).tellg();
+    in_.clear();
+    in_.seekg(here);
+    if (end == std::istream::pos_type(-1) || !in_) {
+      in_.clear();
+      return std::nullopt;
+    }
+    return std::uint64_t(end - here);
   }
 
   /// Tag and size (checked), the payload through read_payload(size, crc), then the CRC: for a
@@ -914,10 +930,10 @@ inline void read_layer(FileReader& file, BasicKVCache& target, std::size_t l, co
 /// Reads the table and layer sections after the header into `target` (its shape and config
 /// already match the header), all-or-nothing. A load holds the file's packed rows once, in the
 /// blocks they end in. A block is taken when the first bytes for it arrive: a block holds every
-/// head's keys and values and a section gives the first head's keys first, so a file that stops
-/// early may have taken blocks many times the bytes it sent (never beyond the capacity), and a
-/// failed load gives that memory back. The cache's own rows are staged, since the cache keeps its
-/// contents until all is read and checked.
+/// head's keys and values and a section gives the first head's keys first, so a stream that
+/// stops early may have taken blocks many times the bytes it sent (never beyond the capacity;
+/// a stream that can seek is measured first), and a failed load gives that memory back. The
+/// cache's own rows are staged, since the cache keeps its contents until all is read and checked.
 inline void read_body(FileReader& file, BasicKVCache& target) {
   using Access = CacheAccess;
   const std::size_t layers = target.shape().layers;
@@ -930,6 +946,13 @@ inline void read_body(FileReader& file, BasicKVCache& target) {
     const std::string why = Access::check(target, s);
     if (!why.empty()) file.fail("table", table_start, "layer " + std::to_string(l) + ": " + why);
   }
+  // A stream that says how much it holds gives a truncated file away before any block is taken.
+  std::uint64_t needed = 0;
+  for (const Access::LayerState& s : states) needed += Access::layer_bytes(target, s) + 16;  // tag, size, CRC
+  if (const auto left = file.remaining(); left && *left < needed)
+    file.fail("layer 0", file.offset(),
+              "the file ends " + std::to_string(needed - *left) + " bytes early (truncated): the table needs " +
+                  std::to_string(needed) + " bytes of layer sections");
   BlockReservation reserved = Access::reserve_blocks(target, states);
   std::vector<std::vector<std::uint8_t>> own(layers);
   Access::FreshBlocks fresh(target, reserved);
@@ -979,7 +1002,8 @@ inline void load(BasicKVCache& cache, std::istream& in) {
 /// What load(in) lets a file's header make a new cache allocate before its body is read
 /// (BasicKVCache::fixed_bytes: own rows, history, RoPE table, block table): a header of a few
 /// bytes could otherwise ask for any capacity. 1 GiB holds a Llama-3-8B-shaped cache of 1M
-/// positions (a 512 MiB RoPE table); blocks are then read from the body, which bounds them.
+/// positions (a 512 MiB RoPE table). Blocks are taken as the body arrives (read_body), and a
+/// file that can seek must hold the whole body before any is.
 inline constexpr std::size_t default_load_bytes = std::size_t(1) << 30;
 
 /// A new cache of the shape and config the file names, refused (kvq::Error io) where the cache
