@@ -676,8 +676,9 @@ TEST_F(DamagedFile, ForeignPreambleNamesWhatIsWrong) {
   expect_rejected("", kvq::ErrorCode::io, "section 'preamble' at offset 0", "empty");
 }
 
-// A section whose CRC is right but whose table claims more than the file holds: rejected, blocks
-// taken only as bytes arrive and given back (LoadMemory tests what that holds).
+// A section whose CRC is right but whose table claims more than the file holds: a string stream
+// is measured first, so it is refused before any block is taken (LoadMemory tests a stream that
+// cannot be measured).
 TEST_F(DamagedFile, ForgedTableWithAValidCrcIsRejected) {
   const std::size_t table = 16 + (16 + 104 + kvq::to_string(config).size());  // start of the table section
   std::string bytes = file;
