@@ -87,14 +87,16 @@ usage: kvq-eval [options]
   --help               this text
 
 Configuration strings: k<bits><c|t><group>[o<n>][s|g|n|l|i|e4m3|e5m2|b<levels>][.bf16|.f32]-v...
-                      -r<window>-s<sinks>[-post][-hk|-hsk][-hv|-hsv][-f32]
+                      -r<window>-s<sinks>[-fk][-fv][-post][-hk|-hsk][-hv|-hsv][-f32]
   c = per channel (one scale per channel per run of <group> tokens), t = per token,
   o<n> = keep the n values of each group farthest out exact (dense-and-sparse outliers),
   s = symmetric, g = ggml's levels (k4t32g is llama.cpp's q4_0, k8t32g its q8_0; in the cache,
   read by kvq's kernels), n / l = NormalFloat / Lloyd-Max levels read through a table,
   i = llama.cpp's iq4_nl levels (4 bits), e4m3 / e5m2 = 8-bit floats with a scale per group
   (vLLM's fp8 cache with k8t<group>e4m3), b<levels> = a codebook (4 hex digits of f16 per level),
-  k16/v16 = unquantized, -post = the cache receives post-RoPE keys,
+  k16/v16 = unquantized, -fk/-fv = keys/values leave the window R at a time once R have
+  gathered (KIVI's keys; Hugging Face's keys and values), not as each group or token is due,
+  -post = the cache receives post-RoPE keys,
   -hk/-hv = store keys/values rotated by a Hadamard transform per head (-hsk/-hsv: with random
   signs; pre-RoPE keys are rotated back before RoPE when attention reads them).
 
@@ -112,6 +114,7 @@ The same layouts as kvq caches (in --set engines; <d> = head_dim):
   k8t<d>e4m3-v8t<d>e4m3-r0-s0-post and e5m2      vLLM's fp8 with a scale per head vector
   k<K>t<d>l-v<V>t<d>l-r0-s0-post-hsk-hsv          TurboQuant's layout (int8 symmetric at 8 bits)
   k<B>t64-v<B>t64-r128-s0-post                    HF's, the newest 128 tokens always exact
+                                                  (-fk-fv after -s0: HF's window, flushed)
 )";
 
 struct EvalOptions {
@@ -294,7 +297,8 @@ inline std::vector<Candidate> config_set(const std::string& set, std::size_t hea
     for (const auto& [k, v] : turbo_bit_pairs)
       names.push_back(turbo('k', k) + "-" + turbo('v', v) + "-r0-s0-post-hsk-hsv");
     // Hugging Face's QuantizedCache: groups of 64 channels (the head where it is shorter), the
-    // newest 128 tokens exact (always 128 here; HF holds 0 to 127 between its flushes).
+    // newest 128 tokens exact (always 128 here; HF holds 0 to 127 between its flushes, which
+    // -fk-fv reproduces).
     const std::string hf = "t" + std::to_string(EngineFormat::hf_group_of(head_dim));
     for (const char* b : {"4", "2"})
       names.push_back(std::string("k") + b + hf + "-v" + b + hf + "-r" + std::to_string(EngineFormat::hf_residual) +

@@ -39,7 +39,8 @@ inline std::string axes_label(const ConfigResult& r) {
 /// True when sinks and the full-precision window hold every position of a story of `length`
 /// tokens: such a cache quantizes nothing, and its row measures fp16 storage, not the quantizer.
 inline bool window_covers(const CacheConfig& c, std::size_t length) noexcept {
-  return (c.quantize_keys || c.quantize_values) && c.sinks + c.window >= length;
+  const std::size_t reach = c.flush == WindowFlush::none ? c.window : c.window - 1;  // a flush quantizes at R
+  return (c.quantize_keys || c.quantize_values) && c.sinks + reach >= length;
 }
 
 /// window_covers for a result; for a per-layer candidate: some layer quantizes, and every layer

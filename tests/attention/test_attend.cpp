@@ -43,9 +43,9 @@ std::vector<float> oracle_with_new(const BasicKVCache& cache, std::size_t layer,
 }
 
 const char* const kConfigs[] = {
-    "k4c32-v2t32-r20-s3",    "k4c32-v2t32-r16-s0-post", "k8c32-v8t32-r8-s1-f32",  "k2c16-v4t32-r0-s2",
-    "k16-v16-r0-s0-post",    "k3c8-v5t16-r5-s0",        "k3c32o1-v2t16o1-r20-s3", "k4t32-v2t32-r16-s1-post-hk-hsv",
-    "k4c32-v2t32-r20-s3-hv", "k4t32-v2t32-r16-s1-hsk"};
+    "k4c32-v2t32-r20-s3",    "k4c32-v2t32-r16-s0-post", "k8c32-v8t32-r8-s1-f32",      "k2c16-v4t32-r0-s2",
+    "k16-v16-r0-s0-post",    "k3c8-v5t16-r5-s0",        "k3c32o1-v2t16o1-r20-s3",     "k4t32-v2t32-r16-s1-post-hk-hsv",
+    "k4c32-v2t32-r20-s3-hv", "k4t32-v2t32-r16-s1-hsk",  "k4c32-v2t32-r64-s3-fk-post", "k2c32-v4t32-r64-s1-fk-fv"};
 
 // Speculative verification: T stored positions, every query seeing the prefix and the drafts
 // before it; groups of up to 64 rows per KV head, and more (T x GQA = 5 x 16 = 80 rows).

@@ -170,7 +170,9 @@ TEST(DecodeAttention, MatchesReferenceOnAwkwardSizes) {
         // 3-bit values per token on the exact span kernel (fields crossing bytes), beside 2/3/4/8-bit
         // keys before and after RoPE, affine, ggml's and table levels
         "k4c32-v3t32-r16-s1-post", "k3c32-v3t32-r40-s1", "k2c16n-v3t32l-r8-s0-post", "k8c32-v3t32g-r16-s2",
-        "k3c48l-v3t32n-r8-s1-post", "k4c64-v3t32s-r16-s0"}) {
+        "k3c48l-v3t32n-r8-s1-post", "k4c64-v3t32s-r16-s0",
+        // windows that flush (KIVI's keys, packed beyond the values; Hugging Face's keys and values)
+        "k2c32-v2t32-r64-s0-fk-post", "k4c32-v2t32-r32-s1-fk", "k4t32-v4t32-r24-s0-fk-fv-post"}) {
     for (const auto& [kv, group] : {std::pair<std::size_t, std::size_t>{2, 1}, {1, 4}, {2, 8}}) {
       for (const std::size_t dim : {64, 128}) {
         check_case({config, kv, group, dim, 301, 300}, seed++);

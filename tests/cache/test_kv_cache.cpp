@@ -73,8 +73,9 @@ TEST(KVCacheWindow, QuantizesExactlyWhatTheRuleSays) {
 // residual type stored them: whether the block was read in place from the ring or, where it wraps
 // around the ring's end (windows that are not a multiple of the group), through floats.
 TEST(KVCacheWindow, PackedKeyBlocksAreTheReferenceQuantizationOfTheStoredRows) {
-  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4t32-r32-s0-bf16", "k8c32-v8t32-r128-s1-f32",
-                           "k3c8-v5t16-r5-s0", "k4c32s-v2t32-r40-s0"}) {
+  for (const char* text :
+       {"k4c32-v2t32-r20-s3", "k2c16-v4t32-r32-s0-bf16", "k8c32-v8t32-r128-s1-f32", "k3c8-v5t16-r5-s0",
+        "k4c32s-v2t32-r40-s0", "k4c32-v2t32-r64-s3-fk", "k2c16-v4t32-r48-s0-fk-fv"}) {
     const CacheShape shape{1, 2, 64, 400};
     const std::size_t n = 301, dim = 64;
     const auto k = kvq::test::outlier_keys(n, 2, dim, 3, 8.0f, 12), v = kvq::test::normal_vector(n * 2 * dim, 13);
@@ -117,9 +118,70 @@ TEST(KVCacheWindow, ZeroWindowQuantizesEveryCompleteGroupAtOnce) {
   EXPECT_EQ(cache.quantized_end(kvq::Tensor::values, 0), 10u);
 }
 
+// Keys that flush their window are KIVI's: after a prompt of L tokens it keeps the last L mod R
+// keys exact and quantizes the rest (its prefill), and while decoding it quantizes the R exact
+// keys together once there are R. Values keep sliding: the newest R exact. Checked at every
+// length against those two rules as KIVI writes them, and against what read_row returns.
+TEST(KVCacheWindow, KeysThatFlushTheirWindowAreQuantizedAsKIVIDoes) {
+  const std::size_t R = 64, dim = 32, n = 300;
+  const CacheShape shape{1, 1, dim, 400};
+  const CacheConfig config = config_of("k2c32-v2t32-r64-s0-fk-post-f32");
+  const auto k = kvq::test::outlier_keys(n, 1, dim, 3, 8.0f, 21), v = kvq::test::normal_vector(n * dim, 22);
+  BasicKVCache decoded(shape, config);
+  std::vector<float> row(dim);
+  for (std::size_t length = 1; length <= n; ++length) {
+    append_all(decoded, k, v, length - 1, length);
+    BasicKVCache prompt(shape, config);
+    append_all(prompt, k, v, 0, length);
+    const std::size_t key_end = length - length % R, value_end = length > R ? length - R : 0;
+    for (const BasicKVCache* c : {&decoded, &prompt}) {
+      ASSERT_EQ(c->quantized_end(kvq::Tensor::keys, 0), key_end) << "length " << length;
+      ASSERT_EQ(c->quantized_end(kvq::Tensor::values, 0), value_end) << "length " << length;
+    }
+    EXPECT_TRUE(snapshot(decoded) == snapshot(prompt)) << "length " << length;
+    for (std::size_t p = key_end > 0 ? key_end - 1 : 0; p < length; ++p) {  // the exact keys, and the last packed one
+      decoded.read_row(kvq::Tensor::keys, 0, 0, p, row.data());
+      const bool exact = std::equal(row.begin(), row.end(), k.begin() + std::ptrdiff_t(p * dim));
+      EXPECT_EQ(exact, p >= key_end) << "length " << length << " position " << p;
+    }
+  }
+  // At most R - 1 keys are exact, where a sliding window keeps R to R + G - 1: fewer bytes.
+  BasicKVCache sliding(shape, config_of("k2c32-v2t32-r64-s0-post-f32"));
+  append_all(sliding, k, v, 0, n);
+  EXPECT_LT(decoded.memory().total_bytes(), sliding.memory().total_bytes());
+}
+
+// With sinks, per-channel values that flush too, up to a capacity that holds no whole number of
+// windows after the sinks: positions [S + kR, S + (k+1)R) are packed once S + (k+1)R are held,
+// and a window longer than the capacity packs nothing and keeps no rollback copies.
+TEST(KVCacheWindow, FlushesCountFromTheSinksUpToTheCapacity) {
+  const std::size_t dim = 32, capacity = 300;
+  const CacheShape shape{1, 1, dim, capacity};
+  const auto k = kvq::test::outlier_keys(capacity, 1, dim, 3, 8.0f, 23),
+             v = kvq::test::normal_vector(capacity * dim, 24);
+  for (const auto& [text, R, S] : {std::tuple{"k4c32-v4c32-r64-s3-fk-fv", 64u, 3u},
+                                   {"k4c16-v2t32-r48-s5-fk", 48u, 5u},
+                                   {"k4c32-v2t32-r512-s1-fk-fv", 512u, 1u}}) {
+    SCOPED_TRACE(text);
+    const CacheConfig config = config_of(text);
+    BasicKVCache cache(shape, config);
+    for (std::size_t length = 1; length <= capacity; ++length) {
+      append_all(cache, k, v, length - 1, length);
+      const std::size_t flushed = length > S ? S + (length - S) / R * R : S;
+      ASSERT_EQ(cache.quantized_end(kvq::Tensor::keys, 0), flushed) << "length " << length;
+      const std::size_t values = config.flush == kvq::WindowFlush::both ? flushed : length > S + R ? length - R : S;
+      ASSERT_EQ(cache.quantized_end(kvq::Tensor::values, 0), values) << "length " << length;
+    }
+    CacheConfig no_rollback = config;
+    no_rollback.rollback_depth = 0;
+    EXPECT_EQ(BasicKVCache::own_bytes(shape, config) == BasicKVCache::own_bytes(shape, no_rollback), R > capacity);
+  }
+}
+
 TEST(KVCacheChunking, StorageIsByteIdenticalHoweverTokensArrive) {
-  for (const char* text : {"k4c32-v2t32-r20-s3", "k3c8-v5t16-r0-s0", "k2t32-v2c32-r7-s1", "k8c16s-v4t64s-r33-s2-bf16",
-                           "k3c32o1-v4t16o2-r20-s3"}) {
+  for (const char* text :
+       {"k4c32-v2t32-r20-s3", "k3c8-v5t16-r0-s0", "k2t32-v2c32-r7-s1", "k8c16s-v4t64s-r33-s2-bf16",
+        "k3c32o1-v4t16o2-r20-s3", "k4c32-v2t32-r64-s3-fk", "k3c8-v5t16-r24-s0-fk-fv", "k2c16-v4c16-r32-s1-fk-fv"}) {
     const CacheShape shape{2, 2, 64, 300};
     const std::size_t n = 257, row = 2 * 64;
     const auto k = kvq::test::outlier_keys(n, 2, 64, 3, 8.0f, 5), v = kvq::test::normal_vector(n * row, 6);
@@ -277,13 +339,14 @@ std::vector<float> attend(const BasicKVCache& c, std::size_t layer, kvq::Tier ti
   return out;
 }
 
-// Context shift: the rows after the erased range move down unchanged (packed groups whole, pending
-// rows through the ring). Where the range lies inside the packed groups, the cache equals one that
-// received only the kept tokens, for attention now and after further appends.
+// Context shift: the rows after the erased range move down unchanged (packed groups and flushes
+// whole, pending rows through the ring). Where the range lies inside the packed rows, the cache
+// equals one that received only the kept tokens, for attention now and after further appends.
 TEST(KVCacheOperations, EraseMovesLaterTokensDownUnchanged) {
   std::size_t compared_with_fresh = 0;
-  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4c16-r0-s0", "k16-v16-r0-s2", "k8c16-v4t64s-r33-s2-bf16",
-                           "k4c32-v2t32-r128-s1", "k3c32-v3t16-r8-s1", "k3c32o1-v2t16o1-r8-s1"}) {
+  for (const char* text :
+       {"k4c32-v2t32-r20-s3", "k2c16-v4c16-r0-s0", "k16-v16-r0-s2", "k8c16-v4t64s-r33-s2-bf16", "k4c32-v2t32-r128-s1",
+        "k3c32-v3t16-r8-s1", "k3c32o1-v2t16o1-r8-s1", "k4c32-v2t32-r32-s1-fk", "k3c16-v3t16-r32-s1-fk-fv"}) {
     const CacheConfig config = config_of(text);
     const CacheShape shape{2, 2, 64, 400};
     const std::size_t n = 300, row = 2 * 64, s = config.sinks;
@@ -367,6 +430,10 @@ TEST(KVCacheOperations, EraseRejectsWhatItCannotMoveAndChangesNothing) {
   expect_rejected("k4c32-v2t32-r20-s1", 33, 20, kvq::ErrorCode::unsupported, "move packed key groups by 20");
   expect_rejected("k4c32-v2t32-r20-s1-post", 33, 32, kvq::ErrorCode::unsupported, "post-RoPE");
   expect_rejected("k16-v4c16-r0-s0", 8, 16, kvq::ErrorCode::unsupported, "value group starting at 0");
+  // keys that flush 64 at a time: packed up to 1 + 2 * 64 = 129, moved in whole flushes
+  expect_rejected("k4c32-v2t32-r64-s1-fk", 33, 64, kvq::ErrorCode::unsupported,
+                  "split the packed key flush starting at 1 (flushes of 64 from position 1)");
+  expect_rejected("k4c32-v2t32-r64-s1-fk", 65, 32, kvq::ErrorCode::unsupported, "move packed key flushes by 32");
 
   // post-RoPE keys may lose their tail: nothing moves
   BasicKVCache cache(shape, config_of("k4c32-v2t32-r20-s1-post"));
@@ -379,7 +446,7 @@ TEST(KVCacheOperations, EraseRejectsWhatItCannotMoveAndChangesNothing) {
 
 // shift_unit is erase's granule: a context shift that keeps the sinks and a number of tokens and
 // drops a number, each rounded up to it, is accepted; one token off it is refused where packed
-// per-channel groups are involved.
+// per-channel groups or flushed windows are involved.
 TEST(KVCacheOperations, ShiftsRoundedToTheShiftUnitAreAccepted) {
   const CacheShape shape{2, 2, 64, 400};
   const auto k = kvq::test::normal_vector(300 * 128, 51), v = kvq::test::normal_vector(300 * 128, 52);
@@ -387,7 +454,9 @@ TEST(KVCacheOperations, ShiftsRoundedToTheShiftUnitAreAccepted) {
                                    {"k2c16-v4c16-r0-s0", 16u},
                                    {"k4c32-v4c64-r8-s1", 64u},
                                    {"k16-v16-r0-s2", 1u},
-                                   {"k4t32-v2t32-r16-s1", 1u}}) {
+                                   {"k4t32-v2t32-r16-s1", 1u},
+                                   {"k4c32-v2t32-r64-s1-fk", 64u},
+                                   {"k4t32-v2t32-r24-s1-fk-fv", 24u}}) {
     SCOPED_TRACE(text);
     const CacheConfig config = config_of(text);
     EXPECT_EQ(kvq::shift_unit(config), std::size_t(unit));
@@ -414,9 +483,10 @@ TEST(KVCacheOperations, ShiftsRoundedToTheShiftUnitAreAccepted) {
 // longest length held: after every step the cache equals one fed the surviving tokens directly.
 TEST(KVCacheRollback, RandomRollbacksEqualAFreshCache) {
   std::size_t rollbacks = 0, reopened = 0;
-  for (const char* text :
-       {"k4c32-v2t32-r20-s3", "k2c16-v4c16-r0-s0", "k16-v16-r0-s2", "k8c16-v4t32s-r33-s2-bf16", "k3c8-v5t16-r5-s0-d5",
-        "k2t32-v2c32-r7-s1-d40", "k4c8-v2t8-r8-s0-d1", "k4c32-v2t32-r128-s1", "k3c8o1-v4t8o1-r5-s0-d5"}) {
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k2c16-v4c16-r0-s0", "k16-v16-r0-s2", "k8c16-v4t32s-r33-s2-bf16",
+                           "k3c8-v5t16-r5-s0-d5", "k2t32-v2c32-r7-s1-d40", "k4c8-v2t8-r8-s0-d1", "k4c32-v2t32-r128-s1",
+                           "k3c8o1-v4t8o1-r5-s0-d5", "k4c32-v2t32-r64-s3-fk", "k3c8-v5t16-r16-s0-fk-fv-d5",
+                           "k2c16-v4t32-r32-s1-fk-d40", "k4c32-v2c32-r64-s1-fk-fv-d8"}) {
     const CacheConfig config = config_of(text);
     const std::size_t D = config.rollback_depth, dim = 32, heads = 2, row = heads * dim, capacity = 400;
     const CacheShape shape{2, heads, dim, capacity};
@@ -455,7 +525,10 @@ TEST(KVCacheRollback, RandomRollbacksEqualAFreshCache) {
       for (std::size_t l = 0; l < 2; ++l) {  // the newest R keys and values are full precision
         for (const kvq::Tensor t : {kvq::Tensor::keys, kvq::Tensor::values}) {
           const std::size_t end = cache.quantized_end(t, l);
-          EXPECT_TRUE(end == config.sinks || end + config.window <= length) << where;
+          if (kvq::flushes(config.flush, t == kvq::Tensor::keys))  // fewer than R since the last flush
+            EXPECT_TRUE(end >= length || length - end < config.window) << where;
+          else
+            EXPECT_TRUE(end == config.sinks || end + config.window <= length) << where;
         }
       }
       if (::testing::Test::HasFailure()) return;

@@ -86,7 +86,7 @@ std::vector<float> decode_outputs(const BasicKVCache& cache) {
 
 const char* const kConfigs[] = {"k4c32-v2t32-r20-s3", "k2c16-v4t32-r32-s0-post", "k8c32-v8t32-r16-s1-f32",
                                 "k3c8-v5t16-r5-s2",   "k16-v16-r0-s1",           "k16-v16-r0-s0-post-f32",
-                                "k4c32-v2c32-r40-s0", "k4t64-v16-r8-s0"};
+                                "k4c32-v2c32-r40-s0", "k4t64-v16-r8-s0",         "k4c32-v2t32-r64-s3-fk"};
 
 // Attention reads a stream as one segment per block: with blocks of one unit, of two, and one
 // block for the whole capacity, every kernel gives the same bits, and stays near the oracle.
@@ -120,7 +120,7 @@ TEST(PagedCache, AttentionOverManyBlocksEqualsOneBlock) {
 TEST(PagedCache, EveryKernelAgreesAcrossBlockLengths) {
   for (const auto& kernel : kvq::kernels::attention::registry()) {
     if (!kernel.available()) continue;
-    for (const char* text : {"k4c32-v2t32-r20-s3-post", "k4c32-v2t32-r20-s3"}) {
+    for (const char* text : {"k4c32-v2t32-r20-s3-post", "k4c32-v2t32-r20-s3", "k4c32-v2t32-r64-s3-fk"}) {
       const CacheConfig config = config_of(text);
       CacheShape shape{1, 2, 64, 400};
       Tokens tokens;

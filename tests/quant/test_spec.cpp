@@ -70,6 +70,8 @@ TEST(Policies, PresetConfigsMatchTheirStrings) {
   EXPECT_EQ(kvq::K8V4::config(), kvq::parse_cache_config("k8c32-v4t32-r128-s0"));
   EXPECT_EQ(kvq::K2V2WrongAxes::config(), kvq::parse_cache_config("k2t32-v2c32-r128-s0"));
   EXPECT_EQ(kvq::K4V4KeysPostRope::config(), kvq::parse_cache_config("k4c32-v4t32-r128-s0-post"));
+  EXPECT_EQ(kvq::to_string(kvq::KIVI2::config()), "k2c32-v2t32-r128-s0-fk-post");
+  EXPECT_EQ(kvq::to_string(kvq::KIVI4::config()), "k4c32-v4t32-r128-s0-fk-post");
   EXPECT_EQ(kvq::to_string(kvq::K4V2::config()), "k4c32-v2t32-r128-s0");
   using Custom = kvq::KVPolicy<kvq::PerChannel<3, 64, Mode::symmetric, kvq::bf16>,
                                kvq::PerToken<6, 16, Mode::asymmetric, float>, 64, 4, KeyRope::post, float>;
@@ -202,6 +204,13 @@ TEST(Spec, CacheConfigStringRoundTrip) {
     EXPECT_EQ(kvq::parse_cache_config(text), d) << text;
   }
   EXPECT_THROW((void)kvq::parse_cache_config("k4c32-v2t32-r128-s0-d16"), kvq::Error);  // the default is not written
+  for (const auto& [text, flush] : {std::pair{"k2c32-v2t32-r128-s0-fk-post", kvq::WindowFlush::keys},
+                                    {"k4t64-v4t64-r128-s0-fk-fv-post", kvq::WindowFlush::both},
+                                    {"k4c32-v2t32-r7-s3-fv-hk-f32-d4", kvq::WindowFlush::values}}) {
+    const CacheConfig f = kvq::parse_cache_config(text);
+    EXPECT_EQ(f.flush, flush) << text;
+    EXPECT_EQ(kvq::to_string(f), text);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -283,7 +292,11 @@ TEST(Spec, ParserAcceptsOnlyTheCanonicalForm) {
                            "k4c32-v2t32-r128-s0-d5-post",
                            "k4c32-v2t32-r128-s0-d16",
                            "k4c32-v2t32-r128-s0-d4097",
-                           "k4c32-v2t32-r128-s0-d5-d6"}) {
+                           "k4c32-v2t32-r128-s0-d5-d6",
+                           "k4c32-v2t32-r128-s0-fv-fk",
+                           "k4c32-v2t32-r128-s0-fk-fk",
+                           "k4c32-v2t32-r128-s0-post-fk",
+                           "k4c32-v2t32-r128-fk-s0"}) {
     SCOPED_TRACE(text);
     expect_error([&] { (void)kvq::parse_cache_config(text); }, {std::string("'") + text + "'"});
   }
@@ -291,6 +304,20 @@ TEST(Spec, ParserAcceptsOnlyTheCanonicalForm) {
   expect_error([] { (void)kvq::parse_cache_config("k4c32-v2t32-r128"); }, {"sinks"});
   expect_error([] { (void)kvq::parse_cache_config("k4c32-v2t32-r128-s0-pre"); }, {"'pre'"});
   expect_error([] { (void)kvq::parse_cache_config("k4c999999999-v2t32-r128-s0"); }, {"4096"});
+}
+
+// A window flushes R rows of a quantized tensor at a time: whole groups when per channel.
+TEST(Spec, FlushNeedsQuantizedRowsAWindowAndWholeGroups) {
+  expect_error([] { (void)kvq::parse_cache_config("k16-v2t32-r128-s0-fk"); }, {"keys flush", "not quantized"});
+  expect_error([] { (void)kvq::parse_cache_config("k4c32-v16-r128-s0-fv"); }, {"values flush", "not quantized"});
+  expect_error([] { (void)kvq::parse_cache_config("k4c32-v2t32-r0-s0-fk"); }, {"keys flush", "window is 0"});
+  expect_error([] { (void)kvq::parse_cache_config("k4c32-v2t32-r48-s0-fk"); },
+               {"'k4c32-v2t32-r48-s0-fk'", "window of 48 is no multiple of their group of 32"});
+  expect_error([] { (void)kvq::parse_cache_config("k4c32-v2c32-r40-s0-fv"); }, {"values flush", "group of 32"});
+  EXPECT_NO_THROW((void)kvq::parse_cache_config("k4t32-v2t32-r7-s0-fk-fv"));  // per token: any window
+  CacheConfig c;
+  c.flush = static_cast<kvq::WindowFlush>(4);
+  expect_error([&] { kvq::validate(c); }, {"flush 4"});
 }
 
 // Configurations built in code go through the same checks as parsed ones.

@@ -37,22 +37,37 @@ enum class Rotation : unsigned char {
   signed_hadamard,  // H D with fixed random signs D (rotation_sign_seed), as TurboQuant and QuaRot draw them
 };
 
+/// Which quantized tensors leave the full-precision window R rows at a time. A tensor that does
+/// not flush quantizes each per-channel group (or per-token row) as soon as it is older than the
+/// newest R tokens, so the newest R are always exact (R to R + G - 1 keys per channel). One that
+/// flushes keeps its rows exact until R have gathered after the last flush and then quantizes all
+/// R together, so 0 to R - 1 are exact: KIVI's keys (its residual_length), and Hugging Face's
+/// QuantizedCache for keys and values. Cheaper by up to R rows, and the newest tokens right after
+/// a flush are quantized.
+enum class WindowFlush : unsigned char { none, keys, values, both };
+
+/// Whether `flush` makes the key (keys = true) or value stream flush its window.
+constexpr bool flushes(WindowFlush flush, bool keys) noexcept {
+  return flush == WindowFlush::both || flush == (keys ? WindowFlush::keys : WindowFlush::values);
+}
+
 /// The seed of Rotation::signed_hadamard's signs: part of the format, the same for every cache.
 inline constexpr std::uint64_t rotation_sign_seed = 0x6b76712d68616461ull;
 
 struct CacheConfig {
   QuantizerSpec key{4, 32, Axis::per_channel, Mode::asymmetric, Scalar::f16};
   QuantizerSpec value{2, 32, Axis::per_token, Mode::asymmetric, Scalar::f16};
-  bool quantize_keys = true;    // false: keys stay in the residual type for good
-  bool quantize_values = true;  // false: values stay in the residual type for good
-  std::size_t window = 128;     // R: newest tokens kept in full precision
-  std::size_t sinks = 0;        // S: first tokens kept in full precision for good
+  bool quantize_keys = true;              // false: keys stay in the residual type for good
+  bool quantize_values = true;            // false: values stay in the residual type for good
+  std::size_t window = 128;               // R: newest tokens kept in full precision
+  std::size_t sinks = 0;                  // S: first tokens kept in full precision for good
+  WindowFlush flush = WindowFlush::none;  // which tensors leave the window R at a time (KIVI's keys)
   KeyRope key_rope = KeyRope::pre;
   Scalar residual = Scalar::f16;  // storage type of window and sink tokens
   // D: how many tokens truncate() can take back exactly, re-opening quantized groups and tokens
   // (speculative decoding). Costs full-precision copies of the last D + G packed rows (D + 1 for
-  // a per-token tensor) per layer, KV head and tensor, made as rows are packed; 0 turns it off
-  // (truncate then re-opens only rows still in the ring).
+  // a per-token tensor, D + R for one that flushes) per layer, KV head and tensor, made as rows
+  // are packed; 0 turns it off (truncate then re-opens only rows still in the ring).
   std::size_t rollback_depth = 16;
   Rotation key_rotation = Rotation::none;  // pre-RoPE keys are rotated back before RoPE, in the kernels
   Rotation value_rotation = Rotation::none;
@@ -82,14 +97,17 @@ inline std::string rotation_part(Rotation r, char tensor) {
   return std::string(r == Rotation::hadamard ? "h" : "hs") + tensor;
 }
 
-/// "k4c32-v2t32-r128-s1" plus "-post" for post-RoPE keys, "-hk"/"-hsk" and "-hv"/"-hsv" for
-/// rotated keys and values, "-f32"/"-bf16" for the residual type and "-d<D>" for a rollback depth
-/// other than 16; "k16"/"v16" keep that tensor unquantized.
+/// "k4c32-v2t32-r128-s1" plus "-fk"/"-fv" for keys/values that flush their window, "-post" for
+/// post-RoPE keys, "-hk"/"-hsk" and "-hv"/"-hsv" for rotated keys and values, "-f32"/"-bf16" for
+/// the residual type and "-d<D>" for a rollback depth other than 16; "k16"/"v16" keep that tensor
+/// unquantized.
 inline std::string to_string(const CacheConfig& c) {
   std::string s = c.quantize_keys ? to_string(c.key, 'k', c.key_head_codebooks) : std::string("k16");
   s += '-';
   s += c.quantize_values ? to_string(c.value, 'v', c.value_head_codebooks) : std::string("v16");
   s += "-r" + std::to_string(c.window) + "-s" + std::to_string(c.sinks);
+  if (flushes(c.flush, true)) s += "-fk";
+  if (flushes(c.flush, false)) s += "-fv";
   if (c.key_rope == KeyRope::post) s += "-post";
   if (c.key_rotation != Rotation::none) s += "-" + rotation_part(c.key_rotation, 'k');
   if (c.value_rotation != Rotation::none) s += "-" + rotation_part(c.value_rotation, 'v');
@@ -107,6 +125,23 @@ inline void validate(const CacheConfig& c) {
     throw Error(ErrorCode::invalid_argument, "cache configuration: rollback depth " + std::to_string(c.rollback_depth) +
                                                  " exceeds the limit of " +
                                                  std::to_string(CacheConfig::max_rollback_depth));
+  if (c.flush != WindowFlush::none && c.flush != WindowFlush::keys && c.flush != WindowFlush::values &&
+      c.flush != WindowFlush::both)
+    throw Error(ErrorCode::invalid_argument,
+                "cache configuration: flush " + std::to_string(int(c.flush)) + " is not a WindowFlush");
+  for (const auto& [spec, quantized, what] :
+       {std::tuple{&c.key, c.quantize_keys, "key"}, std::tuple{&c.value, c.quantize_values, "value"}}) {
+    if (!flushes(c.flush, what[0] == 'k')) continue;
+    const std::string prefix = std::string("cache configuration: ") + what + "s flush their window, but ";
+    if (!quantized) throw Error(ErrorCode::invalid_argument, prefix + "they are not quantized");
+    if (c.window == 0)
+      throw Error(ErrorCode::invalid_argument,
+                  prefix + "the window is 0 (every complete group is quantized at once either way)");
+    if (spec->axis == Axis::per_channel && c.window % spec->group != 0)
+      throw Error(ErrorCode::invalid_argument, prefix + "the window of " + std::to_string(c.window) +
+                                                   " is no multiple of their group of " + std::to_string(spec->group) +
+                                                   " tokens");
+  }
   if (c.key_rope != KeyRope::pre && c.key_rope != KeyRope::post)
     throw Error(ErrorCode::invalid_argument,
                 "cache configuration: key_rope " + std::to_string(int(c.key_rope)) + " is not a KeyRope");
@@ -147,16 +182,16 @@ inline void validate(const CacheConfig& c) {
   }
 }
 
-/// Parses exactly the form to_string writes: key, value, window and sinks in that order, then
-/// "-post", the rotations, a residual type other than f16 and a rollback depth other than 16 when
-/// they apply. Each part appears once and none
-/// is implied, so a string names one configuration and reads back as itself.
+/// Parses exactly the form to_string writes: key, value, window and sinks in that order, then the
+/// flushes, "-post", the rotations, a residual type other than f16 and a rollback depth other than
+/// 16 when they apply. Each part appears once and none is implied, so a string names one
+/// configuration and reads back as itself.
 inline CacheConfig parse_cache_config(std::string_view text) {
   const std::string original(text);
   auto fail = [&](const std::string& why) -> CacheConfig {
     throw Error(ErrorCode::invalid_argument,
                 "cache configuration '" + original + "': " + why +
-                    " (expected e.g. k4c32-v2t32-r128-s1[-post][-hk|-hsk][-hv|-hsv][-f32|-bf16][-d8])");
+                    " (expected e.g. k4c32-v2t32-r128-s1[-fk][-fv][-post][-hk|-hsk][-hv|-hsv][-f32|-bf16][-d8])");
   };
   std::vector<std::string_view> parts;
   if (!text.empty() && text.back() == '-') return fail("trailing '-'");
@@ -201,6 +236,12 @@ inline CacheConfig parse_cache_config(std::string_view text) {
   number(2, 'r', c.window);
   number(3, 's', c.sinks);
   std::size_t i = 4;
+  const bool flush_keys = i < parts.size() && parts[i] == "fk";
+  i += flush_keys;
+  const bool flush_values = i < parts.size() && parts[i] == "fv";
+  i += flush_values;
+  c.flush = flush_keys ? (flush_values ? WindowFlush::both : WindowFlush::keys)
+                       : (flush_values ? WindowFlush::values : WindowFlush::none);
   if (i < parts.size() && parts[i] == "post") c.key_rope = KeyRope::post, ++i;
   for (const auto& [target, tensor] : {std::pair{&c.key_rotation, 'k'}, std::pair{&c.value_rotation, 'v'}})
     for (const Rotation r : {Rotation::hadamard, Rotation::signed_hadamard})
@@ -220,10 +261,9 @@ inline CacheConfig parse_cache_config(std::string_view text) {
     ++i;
   }
   if (i < parts.size())
-    return fail(
-        "unexpected part '" + std::string(parts[i]) +
-        "' (after the sinks come only 'post', then 'hk' or 'hsk', then 'hv' or 'hsv', then 'f32' or 'bf16', then "
-        "'d<depth>', each at most once)");
+    return fail("unexpected part '" + std::string(parts[i]) +
+                "' (after the sinks come only 'fk', then 'fv', then 'post', then 'hk' or 'hsk', then 'hv' or 'hsv', "
+                "then 'f32' or 'bf16', then 'd<depth>', each at most once)");
   try {
     validate(c);
   } catch (const Error& e) {

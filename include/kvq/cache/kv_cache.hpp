@@ -15,7 +15,8 @@
 //
 // Exact rollback: the ring keeps the full-precision rows of the newest positions, packed or
 // not, and a history beside it copies each row as it is packed, for the last D + G packed
-// positions (D = CacheConfig::rollback_depth; D + 1 for values per token). truncate() restores
+// positions (D = CacheConfig::rollback_depth; D + 1 for values per token, D + R for a stream
+// that flushes its window). truncate() restores
 // the ring a shorter cache would have and re-opens the quantized groups and tokens it would not
 // have packed yet, so a cache cut by up to D tokens holds exactly the bytes of one that never
 // saw the dropped tokens. Cost: those rows per layer, KV head and tensor in the residual type,
@@ -179,9 +180,8 @@ class BasicKVCache {
     charge_ = OwnRowsCharge(store, own_bytes(shape, config), own_rows_name, own_rows_from);
     block_rows_ = kvq::block_tokens(shape, config);
     shape_.block_tokens = block_rows_;
-    layouts_[0] = StreamLayout(config.key, config.quantize_keys, shape.head_dim, config, shape.capacity, block_rows_);
-    layouts_[1] =
-        StreamLayout(config.value, config.quantize_values, shape.head_dim, config, shape.capacity, block_rows_);
+    layouts_[0] = StreamLayout(true, shape.head_dim, config, shape.capacity, block_rows_);
+    layouts_[1] = StreamLayout(false, shape.head_dim, config, shape.capacity, block_rows_);
     // Each stream is below 2^47 bytes (capacity and head_dim limits); the products over layers
     // and heads are what can wrap.
     head_bytes_ = layouts_[0].bytes + layouts_[1].bytes;
@@ -219,8 +219,8 @@ class BasicKVCache {
   static std::size_t block_bytes(const CacheShape& shape, const CacheConfig& config) {
     validate(shape, config);
     const std::size_t rows = kvq::block_tokens(shape, config);
-    const StreamLayout k(config.key, config.quantize_keys, shape.head_dim, config, shape.capacity, rows);
-    const StreamLayout v(config.value, config.quantize_values, shape.head_dim, config, shape.capacity, rows);
+    const StreamLayout k(true, shape.head_dim, config, shape.capacity, rows),
+        v(false, shape.head_dim, config, shape.capacity, rows);
     return checked_mul(k.block_bytes + v.block_bytes, shape.kv_heads, "cache block bytes");
   }
 
@@ -241,8 +241,8 @@ class BasicKVCache {
   static std::size_t own_bytes(const CacheShape& shape, const CacheConfig& config) {
     validate(shape, config);
     const std::size_t rows = kvq::block_tokens(shape, config);
-    const StreamLayout k(config.key, config.quantize_keys, shape.head_dim, config, shape.capacity, rows);
-    const StreamLayout v(config.value, config.quantize_values, shape.head_dim, config, shape.capacity, rows);
+    const StreamLayout k(true, shape.head_dim, config, shape.capacity, rows),
+        v(false, shape.head_dim, config, shape.capacity, rows);
     const std::size_t per_head =
         k.bytes + v.bytes + k.history_rows * row_size(k) + v.history_rows * row_size(v);  // each below 2^48
     const std::size_t own = checked_mul(
@@ -420,7 +420,8 @@ class BasicKVCache {
   /// carry no position: a layer without RoPE, rope_style none). Packed
   /// groups move whole: in a stream quantized per channel (group G), a range that reaches into the
   /// quantized positions must start at sinks + a multiple of G, and one that moves quantized
-  /// groups must span a multiple of G. Positions quantized before the shift stay quantized.
+  /// groups must span a multiple of G; for a stream that flushes its window, R takes G's place
+  /// (shift_unit). Positions quantized before the shift stay quantized.
   /// Throws kvq::Error and leaves the cache unchanged when the range or the layout forbids it.
   void erase(std::size_t first, std::size_t count) {
     if (count == 0) return;
@@ -1213,16 +1214,17 @@ class BasicKVCache {
       moves = moves || first + count < lengths_[l];
       for (const Tensor t : {Tensor::keys, Tensor::values}) {
         const StreamLayout& lay = layouts_[index(t)];
-        if (!lay.quantized || lay.spec.axis != Axis::per_channel) continue;
-        const std::size_t end = quantized_end(t, l), g = lay.spec.group;
+        const std::size_t end = quantized_end(t, l), g = packing_unit(config_, t == Tensor::keys);
+        if (g == 1) continue;
+        const std::string unit = lay.flush ? "flush" : "group", units = lay.flush ? "flushes" : "groups";
         if (first < end && (first - lay.sinks) % g != 0)
           throw Error(ErrorCode::unsupported,
-                      range + ": layer " + std::to_string(l) + " would split the packed " + to_string(t) +
-                          " group starting at " + std::to_string(first - (first - lay.sinks) % g) + " (groups of " +
+                      range + ": layer " + std::to_string(l) + " would split the packed " + to_string(t) + " " + unit +
+                          " starting at " + std::to_string(first - (first - lay.sinks) % g) + " (" + units + " of " +
                           std::to_string(g) + " from position " + std::to_string(lay.sinks) + ")");
         if (end > first + count && count % g != 0)
           throw Error(ErrorCode::unsupported, range + ": layer " + std::to_string(l) + " would move packed " +
-                                                  to_string(t) + " groups by " + std::to_string(count) +
+                                                  to_string(t) + " " + units + " by " + std::to_string(count) +
                                                   " positions, not a multiple of their " + std::to_string(g));
       }
     }
@@ -1307,29 +1309,28 @@ class BasicKVCache {
       keep_rows(t, layer, begin, end);
       return;
     }
-    // The due rows are read in place from the ring unless they wrap around its end (a window
-    // that is not a multiple of the group), then through the scratch rows as floats.
-    const std::size_t first_slot = row0 % lay.ring_rows;
+    // Group by group (a flush makes several due at once, and they may span blocks): read in place
+    // from the ring unless the group wraps around its end (a window that is not a multiple of the
+    // group), then through the scratch rows as floats.
+    const std::size_t g = lay.spec.group;
     float* const scratch = scratch_.data() + layer * (scratch_.size() / shape_.layers);
-    const bool contiguous = first_slot + (end - begin) <= lay.ring_rows;
     for (std::size_t h = 0; h < shape_.kv_heads; ++h) {
-      std::uint8_t* ring = own_base(t, layer, h) + lay.ring_offset;
-      std::uint8_t* codes = code_row(t, layer, h, row0);
-      const auto [scales, zeros] = params_of(t, layer, h, row0);
+      const std::uint8_t* ring = own_base(t, layer, h) + lay.ring_offset;
       const QuantizerSpec spec = head_spec(t, h);
-      if (contiguous) {
-        kernels::quantize_block_per_channel(spec, lay.residual, ring + first_slot * row_bytes, end - begin, dim,
-                                            row_bytes, scales, zeros, codes, lay.row_bytes, scratch,
-                                            outliers_of(t, layer, h, row0));
-        continue;
+      for (std::size_t row = row0; row < end - lay.sinks; row += g) {
+        const std::size_t slot = row % lay.ring_rows;
+        const auto [scales, zeros] = params_of(t, layer, h, row);
+        std::uint8_t* codes = code_row(t, layer, h, row);
+        if (slot + g <= lay.ring_rows) {
+          kernels::quantize_block_per_channel(spec, lay.residual, ring + slot * row_bytes, g, dim, row_bytes, scales,
+                                              zeros, codes, lay.row_bytes, scratch, outliers_of(t, layer, h, row));
+          continue;
+        }
+        for (std::size_t r = 0; r < g; ++r)
+          load_row(lay.residual, ring + (row + r) % lay.ring_rows * row_bytes, dim, scratch + r * dim);
+        kernels::quantize_block_per_channel(spec, scratch, g, dim, dim, scales, zeros, codes, lay.row_bytes,
+                                            outliers_of(t, layer, h, row));
       }
-      float* rows = scratch;
-      for (std::size_t q = begin; q < end; ++q) {
-        const std::uint8_t* src = ring + (q - lay.sinks) % lay.ring_rows * row_bytes;
-        load_row(lay.residual, src, dim, rows + (q - begin) * dim);
-      }
-      kernels::quantize_block_per_channel(spec, rows, end - begin, dim, dim, scales, zeros, codes, lay.row_bytes,
-                                          outliers_of(t, layer, h, row0));
     }
     keep_rows(t, layer, begin, end);
   }

@@ -12,7 +12,7 @@ namespace kvq::inline v0 {
 
 template <Quantizer KeyQ, Quantizer ValueQ, std::size_t Window = 128, std::size_t Sinks = 0,
           KeyRope Rope = KeyRope::pre, class Residual = fp16, Rotation KeyRotation = Rotation::none,
-          Rotation ValueRotation = Rotation::none>
+          Rotation ValueRotation = Rotation::none, WindowFlush Flush = WindowFlush::none>
 struct KVPolicy {
   static_assert(std::same_as<Residual, fp16> || std::same_as<Residual, bf16> || std::same_as<Residual, float>,
                 "window and sink tokens are stored as fp16, bf16 or float");
@@ -23,6 +23,7 @@ struct KVPolicy {
   static constexpr KeyRope key_rope = Rope;
   static constexpr Rotation key_rotation = KeyRotation;
   static constexpr Rotation value_rotation = ValueRotation;
+  static constexpr WindowFlush flush = Flush;
 
   static CacheConfig config() {
     CacheConfig c;
@@ -34,6 +35,7 @@ struct KVPolicy {
     c.residual = scalar_of<Residual>;
     c.key_rotation = KeyRotation;
     c.value_rotation = ValueRotation;
+    c.flush = Flush;
     return c;
   }
 };
@@ -43,9 +45,10 @@ concept KVCachePolicy = Quantizer<typename P::key_quantizer> && Quantizer<typena
   { P::config() } -> std::same_as<CacheConfig>;
 };
 
-// The right axes: keys per channel, values per token, group 32, window 128 (KIVI's defaults).
-using K2V2 = KVPolicy<PerChannel<2, 32>, PerToken<2, 32>>;  // KIVI-2
-using K4V4 = KVPolicy<PerChannel<4, 32>, PerToken<4, 32>>;  // KIVI-4
+// The right axes: keys per channel, values per token, group 32, window 128 (KIVI's defaults), keys
+// stored before RoPE and the newest 128 tokens always exact.
+using K2V2 = KVPolicy<PerChannel<2, 32>, PerToken<2, 32>>;  // KIVI-2's bits and axes
+using K4V4 = KVPolicy<PerChannel<4, 32>, PerToken<4, 32>>;  // KIVI-4's
 using K4V2 = KVPolicy<PerChannel<4, 32>, PerToken<2, 32>>;
 using K2V4 = KVPolicy<PerChannel<2, 32>, PerToken<4, 32>>;
 using K8V4 = KVPolicy<PerChannel<8, 32>, PerToken<4, 32>>;
@@ -56,6 +59,12 @@ using K2V2KeysPerToken = KVPolicy<PerToken<2, 32>, PerToken<2, 32>>;
 using K2V2ValuesPerChannel = KVPolicy<PerChannel<2, 32>, PerChannel<2, 32>>;
 using K2V2WrongAxes = KVPolicy<PerToken<2, 32>, PerChannel<2, 32>>;
 using K4V4KeysPostRope = KVPolicy<PerChannel<4, 32>, PerToken<4, 32>, 128, 0, KeyRope::post>;
+
+// KIVI as published: post-RoPE keys that leave the window 128 at a time (0 to 127 exact keys).
+using KIVI2 = KVPolicy<PerChannel<2, 32>, PerToken<2, 32>, 128, 0, KeyRope::post, fp16, Rotation::none, Rotation::none,
+                       WindowFlush::keys>;
+using KIVI4 = KVPolicy<PerChannel<4, 32>, PerToken<4, 32>, 128, 0, KeyRope::post, fp16, Rotation::none, Rotation::none,
+                       WindowFlush::keys>;
 
 // llama.cpp's layout since its rotated caches: keys and values per token, both rotated by H.
 using K4V4RotatedPerToken =

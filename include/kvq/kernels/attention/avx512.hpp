@@ -484,12 +484,13 @@ struct Kernels {
     if (int_path || exact_path) {
       // Packed span on the integer or exact kernel; sinks and the window here.
       // Whole tiles from the start (a sliding window can begin inside one) and whole 16-position
-      // steps at the end (an older query position can end the range inside a block).
+      // steps at the end (an older query position can end the range inside a block), where keys
+      // and values are both packed (keys that flush their window can be packed beyond the values).
       const std::size_t fq = k.first_quantized, tile = tile_tokens(k);
       const std::size_t qa = task.begin <= fq                ? fq
                              : (task.begin - fq) % tile == 0 ? task.begin
                                                              : tile_end(k, task.begin, k.end_quantized);
-      const std::size_t qe = std::min(task.end, k.end_quantized);
+      const std::size_t qe = std::min({task.end, k.end_quantized, v.end_quantized});
       const std::size_t qb = qe > qa ? qa + (qe - qa) / 16 * 16 : qa;
       if (qa < qb) {
         run_range(task.begin, qa);
