@@ -84,9 +84,10 @@ std::vector<float> decode_outputs(const BasicKVCache& cache) {
   return all;
 }
 
-const char* const kConfigs[] = {"k4c32-v2t32-r20-s3", "k2c16-v4t32-r32-s0-post", "k8c32-v8t32-r16-s1-f32",
-                                "k3c8-v5t16-r5-s2",   "k16-v16-r0-s1",           "k16-v16-r0-s0-post-f32",
-                                "k4c32-v2c32-r40-s0", "k4t64-v16-r8-s0",         "k4c32-v2t32-r64-s3-fk"};
+const char* const kConfigs[] = {"k4c32-v2t32-r20-s3",       "k2c16-v4t32-r32-s0-post", "k8c32-v8t32-r16-s1-f32",
+                                "k3c8-v5t16-r5-s2",         "k16-v16-r0-s1",           "k16-v16-r0-s0-post-f32",
+                                "k4c32-v2c32-r40-s0",       "k4t64-v16-r8-s0",         "k4c32-v2t32-r64-s3-fk",
+                                "k4c32-v2t32-r128-s3-fk-fv"};
 
 // Attention reads a stream as one segment per block: with blocks of one unit, of two, and one
 // block for the whole capacity, every kernel gives the same bits, and stays near the oracle.
@@ -120,7 +121,8 @@ TEST(PagedCache, AttentionOverManyBlocksEqualsOneBlock) {
 TEST(PagedCache, EveryKernelAgreesAcrossBlockLengths) {
   for (const auto& kernel : kvq::kernels::attention::registry()) {
     if (!kernel.available()) continue;
-    for (const char* text : {"k4c32-v2t32-r20-s3-post", "k4c32-v2t32-r20-s3", "k4c32-v2t32-r64-s3-fk"}) {
+    for (const char* text :
+         {"k4c32-v2t32-r20-s3-post", "k4c32-v2t32-r20-s3", "k4c32-v2t32-r64-s3-fk", "k4c32-v2t32-r128-s3-fk"}) {
       const CacheConfig config = config_of(text);
       CacheShape shape{1, 2, 64, 400};
       Tokens tokens;
@@ -170,22 +172,32 @@ TEST(PagedCache, MemoryIsCommittedAsTokensArrive) {
 
 // Context shift moves packed rows across block boundaries: the same rows as in one block.
 TEST(PagedCache, EraseAcrossBlocksKeepsEveryRow) {
-  const CacheConfig config = config_of("k4c32-v2t32-r20-s3");
-  CacheShape shape{2, 2, 64, 1000};
-  Tokens tokens;
-  std::mt19937 rng(12);
-  tokens.add(700, row_of(shape), rng);
-  shape.block_tokens = 64;
-  BasicKVCache paged = fresh_cache(shape, config, tokens);
-  shape.block_tokens = 1024;
-  BasicKVCache whole = fresh_cache(shape, config, tokens);
-  for (const auto& [first, count] : {std::pair<std::size_t, std::size_t>{35, 96}, {259, 32}, {3, 160}}) {
-    paged.erase(first, count);
-    whole.erase(first, count);
-    for (std::size_t l = 0; l < 2; ++l)
-      EXPECT_TRUE(kvq::test::stored_rows(paged, l) == kvq::test::stored_rows(whole, l));
-    EXPECT_EQ(decode_outputs(paged), decode_outputs(whole));
-    EXPECT_EQ(paged.block_count(0), (paged.quantized_end(kvq::Tensor::values, 0) - 3 + 63) / 64);
+  struct Range {
+    std::size_t first, count;
+  };
+  // Keys that flush 128 at a time move in whole flushes: each spans two blocks of 64.
+  for (const auto& [text, ranges] : {std::pair{"k4c32-v2t32-r20-s3", std::vector<Range>{{35, 96}, {259, 32}, {3, 160}}},
+                                     {"k4c32-v2t32-r128-s3-fk", std::vector<Range>{{131, 128}, {3, 256}}}}) {
+    SCOPED_TRACE(text);
+    const CacheConfig config = config_of(text);
+    CacheShape shape{2, 2, 64, 1000};
+    Tokens tokens;
+    std::mt19937 rng(12);
+    tokens.add(700, row_of(shape), rng);
+    shape.block_tokens = 64;
+    BasicKVCache paged = fresh_cache(shape, config, tokens);
+    shape.block_tokens = 1024;
+    BasicKVCache whole = fresh_cache(shape, config, tokens);
+    for (const Range& r : ranges) {
+      paged.erase(r.first, r.count);
+      whole.erase(r.first, r.count);
+      for (std::size_t l = 0; l < 2; ++l)
+        EXPECT_TRUE(kvq::test::stored_rows(paged, l) == kvq::test::stored_rows(whole, l));
+      EXPECT_EQ(decode_outputs(paged), decode_outputs(whole));
+      const std::size_t packed =
+          std::max(paged.quantized_end(kvq::Tensor::keys, 0), paged.quantized_end(kvq::Tensor::values, 0));
+      EXPECT_EQ(paged.block_count(0), (packed - 3 + 63) / 64);
+    }
   }
 }
 

@@ -41,9 +41,9 @@ enum class Rotation : unsigned char {
 /// not flush quantizes each per-channel group (or per-token row) as soon as it is older than the
 /// newest R tokens, so the newest R are always exact (R to R + G - 1 keys per channel). One that
 /// flushes keeps its rows exact until R have gathered after the last flush and then quantizes all
-/// R together, so 0 to R - 1 are exact: KIVI's keys (its residual_length), and Hugging Face's
-/// QuantizedCache for keys and values. Cheaper by up to R rows, and the newest tokens right after
-/// a flush are quantized.
+/// R together, so 0 to R - 1 are exact: KIVI's keys (its residual_length), and the window of
+/// Hugging Face's QuantizedCache for keys and values (which also packs the whole prompt at once).
+/// Cheaper by up to R rows, and the newest tokens right after a flush are quantized.
 enum class WindowFlush : unsigned char { none, keys, values, both };
 
 /// Whether `flush` makes the key (keys = true) or value stream flush its window.
@@ -129,9 +129,9 @@ inline void validate(const CacheConfig& c) {
       c.flush != WindowFlush::both)
     throw Error(ErrorCode::invalid_argument,
                 "cache configuration: flush " + std::to_string(int(c.flush)) + " is not a WindowFlush");
-  for (const auto& [spec, quantized, what] :
-       {std::tuple{&c.key, c.quantize_keys, "key"}, std::tuple{&c.value, c.quantize_values, "value"}}) {
-    if (!flushes(c.flush, what[0] == 'k')) continue;
+  for (const auto& [spec, quantized, keys, what] :
+       {std::tuple{&c.key, c.quantize_keys, true, "key"}, std::tuple{&c.value, c.quantize_values, false, "value"}}) {
+    if (!flushes(c.flush, keys)) continue;
     const std::string prefix = std::string("cache configuration: ") + what + "s flush their window, but ";
     if (!quantized) throw Error(ErrorCode::invalid_argument, prefix + "they are not quantized");
     if (c.window == 0)

@@ -1216,7 +1216,7 @@ class BasicKVCache {
         const StreamLayout& lay = layouts_[index(t)];
         const std::size_t end = quantized_end(t, l), g = packing_unit(config_, t == Tensor::keys);
         if (g == 1) continue;
-        const std::string unit = lay.flush ? "flush" : "group", units = lay.flush ? "flushes" : "groups";
+        const char *unit = lay.flush ? "flush" : "group", *units = lay.flush ? "flushes" : "groups";
         if (first < end && (first - lay.sinks) % g != 0)
           throw Error(ErrorCode::unsupported,
                       range + ": layer " + std::to_string(l) + " would split the packed " + to_string(t) + " " + unit +

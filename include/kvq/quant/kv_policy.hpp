@@ -16,6 +16,10 @@ template <Quantizer KeyQ, Quantizer ValueQ, std::size_t Window = 128, std::size_
 struct KVPolicy {
   static_assert(std::same_as<Residual, fp16> || std::same_as<Residual, bf16> || std::same_as<Residual, float>,
                 "window and sink tokens are stored as fp16, bf16 or float");
+  static_assert(Flush == WindowFlush::none || Window > 0, "a window that flushes holds at least one token");
+  static_assert((!flushes(Flush, true) || KeyQ::axis != Axis::per_channel || Window % KeyQ::group_size == 0) &&
+                    (!flushes(Flush, false) || ValueQ::axis != Axis::per_channel || Window % ValueQ::group_size == 0),
+                "a window that flushes per-channel groups holds a whole number of them");
   using key_quantizer = KeyQ;
   using value_quantizer = ValueQ;
   static constexpr std::size_t window = Window;
