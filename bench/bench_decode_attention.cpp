@@ -8,12 +8,15 @@
 // decode_blocks/.../block:<B> reads the cache in blocks of B positions (CacheShape::block_tokens;
 // 32768 is one block for the whole context) where the other rows use the default; verify/.../T:<T>
 // checks T stored positions in one kvq::attend call (speculative verification: one pass over the
-// cache for all T x 4 query rows of a KV head), against T decode steps; decode_token_keys/<layout>/
+// cache for all T x 4 query rows of a KV head), against T decode steps; verify_tree/.../branches:<B>/
+// depth:<D> checks a draft tree of B branches of D new tokens each in one call (AttentionRequest::
+// parents), verify_branches/... the same B branches in B calls; decode_token_keys/<layout>/
 // <kernel>/... reads llama.cpp's q8_0 and q4_0 layouts (keys and values per token) on each kernel.
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <initializer_list>
 #include <map>
@@ -115,6 +118,39 @@ void verify_step(benchmark::State& state, std::string config, kvq::Tier tier, st
     layer = (layer + 1) % b.layers;
   }
   state.counters["GB/s"] = benchmark::Counter(b.layer_bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// A draft tree of `branches` chains of `depth` new tokens, each from its own root at p0, in one call
+// (as_tree) or one call per branch, over the cache's first context - branches x depth positions.
+void verify_tree_step(benchmark::State& state, std::string config, kvq::Tier tier, std::size_t context,
+                      std::size_t branches, std::size_t depth, bool as_tree) {
+  Built& b = cache_for(config, context, 0);
+  const std::size_t tokens = branches * depth, p0 = context - tokens;
+  std::vector<float> q(tokens * kHeads * kDim), k(tokens * kKvHeads * kDim), v(k.size()), out(q.size());
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal;
+  for (auto* x : {&q, &k, &v})
+    for (float& e : *x) e = normal(rng);
+  std::vector<std::int32_t> parents(tokens);
+  for (std::size_t t = 0; t < tokens; ++t) parents[t] = t % depth == 0 ? -1 : std::int32_t(t) - 1;
+  std::size_t layer = 0;
+  for (auto _ : state) {
+    for (std::size_t first = 0; first < tokens; first += as_tree ? tokens : depth) {
+      const std::size_t n = as_tree ? tokens : depth;
+      kvq::attend({.cache = b.cache.get(),
+                   .layer = layer,
+                   .first_position = p0,
+                   .tokens = n,
+                   .queries = std::span(q).subspan(first * kHeads * kDim, n * kHeads * kDim),
+                   .new_keys = std::span(k).subspan(first * kKvHeads * kDim, n * kKvHeads * kDim),
+                   .new_values = std::span(v).subspan(first * kKvHeads * kDim, n * kKvHeads * kDim),
+                   .out = std::span(out).subspan(first * kHeads * kDim, n * kHeads * kDim),
+                   .parents = as_tree ? std::span<const std::int32_t>(parents) : std::span<const std::int32_t>()},
+                  {.tier = tier});
+    }
+    benchmark::DoNotOptimize(out.data());
+    layer = (layer + 1) % b.layers;
+  }
 }
 
 // Streaming read of a 1 GiB huge-page buffer: the memory ceiling the decode figures compare to.
@@ -363,6 +399,12 @@ int main(int argc, char** argv) {
       for (const std::size_t tokens : {4, 8})
         benchmark::RegisterBenchmark(("verify/" + row + "T:" + std::to_string(tokens)).c_str(), verify_step,
                                      std::string(c.config), tier, std::size_t(32768), tokens)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      for (const bool as_tree : {true, false})
+        benchmark::RegisterBenchmark(
+            ((as_tree ? "verify_tree/" : "verify_branches/") + row + "branches:4/depth:4").c_str(), verify_tree_step,
+            std::string(c.config), tier, std::size_t(32768), std::size_t(4), std::size_t(4), as_tree)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
       for (const std::size_t block : {256, 1024, 4096, 16384, 32768})

@@ -1,21 +1,23 @@
 #pragma once
-// Llama forward pass for one token at one position, or for a prompt chunk of T positions, with
-// the KV cache behind a backend. Runs the
-// GGUF architectures `llama` (Llama 2/3, Mistral, SmolLM, TinyLlama) and `qwen2` (the same block
-// with biases on q, k and v, and RoPE over the two halves of each head). The model
-// never applies RoPE itself: it hands the backend pre-RoPE keys and queries, so a cache may store
-// keys before rotation (where their outlier channels are stable) and rotate when it attends.
+// Llama forward pass for one token at one position, for a prompt chunk of T positions, or for a
+// draft tree of T speculative tokens verified at once, with the KV cache behind a backend. Runs
+// the GGUF architectures `llama` (Llama 2/3, Mistral, SmolLM, TinyLlama) and `qwen2` (the same
+// block with biases on q, k and v, and RoPE over the two halves of each head). The model never
+// applies RoPE itself: it hands the backend pre-RoPE keys and queries, so a cache may store keys
+// before rotation (where their outlier channels are stable) and rotate when it attends.
 
 #include <Eigen/Dense>
 
 #include <cmath>
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <set>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvq/error.hpp"
@@ -44,6 +46,17 @@ template <class B>
 concept ChunkedKVBackend = KVBackend<B> &&
     requires(B& kv, std::size_t index, std::span<const float> in, std::span<float> out) {
   kv.attend_chunk(index, index, index, in, in, in, out);  // (layer, first_position, tokens, q, k, v, out)
+};
+
+/// A backend that also verifies draft trees (speculative decoding). `attend_tree(layer, p0,
+/// parents, q, k, v, out)`: as attend_chunk, but new token t sits at p0 + depth(t) and sees the
+/// stored positions and its own path from a root: parents[t] is -1 or an earlier token
+/// (kvq::AttentionRequest::parents). The model appends nothing; the engine appends the path it
+/// accepts (Model::append_path).
+template <class B>
+concept TreeKVBackend = KVBackend<B> && requires(B& kv, std::size_t index, std::span<const std::int32_t> parents,
+                                                 std::span<const float> in, std::span<float> out) {
+  kv.attend_tree(index, index, parents, in, in, in, out);  // (layer, first_position, parents, q, k, v, out)
 };
 
 struct LlamaConfig {
@@ -221,15 +234,90 @@ class Model {
   template <ChunkedKVBackend Backend>
   void forward_chunk(std::span<const int> tokens, std::size_t first_position, Backend& kv,
                      std::span<float> logits) const {
+    forward_rows("forward_chunk", tokens, logits,
+                 [&](std::size_t l, const Matrix& q, const Matrix& k, const Matrix& v, std::span<float> att) {
+                   kv.attend_chunk(l, first_position, tokens.size(), all(q), all(k), all(v), att);
+                   for (Eigen::Index t = 0; t < k.rows(); ++t)
+                     kv.append(l, first_position + static_cast<std::size_t>(t), row(k, t), row(v, t));
+                 });
+  }
+
+  /// The keys and values a draft tree's pass computed: per layer, (T, kv_heads * head_dim) each,
+  /// with the tree and the position it was verified at.
+  struct DraftRows {
+    std::vector<Matrix> keys, values;
+    std::vector<std::int32_t> parents;
+    std::size_t first_position = 0;
+  };
+
+  /// Verifies a draft tree in one pass: token t (a child of parents[t], or of the stored prefix
+  /// where that is -1) at position first_position + depth(t), the backend holding 0 ..
+  /// first_position - 1; writes the next-token logits of every token, (T, vocab), and each layer's
+  /// keys and values into `rows` (as they were if the pass throws). Nothing is appended:
+  /// append_path stores the accepted path.
+  template <TreeKVBackend Backend>
+  void forward_tree(std::span<const int> tokens, std::span<const std::int32_t> parents, std::size_t first_position,
+                    Backend& kv, std::span<float> logits, DraftRows& rows) const {
+    if (parents.size() != tokens.size())
+      throw Error(ErrorCode::shape_mismatch, "forward_tree: " + std::to_string(parents.size()) + " parents for " +
+                                                 std::to_string(tokens.size()) + " tokens");
+    DraftRows pass{std::vector<Matrix>(config_.layers), std::vector<Matrix>(config_.layers),
+                   std::vector<std::int32_t>(parents.begin(), parents.end()), first_position};
+    forward_rows("forward_tree", tokens, logits,
+                 [&](std::size_t l, const Matrix& q, const Matrix& k, const Matrix& v, std::span<float> att) {
+                   kv.attend_tree(l, first_position, parents, all(q), all(k), all(v), att);
+                   pass.keys[l] = k;
+                   pass.values[l] = v;
+                 });
+    rows = std::move(pass);
+  }
+
+  /// Appends the draft rows of `path` (token indices from a root down, each the child of the one
+  /// before) at the tree's positions: the tokens forward_tree verified and the engine accepted.
+  /// A path that is not one throws before anything is appended.
+  template <KVBackend Backend>
+  void append_path(const DraftRows& rows, std::span<const std::size_t> path, Backend& kv) const {
+    if (rows.keys.size() != config_.layers)
+      throw Error(ErrorCode::invalid_argument, "append_path: the draft rows are not from a forward_tree pass");
+    for (std::size_t i = 0; i < path.size(); ++i) {
+      const std::string token = "append_path: token " + std::to_string(path[i]) + " at depth " + std::to_string(i);
+      if (path[i] >= rows.parents.size())
+        throw Error(ErrorCode::invalid_argument,
+                    token + " is not in the tree of " + std::to_string(rows.parents.size()));
+      if (rows.parents[path[i]] != (i == 0 ? -1 : std::int64_t(path[i - 1])))
+        throw Error(ErrorCode::invalid_argument,
+                    token + " is not a child of " + (i == 0 ? std::string("the prefix") : std::to_string(path[i - 1])));
+    }
+    for (std::size_t l = 0; l < config_.layers; ++l)
+      for (std::size_t i = 0; i < path.size(); ++i) {
+        const auto t = static_cast<Eigen::Index>(path[i]);
+        kv.append(l, rows.first_position + i, row(rows.keys[l], t), row(rows.values[l], t));
+      }
+  }
+
+ private:
+  static std::span<const float> all(const Matrix& m) {
+    return std::span<const float>(m.data(), static_cast<std::size_t>(m.size()));
+  }
+  static std::span<const float> row(const Matrix& m, Eigen::Index t) {
+    return std::span<const float>(m.data() + t * m.cols(), static_cast<std::size_t>(m.cols()));
+  }
+
+  /// The forward pass of T tokens at once: `attend(layer, q, k, v, att)` attends each layer's
+  /// rows, (T, ...) each, writing att (T, heads * head_dim), and stores or keeps the keys and values.
+  template <class Attend>
+  void forward_rows(std::string_view what, std::span<const int> tokens, std::span<float> logits,
+                    Attend&& attend) const {
     const LlamaConfig& c = config_;
-    if (tokens.empty()) throw Error(ErrorCode::invalid_argument, "forward_chunk: a chunk of zero tokens");
+    const std::string name(what);
+    if (tokens.empty()) throw Error(ErrorCode::invalid_argument, name + ": a chunk of zero tokens");
     for (std::size_t t = 0; t < tokens.size(); ++t)
       if (tokens[t] < 0 || static_cast<std::size_t>(tokens[t]) >= c.vocab)
-        throw Error(ErrorCode::invalid_argument, "forward_chunk: token " + std::to_string(tokens[t]) + " (chunk row " +
+        throw Error(ErrorCode::invalid_argument, name + ": token " + std::to_string(tokens[t]) + " (chunk row " +
                                                      std::to_string(t) + ") is outside the vocabulary of " +
                                                      std::to_string(c.vocab));
     if (logits.size() / c.vocab != tokens.size() || logits.size() % c.vocab != 0)
-      throw Error(ErrorCode::shape_mismatch, "forward_chunk: logits buffer has " + std::to_string(logits.size()) +
+      throw Error(ErrorCode::shape_mismatch, name + ": logits buffer has " + std::to_string(logits.size()) +
                                                  " entries, " + std::to_string(tokens.size()) +
                                                  " tokens x vocabulary " + std::to_string(c.vocab) + " needed");
     const auto T = static_cast<Eigen::Index>(tokens.size());
@@ -237,12 +325,6 @@ class Model {
     Matrix x(T, dim), xb(T, dim), q(T, c.q_dim()), k(T, c.kv_dim()), v(T, c.kv_dim()), att(T, c.q_dim());
     Matrix gate(T, c.ffn_dim), up(T, c.ffn_dim);
     for (Eigen::Index t = 0; t < T; ++t) x.row(t) = embedding_().row(tokens[static_cast<std::size_t>(t)]);
-    const auto all = [](const Matrix& m) {
-      return std::span<const float>(m.data(), static_cast<std::size_t>(m.size()));
-    };
-    const auto row = [](const Matrix& m, Eigen::Index t) {
-      return std::span<const float>(m.data() + t * m.cols(), static_cast<std::size_t>(m.cols()));
-    };
     for (std::size_t l = 0; l < c.layers; ++l) {
       const Layer& L = layers_[l];
       rms_norm_rows(x, L.attn_norm, xb);
@@ -254,10 +336,7 @@ class Model {
         k.rowwise() += L.bk.transpose();
         v.rowwise() += L.bv.transpose();
       }
-      kv.attend_chunk(l, first_position, tokens.size(), all(q), all(k), all(v),
-                      std::span<float>(att.data(), static_cast<std::size_t>(att.size())));
-      for (Eigen::Index t = 0; t < T; ++t)
-        kv.append(l, first_position + static_cast<std::size_t>(t), row(k, t), row(v, t));
+      attend(l, q, k, v, std::span<float>(att.data(), static_cast<std::size_t>(att.size())));
       x.noalias() += att * L.wo().transpose();
 
       rms_norm_rows(x, L.ffn_norm, xb);
@@ -273,7 +352,6 @@ class Model {
     Eigen::Map<Matrix>(logits.data(), T, static_cast<Eigen::Index>(c.vocab)).noalias() = xb * output()().transpose();
   }
 
- private:
   // A weight matrix kept as the file's converted floats, (rows x cols) row-major, read in place.
   struct Weights {
     std::vector<float> data;

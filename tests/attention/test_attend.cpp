@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
@@ -341,6 +342,136 @@ TEST(Attend, ScoreOptionsMatchTheOracle) {
   }
 }
 
+// A draft tree (Medusa, EAGLE, SpecInfer): each new token attends to the stored prefix and its
+// path from a root, at position p0 + depth. Two roots, branches of different depths, a token whose
+// parent is not the token before it; sliding windows that reach into the stored rows and that
+// cut paths, an attention chunk boundary between depths. Each token's output is the last row of
+// its path attended as a chain (the oracle, and kvq's own chain), on 2 threads bit for bit as on
+// one; a chain spelled as parents is bit-identical to none.
+TEST(Attend, DraftTreesAttendEachPathAsAChain) {
+  const std::vector<std::int32_t> parents = {-1, 0, 0, 1, 1, 2, -1, 3, 6, 8, 5, 4};
+  const std::size_t kv_heads = 2, dim = 64, tokens = parents.size(), p0 = 200;
+  std::vector<kvq::ScoreOptions> rules(4);
+  rules[1].window = 40;
+  rules[2].window = 3;
+  rules[3].attention_chunk = 202;  // depths 0 and 1 before the boundary, 2 and 3 after it
+  const auto nk = kvq::test::outlier_keys(tokens, kv_heads, dim, 3, 4.0f, 53);
+  const auto nv = kvq::test::normal_vector(tokens * kv_heads * dim, 54);
+  kvq::ThreadPool threads(2);
+  // GQA 8 and 6: 96 and 72 query rows per KV head, two batches of the kernels' 64 (with GQA 6 the
+  // second starts inside token 10's group).
+  for (const auto& [text, group] : {std::pair{"k4c32-v2t32-r20-s3", 3u}, std::pair{"k4c32-v2t32-r16-s0-post", 8u},
+                                    std::pair{"k16-v16-r0-s0-post", 6u}, std::pair{"k4t32-v2t32-r16-s1-hsk", 8u}}) {
+    const std::size_t row = kv_heads * group * dim;
+    const auto q = kvq::test::normal_vector(tokens * row, 52, 0.4f);
+    const BasicKVCache cache = filled(text, kv_heads, dim, p0, 51, 64);
+    for (std::size_t i = 0; i < rules.size(); ++i)
+      for (const Tier tier : {Tier::exact, Tier::integer}) {
+        const std::string what = std::string(text) + " rule " + std::to_string(i) + " " + kvq::to_string(tier);
+        const kvq::DecodeOptions options{.tier = tier, .chunk_tokens = 64, .scores = rules[i]};
+        const AttentionRequest tree{.cache = &cache,
+                                    .first_position = p0,
+                                    .tokens = tokens,
+                                    .queries = q,
+                                    .new_keys = nk,
+                                    .new_values = nv,
+                                    .parents = parents};
+        std::vector<float> out(q.size()), threaded(q.size());
+        AttentionRequest request = tree;
+        request.out = out;
+        kvq::attend(request, options);
+        request.out = threaded;
+        kvq::DecodeOptions on_threads = options;
+        on_threads.executor = &threads;
+        kvq::attend(request, on_threads);
+        EXPECT_EQ(out, threaded) << what;
+        for (std::size_t t = 0; t < tokens; ++t) {
+          std::vector<std::size_t> path;
+          for (std::int32_t a = std::int32_t(t); a >= 0; a = parents[std::size_t(a)])
+            path.insert(path.begin(), std::size_t(a));
+          std::vector<float> pq, pk, pv;
+          for (const std::size_t a : path) {
+            pq.insert(pq.end(), q.begin() + std::ptrdiff_t(a * row), q.begin() + std::ptrdiff_t((a + 1) * row));
+            for (const auto& [from, to] : {std::pair{&nk, &pk}, std::pair{&nv, &pv}})
+              to->insert(to->end(), from->begin() + std::ptrdiff_t(a * kv_heads * dim),
+                         from->begin() + std::ptrdiff_t((a + 1) * kv_heads * dim));
+          }
+          std::vector<float> chain(pq.size());
+          kvq::attend({.cache = &cache,
+                       .first_position = p0,
+                       .tokens = path.size(),
+                       .queries = pq,
+                       .new_keys = pk,
+                       .new_values = pv,
+                       .out = chain},
+                      options);
+          const auto last = [&](const std::vector<float>& x, std::size_t r) {
+            return std::vector<float>(x.begin() + std::ptrdiff_t(r * row), x.begin() + std::ptrdiff_t((r + 1) * row));
+          };
+          const auto oracle = oracle_with_new(cache, 0, p0, path.size(), pq, pk, pv, rules[i]);
+          EXPECT_LT(relative_error(last(out, t), last(oracle, path.size() - 1)), tier == Tier::exact ? 1e-5 : 2.5e-2)
+              << what << " token " << t;
+          if (tier == Tier::exact && !rules[i].attention_chunk) {  // a chain runs its parts on the kernels
+            EXPECT_LT(relative_error(last(out, t), last(chain, path.size() - 1)), 1e-6) << what << " token " << t;
+          }
+        }
+        if (rules[i].attention_chunk) continue;  // a chain is cut at the boundary, a tree is not
+        std::vector<std::int32_t> line(tokens);
+        for (std::size_t t = 0; t < tokens; ++t) line[t] = std::int32_t(t) - 1;
+        std::vector<float> as_tree(q.size()), as_chain(q.size());
+        request.parents = line;
+        request.out = as_tree;
+        kvq::attend(request, options);
+        request.parents = {};
+        request.out = as_chain;
+        kvq::attend(request, options);
+        EXPECT_EQ(as_tree, as_chain) << what;
+      }
+  }
+}
+
+// A tree needs room for its deepest token, not for all of its tokens: four drafts two deep fit
+// in the last two positions of the capacity, where four chained ones or three deep do not.
+TEST(Attend, DraftTreesNeedRoomForTheirDepthOnly) {
+  const std::size_t kv_heads = 2, dim = 64, heads = 4, p0 = 1198;  // capacity 1200
+  const BasicKVCache cache = filled("k4c32-v2t32-r20-s3", kv_heads, dim, p0, 55, 64);
+  const auto q = kvq::test::normal_vector(4 * heads * dim, 56, 0.4f);
+  const auto nk = kvq::test::outlier_keys(4, kv_heads, dim, 3, 4.0f, 57);
+  const auto nv = kvq::test::normal_vector(4 * kv_heads * dim, 58);
+  const std::vector<std::int32_t> two_deep = {-1, -1, 0, 0}, three_deep = {-1, 0, 1, -1};
+  std::vector<float> out(q.size());
+  AttentionRequest r{.cache = &cache,
+                     .first_position = p0,
+                     .tokens = 4,
+                     .queries = q,
+                     .new_keys = nk,
+                     .new_values = nv,
+                     .out = out,
+                     .parents = two_deep};
+  kvq::attend(r);
+  // Token 3 (a child of root 0, at p0 + 1) against its path as a chain.
+  const std::size_t row = heads * dim, kv_row = kv_heads * dim;
+  std::vector<float> pq(q.begin(), q.begin() + std::ptrdiff_t(row)),
+      pk(nk.begin(), nk.begin() + std::ptrdiff_t(kv_row)), pv(nv.begin(), nv.begin() + std::ptrdiff_t(kv_row));
+  pq.insert(pq.end(), q.begin() + std::ptrdiff_t(3 * row), q.end());
+  pk.insert(pk.end(), nk.begin() + std::ptrdiff_t(3 * kv_row), nk.end());
+  pv.insert(pv.end(), nv.begin() + std::ptrdiff_t(3 * kv_row), nv.end());
+  const auto oracle = oracle_with_new(cache, 0, p0, 2, pq, pk, pv);
+  EXPECT_LT(relative_error(std::vector<float>(out.begin() + std::ptrdiff_t(3 * row), out.end()),
+                           std::vector<float>(oracle.begin() + std::ptrdiff_t(row), oracle.end())),
+            1e-5);
+  for (const bool chain : {true, false}) {
+    r.parents = chain ? std::span<const std::int32_t>() : std::span<const std::int32_t>(three_deep);
+    try {
+      kvq::attend(r);
+      ADD_FAILURE() << (chain ? "a chain" : "a tree three deep") << " beyond the capacity was accepted";
+    } catch (const kvq::Error& e) {
+      const std::string expected = chain ? "4 new tokens from position 1198 need" : "(a draft tree 3 deep)";
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Attend, BadScoreOptionsThrowBeforeWritingAnything) {
   const BasicKVCache cache = filled("k4c32-v2t32-r20-s3", 2, 64, 100, 36);
   const auto q = kvq::test::normal_vector(2 * 4 * 64, 37);
@@ -430,6 +561,21 @@ TEST(Attend, BadRequestsThrowBeforeWritingAnything) {
   r = good;
   r.out = std::span(out).first(100);
   expect_error({r}, kvq::ErrorCode::shape_mismatch, "do not form");
+  const std::vector<std::int32_t> root_twice = {-1, -1}, one = {-1}, ahead = {-1, 1}, below = {-2, 0};
+  r = good;
+  r.parents = root_twice;
+  expect_error({r}, kvq::ErrorCode::invalid_argument, "a draft tree (parents) needs its new keys and values");
+  r.first_position = 100;
+  r.new_keys = nk;
+  r.new_values = nv;
+  EXPECT_NO_THROW(kvq::attend(r));  // two roots: accepted
+  std::fill(out.begin(), out.end(), 7.0f);
+  r.parents = one;
+  expect_error({r}, kvq::ErrorCode::shape_mismatch, "1 parents for 2 new tokens");
+  r.parents = ahead;
+  expect_error({r}, kvq::ErrorCode::invalid_argument, "the parent of new token 1 is 1, neither -1");
+  r.parents = below;
+  expect_error({good, r}, kvq::ErrorCode::invalid_argument, "request 1: the parent of new token 0 is -2");
   AttentionRequest second = good;
   second.out = std::span(out).subspan(64, q.size());
   expect_error({good, second}, kvq::ErrorCode::invalid_argument, "requests 0 and 1 write overlapping outputs");

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -11,6 +12,7 @@
 #include <fstream>
 #include <functional>
 #include <sstream>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -95,6 +97,16 @@ struct TinyShape {
 /// A small random model of `arch` (dim 4, 1 layer, 2 heads, 1 kv head, ffn 3, vocab 5 unless
 /// `shape` says otherwise; no tokenizer), with a hook to rename or reshape tensors and one to add
 /// metadata or tensors.
+// Largest difference between two logit arrays relative to the largest magnitude of the second.
+inline double relative_difference(std::span<const float> a, std::span<const float> b) {
+  double diff = 0, scale = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::fabs(double(a[i]) - b[i]));
+    scale = std::max(scale, std::fabs(double(b[i])));
+  }
+  return diff / scale;
+}
+
 inline std::vector<std::uint8_t> tiny_model(
     const std::string& arch, const TinyShape& shape = {},
     const std::function<void(std::string&, std::vector<std::uint64_t>&)>& tweak = {},

@@ -21,6 +21,8 @@
 namespace kvq::llama {
 namespace {
 
+using testing::relative_difference;
+
 class Prefill : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -64,16 +66,6 @@ class Prefill : public ::testing::Test {
   std::unique_ptr<Model> model_;
   std::vector<int> tokens_;
 };
-
-// Largest logit difference relative to the largest logit magnitude.
-double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  double diff = 0, scale = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff = std::max(diff, std::fabs(double(a[i]) - b[i]));
-    scale = std::max(scale, std::fabs(double(b[i])));
-  }
-  return diff / scale;
-}
 
 // The same model function either way: only the order of float sums differs.
 TEST_F(Prefill, FullPrecisionChunksGiveTheTokenByTokenLogits) {

@@ -6,11 +6,15 @@
 //   request r: queries (T, heads, d) at positions p0 .. p0 + T - 1
 //     stored prefix [S, P): seen by every query of the request, read once by the kernels for all
 //       T x GQA query rows of a KV head (P = p0 with new tokens, p0 + 1 without; S = 0, or with a
-//       sliding window the first position the last query sees)
+//       sliding window the first position the last (a tree's deepest) query sees)
 //     exact part: query t also sees new tokens 0 .. t (full precision) or stored positions
 //       p0 + 1 .. p0 + t, and with a window the stored positions before S inside its own window
+//   a draft tree (AttentionRequest::parents): query t sits at p0 + depth(t) and its exact part
+//     holds the new tokens on its path from a root, not every new token before it
 //   a request that crosses an attention chunk boundary (ScoreOptions::attention_chunk) runs as
 //   one request per chunk: no query sees across the boundary, so S stays each part's own start
+//   (a draft tree runs whole: the stored positions of the chunk before the boundary then run in
+//   each query's exact part, scalar, where the kernels would read them once)
 //   work items (request, KV head, rows batch, context chunk) run on the executor; the parts
 //   merge in a fixed order, so results are bit-identical for every thread count.
 //
@@ -41,13 +45,22 @@ struct AttentionRequest {
   const BasicKVCache* cache = nullptr;
   std::size_t layer = 0;
   std::size_t first_position = 0;    // p0: the position of the first query
-  std::size_t tokens = 1;            // T: query positions p0 .. p0 + T - 1
+  std::size_t tokens = 1;            // T: query positions p0 .. p0 + T - 1 (a draft tree: below)
   std::span<const float> queries{};  // (T, heads, head_dim), following the cache's key_rope
   /// Empty, or (T, kv_heads, head_dim) each: the keys (pre-RoPE when the cache stores them so)
-  /// and values of positions p0 .. p0 + T - 1, attended exactly; the cache's stored positions
-  /// from p0 on are then not read.
+  /// and values of the query positions, attended exactly; the cache's stored positions from p0
+  /// on are then not read.
   std::span<const float> new_keys{}, new_values{};
   std::span<float> out{};  // (T, heads, head_dim)
+  /// Empty: the new tokens form a chain, each after those before it. Otherwise a draft tree, as
+  /// speculative decoding with Medusa, EAGLE or SpecInfer drafts verifies in one pass: for each
+  /// new token the index of its parent among the new tokens (smaller than its own), or -1 for a
+  /// token that follows the stored prefix. Token t sits at position p0 + depth(t) (a root at p0)
+  /// and sees the stored positions before p0 and the tokens on its path from a root, itself
+  /// included (post-RoPE queries and keys arrive rotated to those positions). Needs new keys and
+  /// values and room in the capacity for the deepest token; the engine appends the path it
+  /// accepts afterwards.
+  std::span<const std::int32_t> parents{};
 };
 
 namespace detail {
@@ -62,7 +75,18 @@ struct RequestPlan {
   std::size_t first_chunk = 0, chunks = 0;  // the chunks (ChunkGrid) covering [shared, prefix)
   const kernels::attention::KernelEntry* kernel = nullptr;
   std::size_t query_offset = 0, partial_offset = 0;  // into the workspace
+  std::vector<std::size_t> depth;                    // a draft tree's depth of each token; empty for a chain
+
+  /// Query t's position less p0.
+  std::size_t offset(std::size_t t) const noexcept { return depth.empty() ? t : depth[t]; }
 };
+
+/// Each token's depth in a checked draft tree (check_request): a root's is 0.
+inline std::vector<std::size_t> tree_depths(std::span<const std::int32_t> parents) {
+  std::vector<std::size_t> depth(parents.size());
+  for (std::size_t t = 0; t < parents.size(); ++t) depth[t] = parents[t] < 0 ? 0 : depth[std::size_t(parents[t])] + 1;
+  return depth;
+}
 
 inline void check_request(const AttentionRequest& r, std::size_t index) {
   const std::string which = "attention request " + std::to_string(index) + ": ";
@@ -77,6 +101,18 @@ inline void check_request(const AttentionRequest& r, std::size_t index) {
                 which + "new keys of " + std::to_string(r.new_keys.size()) + " and values of " +
                     std::to_string(r.new_values.size()) + " floats are not " + std::to_string(r.tokens) + " tokens x " +
                     std::to_string(s.kv_heads) + " KV heads x " + std::to_string(s.head_dim));
+  if (!r.parents.empty()) {
+    if (!fresh)
+      throw Error(ErrorCode::invalid_argument, which + "a draft tree (parents) needs its new keys and values");
+    if (r.parents.size() != r.tokens)
+      throw Error(ErrorCode::shape_mismatch, which + std::to_string(r.parents.size()) + " parents for " +
+                                                 std::to_string(r.tokens) + " new tokens");
+    for (std::size_t t = 0; t < r.tokens; ++t)
+      if (r.parents[t] < -1 || r.parents[t] >= std::int64_t(t))
+        throw Error(ErrorCode::invalid_argument, which + "the parent of new token " + std::to_string(t) + " is " +
+                                                     std::to_string(r.parents[t]) +
+                                                     ", neither -1 (the stored prefix) nor an earlier new token");
+  }
   // New rows are held to what an append of them would store (a rotated tensor rotates them here).
   for (const Tensor t : {Tensor::keys, Tensor::values}) {
     const std::span<const float> span = t == Tensor::keys ? r.new_keys : r.new_values;
@@ -145,8 +181,10 @@ inline void check_requests(std::span<const AttentionRequest> requests, const Dec
     check_request(r, i);
     try {
       const float peak = r.new_keys.empty() ? -1.0f : largest_magnitude(r.new_keys.data(), r.new_keys.size());
-      check_attention_args(*r.cache, r.layer, r.first_position, r.tokens, r.queries, r.out.size(), peak,
-                           options.scores);
+      const std::vector<std::size_t> depth = tree_depths(r.parents);
+      const std::size_t reach = depth.empty() ? r.tokens : *std::max_element(depth.begin(), depth.end()) + 1;
+      check_attention_args(*r.cache, r.layer, r.first_position, r.tokens, r.queries, r.out.size(), peak, options.scores,
+                           reach);
       check_sink_logits_apart(options.scores, std::span<const float>(r.out.data(), r.out.size()));
     } catch (const Error& e) {
       throw Error(e.code(), "attention request " + std::to_string(i) + ": " + e.message());
@@ -164,6 +202,10 @@ inline std::vector<AttentionRequest> split_at_attention_chunks(std::span<const A
                                                                std::size_t chunk) {
   std::vector<AttentionRequest> parts;
   for (const AttentionRequest& r : requests) {
+    if (!r.parents.empty()) {  // a part could not name its parents: whole (the planner cuts per query)
+      parts.push_back(r);
+      continue;
+    }
     const std::size_t q_row = r.queries.size() / r.tokens, kv_row = r.new_keys.size() / r.tokens;
     for (std::size_t t = 0; t < r.tokens;) {
       const std::size_t p = r.first_position + t, n = std::min(r.tokens - t, chunk - p % chunk);
@@ -216,7 +258,9 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
     p.batch_rows = std::min(p.rows, max_group);
     p.prefix = fresh ? r.first_position : r.first_position + 1;
     p.chunk = detail::chunk_positions(cache, r.layer, options.chunk_tokens);
-    p.shared = std::min(p.prefix, detail::window_start(options.scores, r.first_position + r.tokens - 1));
+    if (!r.parents.empty()) p.depth = detail::tree_depths(r.parents);
+    const std::size_t last = p.depth.empty() ? p.tokens - 1 : *std::max_element(p.depth.begin(), p.depth.end());
+    p.shared = std::min(p.prefix, detail::window_start(options.scores, r.first_position + last));
     p.ragged = std::min(p.shared, detail::window_start(options.scores, r.first_position));
     const detail::ChunkGrid grid{cache.config().sinks, p.chunk};
     if (p.shared < p.prefix) {
@@ -253,7 +297,7 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
         const std::size_t kvh = h / p.group, row = t * p.group + h % p.group;
         float* x = own_queries.data() + p.query_offset + (kvh * p.rows + row) * dim;
         std::copy_n(r.queries.data() + (t * p.heads + h) * dim, dim, x);
-        if (pre) cache.rope().rotate_query(x, r.first_position + t);
+        if (pre) cache.rope().rotate_query(x, r.first_position + p.offset(t));
         for (std::size_t c = 0; c < dim; ++c) x[c] *= scale;
       }
     if (const auto rotation = detail::query_rotation(cache))  // q.k = Hq.Hk; sums within |q|_1 (check_attention_args)
@@ -291,13 +335,14 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
       return;
     }
     // The exact part: rows j < R are the ragged stored positions p.ragged + j, then the tail
-    // (positions p.prefix + j - R): new tokens, or the stored positions after p0.
+    // (positions p.prefix + offset(j - R)): new tokens, or the stored positions after p0.
     const bool fresh = !r.new_keys.empty(), pre = cache.config().key_rope == KeyRope::pre;
     const std::size_t R = p.shared - p.ragged, tail = fresh ? p.tokens : p.tokens - 1,
                       kv_heads = cache.shape().kv_heads;
     // this task's thread: no allocation once warm (up to kept_scratch_bytes a vector)
     thread_local std::vector<float> keys, values;
-    const ScratchTrim trim(keys, values);
+    thread_local std::vector<std::size_t> visible;  // one row's exact rows, in order
+    const ScratchTrim trim(keys, values, visible);
     checked_resize(keys, (R + tail) * dim, "attend's exact keys");
     checked_resize(values, (R + tail) * dim, "attend's exact values");
     // Keys in the queries' space: rotated as the cache stores them when the queries are
@@ -305,7 +350,7 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
     const auto key_rotation = detail::query_rotation(cache), key_unrotation = detail::key_unrotation(cache);
     const auto value_rotation = cache.rotation(Tensor::values);
     for (std::size_t j = 0; j < R + tail; ++j) {
-      const std::size_t position = j < R ? p.ragged + j : p.prefix + (j - R);
+      const std::size_t position = j < R ? p.ragged + j : p.prefix + p.offset(j - R);
       float* k = keys.data() + j * dim;
       float* v = values.data() + j * dim;
       if (fresh && j >= R) {
@@ -323,13 +368,24 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
     const float softcap = detail::softcap_or_zero(options.scores);
     for (std::size_t row = 0; row < rows; ++row) {
       const std::size_t t = (row0 + row) / p.group;
-      // Row t sees positions [lo, p0 + t]: exact rows [j0, j1).
-      const std::size_t lo = detail::window_start(options.scores, r.first_position + t);
-      const std::size_t j1 = R + (fresh ? t + 1 : t);
-      const std::size_t j0 = lo <= p.ragged   ? 0
-                             : lo < p.shared  ? lo - p.ragged
-                             : lo <= p.prefix ? R
-                                              : R + (lo - p.prefix);
+      // Row t sees positions [lo, p0 + offset(t)]: the ragged rows from lo, then its tail: the
+      // tokens before it (a chain) or its path from a root (a draft tree), from lo. One list
+      // serves the rows of t's GQA group.
+      if (row == 0 || t != (row0 + row - 1) / p.group) {
+        const std::size_t lo = detail::window_start(options.scores, r.first_position + p.offset(t));
+        visible.clear();
+        for (std::size_t j = lo <= p.ragged ? 0 : std::min(lo - p.ragged, R); j < R; ++j) visible.push_back(j);
+        if (p.depth.empty()) {
+          for (std::size_t i = lo <= p.prefix ? 0 : lo - p.prefix; i < (fresh ? t + 1 : t); ++i)
+            visible.push_back(R + i);
+        } else {
+          const std::size_t path = visible.size();
+          for (std::int64_t a = std::int64_t(t); a >= 0 && r.first_position + p.depth[std::size_t(a)] >= lo;
+               a = r.parents[std::size_t(a)])
+            visible.push_back(R + std::size_t(a));
+          std::reverse(visible.begin() + std::ptrdiff_t(path), visible.end());
+        }
+      }
       const float* x = q + row * dim;
       float* acc = state.acc + row * dim;
       float& m = state.max[row];
@@ -338,17 +394,20 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
       sum = 0.0f;
       std::fill(acc, acc + dim, 0.0f);
       float scores[max_tile_tokens];
-      for (std::size_t a = j0; a < j1; a += max_tile_tokens) {
-        const std::size_t n = std::min(max_tile_tokens, j1 - a);
+      for (std::size_t a = 0; a < visible.size(); a += max_tile_tokens) {
+        const std::size_t n = std::min(max_tile_tokens, visible.size() - a);
         for (std::size_t j = 0; j < n; ++j) {
+          const float* k = keys.data() + visible[a + j] * dim;
           float s = 0.0f;
-          for (std::size_t c = 0; c < dim; ++c) s += x[c] * keys[(a + j) * dim + c];
+          for (std::size_t c = 0; c < dim; ++c) s += x[c] * k[c];
           scores[j] = s;
         }
         cap_scores(scores, n, softcap);
         kernels::attention::softmax_update(scores, n, m, sum, acc, dim);
-        for (std::size_t j = 0; j < n; ++j)
-          for (std::size_t c = 0; c < dim; ++c) acc[c] += scores[j] * values[(a + j) * dim + c];
+        for (std::size_t j = 0; j < n; ++j) {
+          const float* v = values.data() + visible[a + j] * dim;
+          for (std::size_t c = 0; c < dim; ++c) acc[c] += scores[j] * v[c];
+        }
       }
     }
   };

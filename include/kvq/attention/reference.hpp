@@ -77,10 +77,11 @@ inline MatrixD attend(const MatrixD& queries, const MatrixD& keys, const MatrixD
 namespace detail {
 /// Checks attention of `tokens` query positions from first_position: the positions are stored in
 /// the cache, or (new_keys_peak >= 0) they are new tokens given beside it, attending to the stored
-/// positions before first_position and to each other, with keys up to new_keys_peak in magnitude.
+/// positions before first_position and to each other, with keys up to new_keys_peak in magnitude;
+/// they take `reach` positions from first_position (0: `tokens`; a draft tree: its depth + 1).
 inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, std::size_t first_position,
                                  std::size_t tokens, std::span<const float> q, std::size_t out_size,
-                                 float new_keys_peak = -1.0f, const ScoreOptions& rule = {}) {
+                                 float new_keys_peak = -1.0f, const ScoreOptions& rule = {}, std::size_t reach = 0) {
   check_score_options(rule);
   const CacheShape& s = cache.shape();
   const std::size_t q_size = q.size();
@@ -105,12 +106,14 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
                 "attention: layer " + std::to_string(layer) + " holds " + std::to_string(cache.length(layer)) +
                     " tokens; query positions up to " + std::to_string(first_position + tokens - 1) +
                     " need them appended first");
-  if (!stored && (first_position > cache.length(layer) || tokens > cache.capacity() - first_position))
-    throw Error(ErrorCode::invalid_argument, "attention: layer " + std::to_string(layer) + " holds " +
-                                                 std::to_string(cache.length(layer)) + " tokens of a capacity of " +
-                                                 std::to_string(cache.capacity()) + "; " + std::to_string(tokens) +
-                                                 " new tokens from position " + std::to_string(first_position) +
-                                                 " need the positions before them stored and room after");
+  if (reach == 0) reach = tokens;
+  if (!stored && (first_position > cache.length(layer) || reach > cache.capacity() - first_position))
+    throw Error(ErrorCode::invalid_argument,
+                "attention: layer " + std::to_string(layer) + " holds " + std::to_string(cache.length(layer)) +
+                    " tokens of a capacity of " + std::to_string(cache.capacity()) + "; " + std::to_string(tokens) +
+                    " new tokens" + (reach == tokens ? "" : " (a draft tree " + std::to_string(reach) + " deep)") +
+                    " from position " + std::to_string(first_position) +
+                    " need the positions before them stored and room after");
   // Sums of up to capacity values with weights up to 1 overflow past FLT_MAX / capacity. Appends
   // keep values below half that (value_limit()) and keys finite; a file's may decode beyond.
   if (!(double(cache.value_peak(layer)) < 2.0 * double(cache.value_limit())))
