@@ -95,7 +95,7 @@ Configuration strings: k<bits><c|t><group>[o<n>][s|g|n|l|i|e4m3|e5m2|b<levels>][
   i = llama.cpp's iq4_nl levels (4 bits), e4m3 / e5m2 = 8-bit floats with a scale per group
   (vLLM's fp8 cache with k8t<group>e4m3), b<levels> = a codebook (4 hex digits of f16 per level),
   k16/v16 = unquantized, -fk/-fv = keys/values leave the window R at a time once R have
-  gathered (KIVI's keys; Hugging Face's keys and values), not as each group or token is due,
+  gathered (-fk: KIVI's keys; -fk-fv: Hugging Face's window), not as each group or token is due,
   -post = the cache receives post-RoPE keys,
   -hk/-hv = store keys/values rotated by a Hadamard transform per head (-hsk/-hsv: with random
   signs; pre-RoPE keys are rotated back before RoPE when attention reads them).

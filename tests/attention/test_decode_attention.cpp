@@ -522,6 +522,10 @@ TEST(DecodeAttention, KernelSelection) {
                             {"k4c32-v2t32-r16-s1-post", Tier::integer, "avx512-integer"},
                             {"k2c64-v8t32-r16-s0", Tier::integer, "avx512-integer"},
                             {"k8c32-v4t32-r16-s0", Tier::exact, "avx512-exact"},
+                            // keys that flush, packed beyond the values (100 tokens: keys to
+                            // 65, values to 36): still the span kernels
+                            {"k4c32-v2t32-r64-s1-fk-post", Tier::exact, "avx512-exact"},
+                            {"k4c32-v2t32-r64-s1-fk-post", Tier::integer, "avx512-integer"},
                             {"k3c8-v5t16-r5-s0", Tier::exact, vector_kernel},
                             // read row by row on AVX-512, unpacked in registers on AVX2: values
                             // in groups of 8, values per channel

@@ -619,6 +619,34 @@ TEST(CacheFile, SharedPiecesAreCheckedForTheirLongestExtent) {
   EXPECT_NE(Access::check_section(cache, 0, state).find("outside its group of 8"), std::string::npos);
 }
 
+// A stream whose window flushes packs whole flushes of R rows: a file whose key stream ends inside
+// one (at a group boundary, within what its length and capacity allow) is refused by name.
+TEST(CacheFile, AQuantizedEndInsideAFlushIsRejected) {
+  const CacheShape shape{2, 1, 16, 96};
+  const CacheConfig config = config_of("k4c8-v2t8-r16-s1-fk-d6");
+  BasicKVCache original(shape, config);
+  append_random(original, 47, 11);
+  const std::string file = saved(original);
+  const std::size_t table = 16 + (16 + 104 + kvq::to_string(config).size());  // start of the table section
+  std::uint64_t key_end = 0;
+  std::memcpy(&key_end, file.data() + table + 20, 8);
+  ASSERT_EQ(key_end, 33u);  // layer 0's keys: 1 sink and 2 flushes of 16, where this test patches
+  std::string bytes = file;
+  // One group of 8 past the second flush, with a rollback history that reaches it (22 rows of
+  // copies: from 19), so that only the flush is wrong.
+  const std::uint64_t inside = 41, kept_from = 19;
+  std::memcpy(bytes.data() + table + 20, &inside, 8);
+  std::memcpy(bytes.data() + table + 28, &kept_from, 8);  // the rollback floor
+  std::memcpy(bytes.data() + table + 36, &kept_from, 8);  // the first row with a copy
+  const std::uint32_t crc = kvq::crc32c(bytes.data() + table, 12 + 2 * 60);
+  std::memcpy(bytes.data() + table + 12 + 2 * 60, &crc, 4);
+  BasicKVCache target(shape, config);
+  expect_load_refused(target, bytes, kvq::ErrorCode::io, {"key quantized end 41 splits a flush of 16"},
+                      "a key stream packed inside a flush");
+  load_text(target, file);
+  EXPECT_EQ(target.stored_bytes(), original.stored_bytes());
+}
+
 class DamagedFile : public ::testing::Test {
  protected:
   const CacheShape shape{2, 1, 16, 48};

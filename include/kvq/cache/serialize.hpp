@@ -264,12 +264,15 @@ struct CacheAccess {
       const StreamLayout& lay = layout(c, t);
       const StreamState& st = s.streams[BasicKVCache::index(t)];
       const std::string what = std::string(to_string(t)) + " quantized end " + std::to_string(st.quantized_end);
-      // Reachable states quantize at least what the rule says and only whole groups of held tokens.
+      // Reachable states quantize at least what the rule says and only whole groups (and whole
+      // flushes) of held tokens.
       if (st.quantized_end < lay.quantized_end(length) || st.quantized_end > std::max(length, lay.sinks) ||
           st.quantized_end - lay.sinks > lay.max_quantized_rows)
         return what + " is impossible for " + std::to_string(length) + " tokens";
       if (lay.quantized && lay.spec.axis == Axis::per_channel && (st.quantized_end - lay.sinks) % lay.spec.group != 0)
         return what + " splits a group of " + std::to_string(lay.spec.group);
+      if (lay.flush && (st.quantized_end - lay.sinks) % lay.window != 0)
+        return what + " splits a flush of " + std::to_string(lay.window);
       // The history holds at most history_rows packed rows; the floor lies between the sinks and
       // the length, and rows before the ring are held only where the history has them.
       const std::size_t first = first_in_ring(lay, length);

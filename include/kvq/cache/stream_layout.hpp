@@ -113,7 +113,7 @@ struct StreamLayout {
         block_rows(block) {
     const std::size_t after_sinks = capacity > sinks ? capacity - sinks : 0;
     const std::size_t step = spec.axis == Axis::per_channel ? spec.group : 1;
-    const std::size_t unit = flush ? window : step;  // rows packed at once (packing_unit)
+    const std::size_t unit = packing_unit(config, keys);
     if (quantized) {
       // The pending rows: at most R + G - 1, or R when the window flushes (then a flush reads
       // them in place, from slot 0). A window of SIZE_MAX never quantizes.
