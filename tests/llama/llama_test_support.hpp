@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvq/error.hpp"
 #include "llama/data_dir.hpp"
 #include "llama/gguf.hpp"
 #include "llama/gguf_writer.hpp"
@@ -94,9 +95,6 @@ struct TinyShape {
   std::uint64_t dim = 4, layers = 1, heads = 2, kv_heads = 1, ffn = 3, vocab = 5, context = 16;
 };
 
-/// A small random model of `arch` (dim 4, 1 layer, 2 heads, 1 kv head, ffn 3, vocab 5 unless
-/// `shape` says otherwise; no tokenizer), with a hook to rename or reshape tensors and one to add
-/// metadata or tensors.
 // Largest difference between two logit arrays relative to the largest magnitude of the second.
 inline double relative_difference(std::span<const float> a, std::span<const float> b) {
   double diff = 0, scale = 0;
@@ -107,6 +105,20 @@ inline double relative_difference(std::span<const float> a, std::span<const floa
   return diff / scale;
 }
 
+// What `call` throws as kvq::Error, or "no error".
+template <class Call>
+std::string error_text(Call&& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+/// A small random model of `arch` (dim 4, 1 layer, 2 heads, 1 kv head, ffn 3, vocab 5 unless
+/// `shape` says otherwise; no tokenizer), with a hook to rename or reshape tensors and one to add
+/// metadata or tensors.
 inline std::vector<std::uint8_t> tiny_model(
     const std::string& arch, const TinyShape& shape = {},
     const std::function<void(std::string&, std::vector<std::uint64_t>&)>& tweak = {},

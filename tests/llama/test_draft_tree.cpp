@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -20,6 +21,7 @@
 namespace kvq::llama {
 namespace {
 
+using testing::error_text;
 using testing::relative_difference;
 
 /// A kvq cache as the model's backend: decode steps, prompt chunks and draft trees, all through
@@ -35,22 +37,22 @@ class TreeBackend {
   }
   void attend_chunk(std::size_t layer, std::size_t first_position, std::size_t tokens, std::span<const float> q,
                     std::span<const float> k, std::span<const float> v, std::span<float> out) {
+    attend_new(layer, first_position, tokens, {}, q, k, v, out);
+  }
+  void attend_tree(std::size_t layer, std::size_t first_position, std::span<const std::int32_t> parents,
+                   std::span<const float> q, std::span<const float> k, std::span<const float> v, std::span<float> out) {
+    attend_new(layer, first_position, parents.size(), parents, q, k, v, out);
+  }
+
+ private:
+  // New tokens not stored yet: a chain (no parents) or a draft tree.
+  void attend_new(std::size_t layer, std::size_t first_position, std::size_t tokens,
+                  std::span<const std::int32_t> parents, std::span<const float> q, std::span<const float> k,
+                  std::span<const float> v, std::span<float> out) {
     kvq::attend({.cache = &cache_,
                  .layer = layer,
                  .first_position = first_position,
                  .tokens = tokens,
-                 .queries = q,
-                 .new_keys = k,
-                 .new_values = v,
-                 .out = out},
-                {.tier = tier_});
-  }
-  void attend_tree(std::size_t layer, std::size_t first_position, std::span<const std::int32_t> parents,
-                   std::span<const float> q, std::span<const float> k, std::span<const float> v, std::span<float> out) {
-    kvq::attend({.cache = &cache_,
-                 .layer = layer,
-                 .first_position = first_position,
-                 .tokens = parents.size(),
                  .queries = q,
                  .new_keys = k,
                  .new_values = v,
@@ -59,7 +61,6 @@ class TreeBackend {
                 {.tier = tier_});
   }
 
- private:
   BasicKVCache& cache_;
   Tier tier_;
 };
@@ -194,29 +195,23 @@ TEST_F(DraftTree, BadTreesAreRefusedBeforeAnythingIsStored) {
   const std::vector<int> drafts(tokens_.begin() + kPrefix, tokens_.begin() + kPrefix + 3);
   std::vector<float> logits(3 * vocab());
   Model::DraftRows rows;
-  const auto error_of = [&](auto&& call) -> std::string {
-    try {
-      call();
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "no error";
-  };
   const std::vector<std::int32_t> two = {-1, 0}, ahead = {-1, 2, 0};
-  EXPECT_NE(error_of([&] { model_->forward_tree(drafts, two, kPrefix, kv, logits, rows); }).find("2 parents for 3"),
+  EXPECT_NE(error_text([&] { model_->forward_tree(drafts, two, kPrefix, kv, logits, rows); }).find("2 parents for 3"),
             std::string::npos);
-  EXPECT_NE(error_of([&] {
+  EXPECT_NE(error_text([&] {
               model_->forward_tree(drafts, ahead, kPrefix, kv, logits, rows);
             }).find("the parent of new token 1 is 2"),
             std::string::npos);
+  EXPECT_TRUE(rows.keys.empty() && rows.parents.empty());  // a failed pass leaves the rows as they were
   const std::vector<std::int32_t> chain = {-1, 0, 1};
   model_->forward_tree(drafts, chain, kPrefix, kv, logits, rows);
   const std::vector<std::size_t> beyond = {0, 3}, skips = {0, 2}, rootless = {1, 2};
-  EXPECT_NE(error_of([&] { model_->append_path(rows, beyond, kv); }).find("token 3 at depth 1 is not in the tree of 3"),
+  EXPECT_NE(
+      error_text([&] { model_->append_path(rows, beyond, kv); }).find("token 3 at depth 1 is not in the tree of 3"),
+      std::string::npos);
+  EXPECT_NE(error_text([&] { model_->append_path(rows, skips, kv); }).find("token 2 at depth 1 is not a child of 0"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { model_->append_path(rows, skips, kv); }).find("token 2 at depth 1 is not a child of 0"),
-            std::string::npos);
-  EXPECT_NE(error_of([&] {
+  EXPECT_NE(error_text([&] {
               model_->append_path(rows, rootless, kv);
             }).find("token 1 at depth 0 is not a child of the prefix"),
             std::string::npos);

@@ -21,6 +21,7 @@
 namespace kvq::llama {
 namespace {
 
+using testing::error_text;
 using testing::relative_difference;
 
 class Prefill : public ::testing::Test {
@@ -182,28 +183,21 @@ TEST_F(Prefill, MixedFeedingAndBadChunks) {
   FullPrecisionBackend kv(*model_, 64);
   std::vector<float> logits(8 * vocab);
   const std::span<const int> eight(tokens_.data(), 8);
-  const auto error_of = [&](auto&& call) -> std::string {
-    try {
-      call();
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "no error";
-  };
-  EXPECT_NE(error_of([&] { model_->forward_chunk(eight, 3, kv, logits); }).find("position 3, expected 0"),
+  EXPECT_NE(error_text([&] { model_->forward_chunk(eight, 3, kv, logits); }).find("position 3, expected 0"),
             std::string::npos);
   EXPECT_EQ(kv.length(0), 0u);
-  EXPECT_NE(error_of([&] { model_->forward_chunk(eight.first(0), 0, kv, logits); }).find("zero tokens"),
+  EXPECT_NE(error_text([&] { model_->forward_chunk(eight.first(0), 0, kv, logits); }).find("zero tokens"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { model_->forward_chunk(eight, 0, kv, std::span(logits).first(7 * vocab)); }).find("8 tokens"),
-            std::string::npos);
+  EXPECT_NE(
+      error_text([&] { model_->forward_chunk(eight, 0, kv, std::span(logits).first(7 * vocab)); }).find("8 tokens"),
+      std::string::npos);
   const std::vector<int> bad = {1, 2, int(vocab)};
   EXPECT_NE(
-      error_of([&] { model_->forward_chunk(bad, 0, kv, std::span(logits).first(3 * vocab)); }).find("chunk row 2"),
+      error_text([&] { model_->forward_chunk(bad, 0, kv, std::span(logits).first(3 * vocab)); }).find("chunk row 2"),
       std::string::npos);
   EXPECT_EQ(kv.length(0), 0u);
   FullPrecisionBackend small(*model_, 4);
-  EXPECT_NE(error_of([&] { model_->forward_chunk(eight, 0, small, logits); }).find("beyond the capacity of 4"),
+  EXPECT_NE(error_text([&] { model_->forward_chunk(eight, 0, small, logits); }).find("beyond the capacity of 4"),
             std::string::npos);
   EXPECT_EQ(small.length(0), 0u);
 }
