@@ -11,7 +11,9 @@
 // cache for all T x 4 query rows of a KV head), against T decode steps; verify_tree/.../branches:<B>/
 // depth:<D> checks a draft tree of B branches of D new tokens each in one call (AttentionRequest::
 // parents), verify_branches/... the same B branches in B calls; decode_token_keys/<layout>/
-// <kernel>/... reads llama.cpp's q8_0 and q4_0 layouts (keys and values per token) on each kernel.
+// <kernel>/... reads llama.cpp's q8_0 and q4_0 layouts (keys and values per token) on each kernel;
+// shared_prefix/.../sequences:<S> attends S sequences' queries over a prefix they share in one
+// request (AttentionRequest::positions), shared_prefix_apart/... in one request per sequence.
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
@@ -41,9 +43,10 @@ struct Built {
   double layer_bytes = 0;
 };
 
-Built& cache_for(const std::string& config, std::size_t context, std::size_t block_tokens) {
-  static std::map<std::tuple<std::string, std::size_t, std::size_t>, Built> built;
-  auto key = std::tuple{config, context, block_tokens};
+/// A cache of `context` tokens in as many layers as 160 MB take, with room for `spare` more.
+Built& cache_for(const std::string& config, std::size_t context, std::size_t block_tokens, std::size_t spare = 0) {
+  static std::map<std::tuple<std::string, std::size_t, std::size_t, std::size_t>, Built> built;
+  auto key = std::tuple{config, context, block_tokens, spare};
   if (auto it = built.find(key); it != built.end()) return it->second;
   built.clear();  // one cache at a time keeps memory bounded
   const kvq::CacheConfig c = kvq::parse_cache_config(config);
@@ -51,7 +54,7 @@ Built& cache_for(const std::string& config, std::size_t context, std::size_t blo
   const double bytes = double(probe.planned_memory(context).total_bytes());
   const std::size_t layers = std::max<std::size_t>(2, std::size_t(160e6 / bytes) + 1);
   Built b;
-  kvq::CacheShape shape{layers, kKvHeads, kDim, context};
+  kvq::CacheShape shape{layers, kKvHeads, kDim, context + spare};
   shape.block_tokens = block_tokens;
   b.cache = std::make_unique<kvq::BasicKVCache>(shape, c);
   b.layers = layers;
@@ -148,6 +151,44 @@ void verify_tree_step(benchmark::State& state, std::string config, kvq::Tier tie
                    .parents = as_tree ? std::span<const std::int32_t>(parents) : std::span<const std::int32_t>()},
                   {.tier = tier});
     }
+    benchmark::DoNotOptimize(out.data());
+    layer = (layer + 1) % b.layers;
+  }
+}
+
+// Decode steps of `sequences` sequences sharing a prefix of `context` tokens, each query at its own
+// position after it (stored_only requests, whose outputs an engine merges with those over each
+// sequence's own tokens): in one request with positions (shared, the prefix read once for all of
+// them) or one request per sequence in one call.
+void shared_prefix_step(benchmark::State& state, std::string config, kvq::Tier tier, std::size_t context,
+                        std::size_t sequences, bool shared) {
+  Built& b = cache_for(config, context, 0, 4096);
+  std::vector<float> q(sequences * kHeads * kDim), out(q.size()), lse(sequences * kHeads);
+  std::vector<std::size_t> positions(sequences);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  for (float& x : q) x = normal(rng);
+  for (std::size_t s = 0; s < sequences; ++s) positions[s] = context + std::size_t(rng() % 4096);
+  positions[0] = context;  // the request's first position
+  std::vector<kvq::AttentionRequest> requests;
+  for (std::size_t s = 0; s < (shared ? 1 : sequences); ++s) {
+    const std::size_t n = shared ? sequences : 1;
+    requests.push_back(
+        {.first_position = positions[s],
+         .tokens = n,
+         .queries = std::span(q).subspan(s * kHeads * kDim, n * kHeads * kDim),
+         .out = std::span(out).subspan(s * kHeads * kDim, n * kHeads * kDim),
+         .lse = std::span(lse).subspan(s * kHeads, n * kHeads),
+         .stored_only = true,
+         .positions = shared ? std::span<const std::size_t>(positions) : std::span<const std::size_t>()});
+  }
+  std::size_t layer = 0;
+  for (auto _ : state) {
+    for (kvq::AttentionRequest& r : requests) {
+      r.cache = b.cache.get();
+      r.layer = layer;
+    }
+    kvq::attend(requests, {.tier = tier});
     benchmark::DoNotOptimize(out.data());
     layer = (layer + 1) % b.layers;
   }
@@ -405,6 +446,12 @@ int main(int argc, char** argv) {
         benchmark::RegisterBenchmark(
             ((as_tree ? "verify_tree/" : "verify_branches/") + row + "branches:4/depth:4").c_str(), verify_tree_step,
             std::string(c.config), tier, std::size_t(32768), std::size_t(4), std::size_t(4), as_tree)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      for (const bool shared : {true, false})
+        benchmark::RegisterBenchmark(
+            ((shared ? "shared_prefix/" : "shared_prefix_apart/") + row + "sequences:16").c_str(), shared_prefix_step,
+            std::string(c.config), tier, std::size_t(32768), std::size_t(16), shared)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
       for (const std::size_t block : {256, 1024, 4096, 16384, 32768})

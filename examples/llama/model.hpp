@@ -274,7 +274,9 @@ class Model {
 
   /// Appends the draft rows of `path` (token indices from a root down, each the child of the one
   /// before) at the tree's positions: the tokens forward_tree verified and the engine accepted.
-  /// A path that is not one throws before anything is appended.
+  /// A path that is not one throws before anything is appended. An append that fails part way (a
+  /// shared block store run dry) is undone where the backend has `truncate(length)` (a kvq cache's
+  /// drops the tokens from `length` on in every layer), so no layer is left longer than another.
   template <KVBackend Backend>
   void append_path(const DraftRows& rows, std::span<const std::size_t> path, Backend& kv) const {
     if (rows.keys.size() != config_.layers)
@@ -288,11 +290,23 @@ class Model {
         throw Error(ErrorCode::invalid_argument,
                     token + " is not a child of " + (i == 0 ? std::string("the prefix") : std::to_string(path[i - 1])));
     }
-    for (std::size_t l = 0; l < config_.layers; ++l)
-      for (std::size_t i = 0; i < path.size(); ++i) {
-        const auto t = static_cast<Eigen::Index>(path[i]);
-        kv.append(l, rows.first_position + i, row(rows.keys[l], t), row(rows.values[l], t));
+    bool appended = false;  // nothing to undo when the first append fails (rows not at the end)
+    try {
+      for (std::size_t l = 0; l < config_.layers; ++l)
+        for (std::size_t i = 0; i < path.size(); ++i) {
+          const auto t = static_cast<Eigen::Index>(path[i]);
+          kv.append(l, rows.first_position + i, row(rows.keys[l], t), row(rows.values[l], t));
+          appended = true;
+        }
+    } catch (...) {
+      if constexpr (requires { kv.truncate(rows.first_position); }) {
+        if (appended) try {
+            kv.truncate(rows.first_position);
+          } catch (...) {  // the append's error is the one to report
+          }
       }
+      throw;
+    }
   }
 
  private:

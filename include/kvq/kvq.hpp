@@ -31,4 +31,5 @@
 #include "kvq/attention/reference.hpp"
 #include "kvq/attention/decode.hpp"
 #include "kvq/attention/attend.hpp"
+#include "kvq/attention/merge.hpp"
 #include "kvq/metrics/attention_error.hpp"

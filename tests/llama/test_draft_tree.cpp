@@ -35,6 +35,7 @@ class TreeBackend {
   void attend(std::size_t layer, std::size_t position, std::span<const float> q, std::span<float> out) {
     decode_attention(cache_, layer, position, q, out, {.tier = tier_});
   }
+  void truncate(std::size_t length) { cache_.truncate(length); }
   void attend_chunk(std::size_t layer, std::size_t first_position, std::size_t tokens, std::span<const float> q,
                     std::span<const float> k, std::span<const float> v, std::span<float> out) {
     attend_new(layer, first_position, tokens, {}, q, k, v, out);
@@ -216,6 +217,36 @@ TEST_F(DraftTree, BadTreesAreRefusedBeforeAnythingIsStored) {
             }).find("token 1 at depth 0 is not a child of the prefix"),
             std::string::npos);
   EXPECT_EQ(cache.stored_bytes(), before);
+}
+
+// An append that fails in a later layer (as a shared block store run dry would) is undone in
+// the layers before it: every layer keeps the prefix only, byte for byte.
+TEST_F(DraftTree, AnAppendFailingPartWayIsUndoneInEveryLayer) {
+  std::vector<float> last;
+  BasicKVCache cache = prefilled("k4c32-v2t8-r16-s0", Tier::exact, last);
+  const std::vector<std::uint8_t> before = cache.stored_bytes();
+  struct Failing : TreeBackend {
+    using TreeBackend::TreeBackend;
+    void append(std::size_t layer, std::size_t position, std::span<const float> k, std::span<const float> v) {
+      if (layer == 1 && position == kPrefix + 1) throw Error(ErrorCode::out_of_memory, "no block left");
+      TreeBackend::append(layer, position, k, v);
+    }
+  } kv(cache, Tier::exact);
+  const std::vector<int> drafts(tokens_.begin() + kPrefix, tokens_.begin() + kPrefix + 3);
+  std::vector<float> logits(3 * vocab());
+  Model::DraftRows rows;
+  const std::vector<std::int32_t> chain = {-1, 0, 1};
+  model_->forward_tree(drafts, chain, kPrefix, kv, logits, rows);
+  const std::vector<std::size_t> path = {0, 1, 2};
+  EXPECT_NE(error_text([&] { model_->append_path(rows, path, kv); }).find("no block left"), std::string::npos);
+  for (std::size_t l = 0; l < cache.shape().layers; ++l) EXPECT_EQ(cache.length(l), kPrefix) << "layer " << l;
+  EXPECT_EQ(cache.stored_bytes(), before);
+  model_->append_path(rows, std::span(path).first(1), kv);  // layer 1's failing position not reached
+  EXPECT_EQ(cache.length(cache.shape().layers - 1), kPrefix + 1);
+  // Rows of a pass before that append: the first append fails, and nothing is undone.
+  const std::vector<std::uint8_t> appended = cache.stored_bytes();
+  EXPECT_NE(error_text([&] { model_->append_path(rows, path, kv); }).find("position"), std::string::npos);
+  EXPECT_EQ(cache.stored_bytes(), appended);
 }
 
 }  // namespace

@@ -11,10 +11,14 @@
 //       p0 + 1 .. p0 + t, and with a window the stored positions before S inside its own window
 //   a draft tree (AttentionRequest::parents): query t sits at p0 + depth(t) and its exact part
 //     holds the new tokens on its path from a root, not every new token before it
+//   stored positions only (AttentionRequest::stored_only, a part of attention merged by its
+//     log-sum-exp): P = the stored length <= p0, no exact tail; with `positions` query t sits at
+//     positions[t], so queries of many sequences read a prefix they share once
 //   a request that crosses an attention chunk boundary (ScoreOptions::attention_chunk) runs as
 //   one request per chunk: no query sees across the boundary, so S stays each part's own start
-//   (a draft tree runs whole: the stored positions of the chunk before the boundary then run in
-//   each query's exact part, scalar, where the kernels would read them once)
+//   (a draft tree or a request with positions runs whole: the stored positions of the chunk
+//   before the boundary then run in each query's exact part, scalar, where the kernels would
+//   read them once)
 //   work items (request, KV head, rows batch, context chunk) run on the executor; the parts
 //   merge in a fixed order, so results are bit-identical for every thread count.
 //
@@ -61,6 +65,25 @@ struct AttentionRequest {
   /// values and room in the capacity for the deepest token; the engine appends the path it
   /// accepts afterwards.
   std::span<const std::int32_t> parents{};
+  /// Empty, or (T, heads): each query row's log-sum-exp, log(sum_j exp(logit_j)) over the
+  /// positions it saw (and its sink logit, ScoreOptions::sink_logits), natural log, the logits
+  /// as scores.hpp defines them. With it an engine merges this output with attention over other
+  /// keys (a prefix shared in another cache, tokens it holds itself): merge_attention (merge.hpp).
+  std::span<float> lse{};
+  /// The queries see stored positions only: one part of attention whose other positions the
+  /// engine attends elsewhere and merges by lse, as cascade attention keeps a prefix shared by
+  /// many sequences in one cache and each sequence's own tokens in another. p0 is then at or after
+  /// the stored length (the queries' positions within the capacity, where RoPE rotates them), query
+  /// t sees the stored positions its window and attention chunk let it see, and there are no new
+  /// keys or values. A query that sees none writes zeros and lse -inf (merge_attention's empty
+  /// row), or its sink logit where ScoreOptions::sink_logits are given.
+  bool stored_only = false;
+  /// With stored_only: empty (query t at p0 + t), or each query's own position, in any order, p0
+  /// the smallest: the queries of many sequences over a prefix they share in one cache, which the
+  /// kernels then read once for all of them (cascade attention's batch). With a window or
+  /// attention chunks the kernels read only what every query sees and the rest runs scalar per
+  /// query: group sequences whose windows reach the same part of the prefix.
+  std::span<const std::size_t> positions{};
 };
 
 namespace detail {
@@ -75,10 +98,10 @@ struct RequestPlan {
   std::size_t first_chunk = 0, chunks = 0;  // the chunks (ChunkGrid) covering [shared, prefix)
   const kernels::attention::KernelEntry* kernel = nullptr;
   std::size_t query_offset = 0, partial_offset = 0;  // into the workspace
-  std::vector<std::size_t> depth;                    // a draft tree's depth of each token; empty for a chain
+  std::vector<std::size_t> offsets;                  // query_offsets: a draft tree's depths, or positions less p0
 
   /// Query t's position less p0.
-  std::size_t offset(std::size_t t) const noexcept { return depth.empty() ? t : depth[t]; }
+  std::size_t offset(std::size_t t) const noexcept { return offsets.empty() ? t : offsets[t]; }
 };
 
 /// Each token's depth in a checked draft tree (check_request): a root's is 0.
@@ -86,6 +109,15 @@ inline std::vector<std::size_t> tree_depths(std::span<const std::int32_t> parent
   std::vector<std::size_t> depth(parents.size());
   for (std::size_t t = 0; t < parents.size(); ++t) depth[t] = parents[t] < 0 ? 0 : depth[std::size_t(parents[t])] + 1;
   return depth;
+}
+
+/// Each query's position less p0 where the request gives them otherwise than p0 + t (a draft
+/// tree's depths, AttentionRequest::positions), else empty. The request is checked first.
+inline std::vector<std::size_t> query_offsets(const AttentionRequest& r) {
+  if (!r.parents.empty()) return tree_depths(r.parents);
+  std::vector<std::size_t> offsets(r.positions.size());
+  for (std::size_t t = 0; t < offsets.size(); ++t) offsets[t] = r.positions[t] - r.first_position;
+  return offsets;
 }
 
 inline void check_request(const AttentionRequest& r, std::size_t index) {
@@ -101,6 +133,22 @@ inline void check_request(const AttentionRequest& r, std::size_t index) {
                 which + "new keys of " + std::to_string(r.new_keys.size()) + " and values of " +
                     std::to_string(r.new_values.size()) + " floats are not " + std::to_string(r.tokens) + " tokens x " +
                     std::to_string(s.kv_heads) + " KV heads x " + std::to_string(s.head_dim));
+  if (r.stored_only && fresh)
+    throw Error(ErrorCode::invalid_argument, which + "a request of stored positions only takes no new keys or values");
+  if (!r.positions.empty()) {
+    if (!r.stored_only)
+      throw Error(ErrorCode::invalid_argument, which + "query positions are for requests of stored positions only");
+    if (r.positions.size() != r.tokens)
+      throw Error(ErrorCode::shape_mismatch, which + std::to_string(r.positions.size()) + " positions for " +
+                                                 std::to_string(r.tokens) + " query tokens");
+    const auto [first, last] = std::minmax_element(r.positions.begin(), r.positions.end());
+    if (*first != r.first_position)
+      throw Error(ErrorCode::invalid_argument, which + "first_position " + std::to_string(r.first_position) +
+                                                   " is not the smallest of the positions, " + std::to_string(*first));
+    if (*last >= r.cache->capacity())
+      throw Error(ErrorCode::invalid_argument, which + "query position " + std::to_string(*last) +
+                                                   " is beyond the capacity of " + std::to_string(r.cache->capacity()));
+  }
   if (!r.parents.empty()) {
     if (!fresh)
       throw Error(ErrorCode::invalid_argument, which + "a draft tree (parents) needs its new keys and values");
@@ -125,32 +173,38 @@ inline void check_request(const AttentionRequest& r, std::size_t index) {
     throw Error(ErrorCode::unrepresentable,
                 place + ": value " + std::to_string(span[at]) + ": " + r.cache->unstorable_text(t));
   }
-  for (const auto& [span, what] :
-       {std::pair{r.queries, "queries"}, std::pair{r.new_keys, "new keys"}, std::pair{r.new_values, "new values"}})
-    if (overlaps(std::span<const float>(r.out.data(), r.out.size()), span))
-      throw Error(ErrorCode::invalid_argument, which + "the output overlaps the " + what);
+  for (const auto& [output, name] : {std::pair{r.out, "output"}, std::pair{r.lse, "log-sum-exp"}})
+    for (const auto& [span, what] :
+         {std::pair{r.queries, "queries"}, std::pair{r.new_keys, "new keys"}, std::pair{r.new_values, "new values"}})
+      if (overlaps(std::span<const float>(output.data(), output.size()), span))
+        throw Error(ErrorCode::invalid_argument, which + "the " + name + " overlaps the " + what);
+  if (overlaps(std::span<const float>(r.out.data(), r.out.size()), std::span<const float>(r.lse.data(), r.lse.size())))
+    throw Error(ErrorCode::invalid_argument, which + "the output overlaps the log-sum-exp");
 }
 
-/// Throws if a request's output overlaps another request's inputs or output (check_request has
-/// refused an output over its own request's inputs). The outputs are sorted by address once, so a
-/// batch of n requests costs O(n log n) per call rather than n^2 pairs.
+/// Throws if a request's output or log-sum-exp overlaps another request's inputs or outputs
+/// (check_request has refused them over their own request's). The outputs are sorted by address
+/// once, so a batch of n requests costs O(n log n) per call rather than n^2 pairs.
 inline void check_requests_apart(std::span<const AttentionRequest> requests) {
   struct Output {
     const float *begin, *end;
     std::size_t request;
+    const char* what;
   };
   const std::less<const float*> before;
-  std::vector<Output> outs;
+  std::vector<Output> outs;  // every output and log-sum-exp
   for (std::size_t i = 0; i < requests.size(); ++i)
-    if (!requests[i].out.empty())
-      outs.push_back({requests[i].out.data(), requests[i].out.data() + requests[i].out.size(), i});
+    for (const auto& [span, what] : {std::pair{requests[i].out, "output"}, std::pair{requests[i].lse, "log-sum-exp"}})
+      if (!span.empty()) outs.push_back({span.data(), span.data() + span.size(), i, what});
   std::sort(outs.begin(), outs.end(), [&](const Output& a, const Output& b) { return before(a.begin, b.begin); });
   std::vector<std::size_t> reach(outs.size());  // reach[k]: the output among outs[0..k] that ends last
   for (std::size_t k = 0; k < outs.size(); ++k) {
     if (k > 0 && before(outs[k].begin, outs[reach[k - 1]].end)) {
-      const std::size_t a = outs[k].request, b = outs[reach[k - 1]].request;
-      throw Error(ErrorCode::invalid_argument, "attention requests " + std::to_string(std::min(a, b)) + " and " +
-                                                   std::to_string(std::max(a, b)) + " write overlapping outputs");
+      const Output& x = outs[k].request < outs[reach[k - 1]].request ? outs[k] : outs[reach[k - 1]];
+      const Output& y = &x == &outs[k] ? outs[reach[k - 1]] : outs[k];
+      throw Error(ErrorCode::invalid_argument, "attention requests " + std::to_string(x.request) + " and " +
+                                                   std::to_string(y.request) + " write overlapping outputs (the " +
+                                                   x.what + " and the " + y.what + ")");
     }
     reach[k] = k > 0 && !before(outs[reach[k - 1]].end, outs[k].end) ? reach[k - 1] : k;
   }
@@ -167,8 +221,8 @@ inline void check_requests_apart(std::span<const AttentionRequest> requests) {
           outs.begin());
       if (m > 0 && before(input_begin, outs[reach[m - 1]].end))
         throw Error(ErrorCode::invalid_argument, "attention request " + std::to_string(outs[reach[m - 1]].request) +
-                                                     ": the output overlaps request " + std::to_string(j) + "'s " +
-                                                     what);
+                                                     ": the " + outs[reach[m - 1]].what + " overlaps request " +
+                                                     std::to_string(j) + "'s " + what);
     }
   }
 }
@@ -181,11 +235,15 @@ inline void check_requests(std::span<const AttentionRequest> requests, const Dec
     check_request(r, i);
     try {
       const float peak = r.new_keys.empty() ? -1.0f : largest_magnitude(r.new_keys.data(), r.new_keys.size());
-      const std::vector<std::size_t> depth = tree_depths(r.parents);
-      const std::size_t reach = depth.empty() ? r.tokens : *std::max_element(depth.begin(), depth.end()) + 1;
       check_attention_args(*r.cache, r.layer, r.first_position, r.tokens, r.queries, r.out.size(), peak, options.scores,
-                           reach);
+                           query_offsets(r), r.stored_only);
       check_sink_logits_apart(options.scores, std::span<const float>(r.out.data(), r.out.size()));
+      check_sink_logits_apart(options.scores, std::span<const float>(r.lse.data(), r.lse.size()), "log-sum-exp");
+      const std::size_t heads = r.queries.size() / r.tokens / r.cache->shape().head_dim;
+      if (!r.lse.empty() && r.lse.size() != r.tokens * heads)
+        throw Error(ErrorCode::shape_mismatch, "a log-sum-exp of " + std::to_string(r.lse.size()) + " floats is not " +
+                                                   std::to_string(r.tokens) + " x " + std::to_string(heads) +
+                                                   " (tokens x query heads)");
     } catch (const Error& e) {
       throw Error(e.code(), "attention request " + std::to_string(i) + ": " + e.message());
     }
@@ -202,11 +260,12 @@ inline std::vector<AttentionRequest> split_at_attention_chunks(std::span<const A
                                                                std::size_t chunk) {
   std::vector<AttentionRequest> parts;
   for (const AttentionRequest& r : requests) {
-    if (!r.parents.empty()) {  // a part could not name its parents: whole (the planner cuts per query)
+    if (!r.parents.empty() || !r.positions.empty()) {  // whole: the planner cuts per query
       parts.push_back(r);
       continue;
     }
-    const std::size_t q_row = r.queries.size() / r.tokens, kv_row = r.new_keys.size() / r.tokens;
+    const std::size_t q_row = r.queries.size() / r.tokens, kv_row = r.new_keys.size() / r.tokens,
+                      lse_row = r.lse.size() / r.tokens;
     for (std::size_t t = 0; t < r.tokens;) {
       const std::size_t p = r.first_position + t, n = std::min(r.tokens - t, chunk - p % chunk);
       AttentionRequest part = r;
@@ -214,6 +273,7 @@ inline std::vector<AttentionRequest> split_at_attention_chunks(std::span<const A
       part.tokens = n;
       part.queries = r.queries.subspan(t * q_row, n * q_row);
       part.out = r.out.subspan(t * q_row, n * q_row);
+      part.lse = r.lse.subspan(t * lse_row, n * lse_row);
       if (kv_row != 0) {
         part.new_keys = r.new_keys.subspan(t * kv_row, n * kv_row);
         part.new_values = r.new_values.subspan(t * kv_row, n * kv_row);
@@ -230,11 +290,11 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
   using kernels::attention::max_group;
   detail::check_requests(original, options);
   // One position without new tokens: decode_attention, bit for bit (for the GQA groups it takes).
-  if (original.size() == 1 && original[0].tokens == 1 && original[0].new_keys.empty() &&
+  if (original.size() == 1 && original[0].tokens == 1 && original[0].new_keys.empty() && !original[0].stored_only &&
       original[0].queries.size() / original[0].cache->shape().head_dim / original[0].cache->shape().kv_heads <=
           max_group)
-    return decode_attention(*original[0].cache, original[0].layer, original[0].first_position, original[0].queries,
-                            original[0].out, options);
+    return decode_with_lse(*original[0].cache, original[0].layer, original[0].first_position, original[0].queries,
+                           original[0].out, original[0].lse, options);
 
   std::vector<AttentionRequest> cut;  // without attention chunks the requests run as given
   if (options.scores.attention_chunk)
@@ -256,10 +316,10 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
     p.rows = p.tokens * p.group;
     p.batches = (p.rows + max_group - 1) / max_group;
     p.batch_rows = std::min(p.rows, max_group);
-    p.prefix = fresh ? r.first_position : r.first_position + 1;
+    p.prefix = r.stored_only ? cache.length(r.layer) : fresh ? r.first_position : r.first_position + 1;
     p.chunk = detail::chunk_positions(cache, r.layer, options.chunk_tokens);
-    if (!r.parents.empty()) p.depth = detail::tree_depths(r.parents);
-    const std::size_t last = p.depth.empty() ? p.tokens - 1 : *std::max_element(p.depth.begin(), p.depth.end());
+    p.offsets = detail::query_offsets(r);
+    const std::size_t last = p.offsets.empty() ? p.tokens - 1 : *std::max_element(p.offsets.begin(), p.offsets.end());
     p.shared = std::min(p.prefix, detail::window_start(options.scores, r.first_position + last));
     p.ragged = std::min(p.shared, detail::window_start(options.scores, r.first_position));
     const detail::ChunkGrid grid{cache.config().sinks, p.chunk};
@@ -335,9 +395,13 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
       return;
     }
     // The exact part: rows j < R are the ragged stored positions p.ragged + j, then the tail
-    // (positions p.prefix + offset(j - R)): new tokens, or the stored positions after p0.
+    // (positions p.prefix + offset(j - R)): new tokens, or the stored positions after p0 (none
+    // where the request sees stored positions only).
     const bool fresh = !r.new_keys.empty(), pre = cache.config().key_rope == KeyRope::pre;
-    const std::size_t R = p.shared - p.ragged, tail = fresh ? p.tokens : p.tokens - 1,
+    const std::size_t R = p.shared - p.ragged,
+                      tail = r.stored_only ? 0
+                             : fresh       ? p.tokens
+                                           : p.tokens - 1,
                       kv_heads = cache.shape().kv_heads;
     // this task's thread: no allocation once warm (up to kept_scratch_bytes a vector)
     thread_local std::vector<float> keys, values;
@@ -375,12 +439,12 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
         const std::size_t lo = detail::window_start(options.scores, r.first_position + p.offset(t));
         visible.clear();
         for (std::size_t j = lo <= p.ragged ? 0 : std::min(lo - p.ragged, R); j < R; ++j) visible.push_back(j);
-        if (p.depth.empty()) {
-          for (std::size_t i = lo <= p.prefix ? 0 : lo - p.prefix; i < (fresh ? t + 1 : t); ++i)
-            visible.push_back(R + i);
-        } else {
+        if (p.offsets.empty()) {
+          const std::size_t seen = r.stored_only ? 0 : fresh ? t + 1 : t;  // tail rows up to its own position
+          for (std::size_t i = lo <= p.prefix ? 0 : lo - p.prefix; i < seen; ++i) visible.push_back(R + i);
+        } else if (!r.parents.empty()) {  // (queries at `positions` have no tail)
           const std::size_t path = visible.size();
-          for (std::int64_t a = std::int64_t(t); a >= 0 && r.first_position + p.depth[std::size_t(a)] >= lo;
+          for (std::int64_t a = std::int64_t(t); a >= 0 && r.first_position + p.offsets[std::size_t(a)] >= lo;
                a = r.parents[std::size_t(a)])
             visible.push_back(R + std::size_t(a));
           std::reverse(visible.begin() + std::ptrdiff_t(path), visible.end());
@@ -425,7 +489,8 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
         const float* parts = own_partial.data() + p.partial_offset + (kvh * p.batches + b) * (p.chunks + 1) * stride;
         detail::merge_parts(parts + k, parts + p.batch_rows + k, parts + 2 * p.batch_rows + k * dim, p.chunks + 1,
                             stride, dim, detail::sink_logit(options.scores, kvh * p.group + g),
-                            r.out.data() + (t * p.heads + kvh * p.group + g) * dim);
+                            r.out.data() + (t * p.heads + kvh * p.group + g) * dim,
+                            r.lse.empty() ? nullptr : r.lse.data() + t * p.heads + kvh * p.group + g);
       }
     if (const auto rotation = r.cache->rotation(Tensor::values))
       rotation->inverse_unchecked(r.out);  // sum p Hv = H sum p v: within the bound v was stored under

@@ -187,10 +187,11 @@ inline void run_range(const BasicKVCache& cache, std::size_t layer, std::size_t 
 
 /// Merges n partial states of one query row, in order (part j: max[j * stride], sum[j * stride],
 /// acc + j * stride), into the normalised output o (dim), with the row's sink logit in the
-/// denominator (-inf: none). The order is fixed, so the result does not depend on which thread
-/// computed which part.
+/// denominator (-inf: none), and writes the log of that denominator to *lse unless lse is null.
+/// The order is fixed, so the result does not depend on which thread computed which part. A row
+/// that saw nothing (AttentionRequest::stored_only) gets zeros and -inf (its sink logit with one).
 inline void merge_parts(const float* max, const float* sum, const float* acc, std::size_t n, std::size_t stride,
-                        std::size_t dim, float sink, float* o) noexcept {
+                        std::size_t dim, float sink, float* o, float* lse = nullptr) noexcept {
   float m = sink;
   for (std::size_t j = 0; j < n; ++j) m = std::max(m, max[j * stride]);
   std::fill(o, o + dim, 0.0f);
@@ -203,19 +204,20 @@ inline void merge_parts(const float* max, const float* sum, const float* acc, st
     for (std::size_t c = 0; c < dim; ++c) o[c] += w * a[c];
   }
   if (sink != -std::numeric_limits<float>::infinity()) total += std::exp(sink - m);
+  if (total == 0.0f) {
+    if (lse != nullptr) *lse = -std::numeric_limits<float>::infinity();
+    return;
+  }
   const float inv = 1.0f / total;
   for (std::size_t c = 0; c < dim; ++c) o[c] *= inv;
+  if (lse != nullptr) *lse = m + std::log(total);
 }
 
-}  // namespace detail
-
-/// Decode attention for one position: q, out (heads, head_dim); queries follow the cache's
-/// key_rope (pre-RoPE queries are rotated to `position` here). Query head h reads KV head
-/// h / (heads / kv_heads). Attends to positions [0, position], or those of them options.scores
-/// lets it see (a sliding window, its attention chunk). Throws kvq::Error on bad shapes or
-/// options, a layer outside the cache or a position the layer does not hold yet.
-inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::size_t position,
-                             std::span<const float> q, std::span<float> out, const DecodeOptions& options = {}) {
+/// decode_attention, and with a non-empty `lse` (heads; checked by attend) each head's
+/// log-sum-exp as AttentionRequest::lse describes it.
+inline void decode_with_lse(const BasicKVCache& cache, std::size_t layer, std::size_t position,
+                            std::span<const float> q, std::span<float> out, std::span<float> lse,
+                            const DecodeOptions& options) {
   const detail::DecodePlan plan = detail::plan_decode(cache, layer, position, q, out.size(), options);
   detail::check_sink_logits_apart(options.scores, out);
   const bool pre = cache.config().key_rope == KeyRope::pre;
@@ -259,9 +261,22 @@ inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::
     for (std::size_t g = 0; g < plan.group; ++g)
       detail::merge_parts(parts + g, parts + plan.group + g, parts + 2 * plan.group + g * dim, plan.chunks, stride, dim,
                           detail::sink_logit(options.scores, kvh * plan.group + g),
-                          out.data() + (kvh * plan.group + g) * dim);
+                          out.data() + (kvh * plan.group + g) * dim,
+                          lse.empty() ? nullptr : lse.data() + kvh * plan.group + g);
   }
   if (const auto r = cache.rotation(Tensor::values)) r->inverse_unchecked(out);  // sum p Hv = H sum p v
+}
+
+}  // namespace detail
+
+/// Decode attention for one position: q, out (heads, head_dim); queries follow the cache's
+/// key_rope (pre-RoPE queries are rotated to `position` here). Query head h reads KV head
+/// h / (heads / kv_heads). Attends to positions [0, position], or those of them options.scores
+/// lets it see (a sliding window, its attention chunk). Throws kvq::Error on bad shapes or
+/// options, a layer outside the cache or a position the layer does not hold yet.
+inline void decode_attention(const BasicKVCache& cache, std::size_t layer, std::size_t position,
+                             std::span<const float> q, std::span<float> out, const DecodeOptions& options = {}) {
+  detail::decode_with_lse(cache, layer, position, q, out, {}, options);
 }
 
 namespace detail {

@@ -77,11 +77,14 @@ inline MatrixD attend(const MatrixD& queries, const MatrixD& keys, const MatrixD
 namespace detail {
 /// Checks attention of `tokens` query positions from first_position: the positions are stored in
 /// the cache, or (new_keys_peak >= 0) they are new tokens given beside it, attending to the stored
-/// positions before first_position and to each other, with keys up to new_keys_peak in magnitude;
-/// they take `reach` positions from first_position (0: `tokens`; a draft tree: its depth + 1).
+/// positions before first_position and to each other, with keys up to new_keys_peak in magnitude.
+/// Query t sits at first_position + t, or + offsets[t] where offsets are given (a draft tree's
+/// depths, AttentionRequest::positions). With `beyond_stored` the positions follow the stored
+/// ones, held elsewhere (AttentionRequest::stored_only).
 inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, std::size_t first_position,
                                  std::size_t tokens, std::span<const float> q, std::size_t out_size,
-                                 float new_keys_peak = -1.0f, const ScoreOptions& rule = {}, std::size_t reach = 0) {
+                                 float new_keys_peak = -1.0f, const ScoreOptions& rule = {},
+                                 std::span<const std::size_t> offsets = {}, bool beyond_stored = false) {
   check_score_options(rule);
   const CacheShape& s = cache.shape();
   const std::size_t q_size = q.size();
@@ -99,15 +102,23 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
                                                " query heads are not a multiple of " + std::to_string(s.kv_heads) +
                                                " KV heads");
   check_sink_logits(rule, heads);
-  const bool stored = new_keys_peak < 0.0f;
+  const bool stored = new_keys_peak < 0.0f && !beyond_stored;
+  // Positions from first_position the queries take: a draft tree's depth + 1, say.
+  const std::size_t reach = offsets.empty() ? tokens : *std::max_element(offsets.begin(), offsets.end()) + 1;
+  if (beyond_stored && (first_position < cache.length(layer) || first_position > cache.capacity() ||
+                        reach > cache.capacity() - first_position))
+    throw Error(ErrorCode::invalid_argument,
+                "attention: layer " + std::to_string(layer) + " holds " + std::to_string(cache.length(layer)) +
+                    " tokens of a capacity of " + std::to_string(cache.capacity()) + "; queries of stored positions " +
+                    "only over " + std::to_string(reach) + " positions from " + std::to_string(first_position) +
+                    " must follow the stored tokens within the capacity");
   if (stored &&
       (tokens > cache.length(layer) || first_position > cache.length(layer) - tokens))  // no sum that could wrap
     throw Error(ErrorCode::invalid_argument,
                 "attention: layer " + std::to_string(layer) + " holds " + std::to_string(cache.length(layer)) +
                     " tokens; query positions up to " + std::to_string(first_position + tokens - 1) +
                     " need them appended first");
-  if (reach == 0) reach = tokens;
-  if (!stored && (first_position > cache.length(layer) || reach > cache.capacity() - first_position))
+  if (!stored && !beyond_stored && (first_position > cache.length(layer) || reach > cache.capacity() - first_position))
     throw Error(ErrorCode::invalid_argument,
                 "attention: layer " + std::to_string(layer) + " holds " + std::to_string(cache.length(layer)) +
                     " tokens of a capacity of " + std::to_string(cache.capacity()) + "; " + std::to_string(tokens) +
@@ -151,6 +162,7 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
                 "attention: layer " + std::to_string(layer) + " holds stored (rotated) keys up to " +
                     std::to_string(cache.key_peak(layer)) + ", beyond float's range once rotated back over " +
                     std::to_string(s.head_dim) + " channels");
+  const auto position_of = [&](std::size_t t) { return first_position + (offsets.empty() ? t : offsets[t]); };
   for (std::size_t row = 0; row < q_size / s.head_dim; ++row) {
     double l1 = 0, squares = 0;
     for (std::size_t c = 0; c < s.head_dim; ++c) {
@@ -161,14 +173,14 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
     if (l1 * std::sqrt(2.0) * double(score_scale(rule, s.head_dim)) > limit)
       throw Error(ErrorCode::unrepresentable,
                   "attention: layer " + std::to_string(layer) + ", query head " + std::to_string(row % heads) +
-                      " at position " + std::to_string(first_position + row / heads) +
-                      ": |q|_1 = " + std::to_string(l1) + " is beyond float's range once scaled" +
+                      " at position " + std::to_string(position_of(row / heads)) + ": |q|_1 = " + std::to_string(l1) +
+                      " is beyond float's range once scaled" +
                       (rotated && cache.config().key_rope == KeyRope::post ? " and rotated" : ""));
     if (rotated) l1 = std::sqrt(squares * double(s.head_dim));
     if (l1 * key_peak * 2 * std::sqrt(2.0) * double(score_scale(rule, s.head_dim)) > limit)
       throw Error(ErrorCode::unrepresentable,
                   "attention: layer " + std::to_string(layer) + ", query head " + std::to_string(row % heads) +
-                      " at position " + std::to_string(first_position + row / heads) +
+                      " at position " + std::to_string(position_of(row / heads)) +
                       (rotated ? ": sqrt(d) |q|_2 = " : ": |q|_1 = ") + std::to_string(l1) + " against keys up to " +
                       std::to_string(key_peak) + " gives scores beyond float's range");
   }

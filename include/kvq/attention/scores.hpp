@@ -92,10 +92,11 @@ inline bool overlaps(std::span<const float> a, std::span<const float> b) noexcep
   return before(a.data(), b.data() + b.size()) && before(b.data(), a.data() + a.size());
 }
 
-/// Throws if the output overlaps the sink logits: the merge reads them while it writes the output.
-inline void check_sink_logits_apart(const ScoreOptions& o, std::span<const float> out) {
+/// Throws if an output (`what`: the output, the log-sum-exp) overlaps the sink logits: the merge
+/// reads them while it writes the outputs.
+inline void check_sink_logits_apart(const ScoreOptions& o, std::span<const float> out, const char* what = "output") {
   if (overlaps(o.sink_logits, out))
-    throw Error(ErrorCode::invalid_argument, "attention: the output overlaps the sink logits");
+    throw Error(ErrorCode::invalid_argument, std::string("attention: the ") + what + " overlaps the sink logits");
 }
 
 /// Throws unless the sink logits are absent or one finite logit for each of `heads` query heads.
