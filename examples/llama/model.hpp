@@ -275,8 +275,9 @@ class Model {
   /// Appends the draft rows of `path` (token indices from a root down, each the child of the one
   /// before) at the tree's positions: the tokens forward_tree verified and the engine accepted.
   /// A path that is not one throws before anything is appended. An append that fails part way (a
-  /// shared block store run dry) is undone where the backend has `truncate(length)` (a kvq cache's
-  /// drops the tokens from `length` on in every layer), so no layer is left longer than another.
+  /// shared block store run dry) is undone where the backend has `truncate(length)` (a kvq
+  /// cache's `truncate` drops the tokens from `length` on in every layer), so no layer is left
+  /// longer than another.
   template <KVBackend Backend>
   void append_path(const DraftRows& rows, std::span<const std::size_t> path, Backend& kv) const {
     if (rows.keys.size() != config_.layers)

@@ -1,7 +1,8 @@
 #pragma once
 // Attention for engines: many requests in one call, each a block of T query positions of one
 // sequence and layer: a prefill chunk (with its T new keys and values, not stored yet, attended
-// exactly and causally), T speculative tokens to verify, or one decode step.
+// exactly and causally), T speculative tokens to verify, or one decode step; or, over stored
+// positions only, the queries of many sequences over a prefix they share (cascade attention).
 //
 //   request r: queries (T, heads, d) at positions p0 .. p0 + T - 1
 //     stored prefix [S, P): seen by every query of the request, read once by the kernels for all
@@ -24,8 +25,8 @@
 //
 // Prefill through append quantizes the prompt before the prompt attends to it; here a chunk's
 // queries see its own keys and values exactly, as KIVI and engines do, and the engine appends
-// them afterwards for later queries. A request of one position without new tokens is exactly
-// decode_attention.
+// them afterwards for later queries. A request of one position without new tokens (and not
+// stored_only) is exactly decode_attention.
 
 #include <algorithm>
 #include <cmath>
@@ -48,8 +49,8 @@ namespace kvq::inline v0 {
 struct AttentionRequest {
   const BasicKVCache* cache = nullptr;
   std::size_t layer = 0;
-  std::size_t first_position = 0;    // p0: the position of the first query
-  std::size_t tokens = 1;            // T: query positions p0 .. p0 + T - 1 (a draft tree: below)
+  std::size_t first_position = 0;    // p0: the first query's position (with `positions`, the smallest)
+  std::size_t tokens = 1;            // T: query positions p0 .. p0 + T - 1 (a draft tree, `positions`: below)
   std::span<const float> queries{};  // (T, heads, head_dim), following the cache's key_rope
   /// Empty, or (T, kv_heads, head_dim) each: the keys (pre-RoPE when the cache stores them so)
   /// and values of the query positions, attended exactly; the cache's stored positions from p0
