@@ -336,6 +336,107 @@ TEST(AttentionStates, PartsMergeIntoOneCall) {
     }
 }
 
+// A sequence's attention cut by key positions (seen_begin, seen_end) into three parts, merged,
+// equals the whole: decode steps, chains of stored positions, prefill chunks (72 query rows per KV
+// head: two batches) and draft trees, cut inside the sinks, the stored prefix, a window's ragged
+// edge and the new tokens; requests of stored positions only, after the stored length or (with
+// seen_end) inside it; windows, attention chunks the requests cross, sink logits (given to the
+// first part only); both tiers. A part a query sees nothing of is empty (zeros, -inf).
+TEST(AttentionStates, RangesOfPositionsMergeIntoTheWhole) {
+  constexpr std::size_t all = std::numeric_limits<std::size_t>::max();
+  const std::size_t kv_heads = 2, dim = 64, group = 8, heads = kv_heads * group, length = 300;
+  const std::vector<std::int32_t> tree = {-1, 0, 0, 1, -1, 3};
+  const std::vector<std::size_t> after = {300, 310, 305, 330}, inside = {262, 299, 255, 280};
+  const std::vector<float> sinks = kvq::test::normal_vector(heads, 40);
+  std::vector<kvq::ScoreOptions> rules(3);
+  rules[1] = {.window = 50, .sink_logits = sinks};
+  rules[2].attention_chunk = 8;
+  struct Case {
+    const char* name;
+    std::size_t p0, tokens;
+    bool fresh, stored_only;
+    std::span<const std::int32_t> parents;
+    std::span<const std::size_t> positions;
+    std::size_t end = all;  // the whole request's seen_end
+  };
+  const Case cases[] = {{"decode step", length - 1, 1, false, false, {}, {}},
+                        {"chain", length - 5, 5, false, false, {}, {}},
+                        {"chunk", length, 9, true, false, {}, {}},
+                        {"tree", length, tree.size(), true, false, tree, {}},
+                        {"stored only", 300, after.size(), false, true, {}, after},
+                        {"stored only inside", 255, inside.size(), false, true, {}, inside, 250}};
+  const std::pair<std::size_t, std::size_t> cuts[] = {{37, 211}, {150, length + 2}, {100, 100},
+                                                      {0, 297},  {255, 270},        {2, 280}};
+  const auto q = kvq::test::normal_vector(9 * heads * dim, 42, 0.4f);
+  const auto nk = kvq::test::outlier_keys(9, kv_heads, dim, 3, 4.0f, 43);
+  const auto nv = kvq::test::normal_vector(9 * kv_heads * dim, 44);
+  for (const char* text : {"k4c32-v2t32-r20-s3", "k4c32-v2t32-r16-s0-post", "k16-v16-r0-s0", "k4t32-v2t32-r16-s1-hk"}) {
+    const BasicKVCache cache = filled(text, kv_heads, dim, length, 41);
+    for (std::size_t i = 0; i < rules.size(); ++i)
+      for (const Case& c : cases)
+        for (const auto& [c1, c2] : cuts)
+          for (const Tier tier : {Tier::exact, Tier::integer}) {
+            const std::string what = std::string(text) + " rule " + std::to_string(i) + " " + c.name + " cut at " +
+                                     std::to_string(c1) + ", " + std::to_string(c2) + " " + kvq::to_string(tier);
+            const auto qs = std::span(q).first(c.tokens * heads * dim);
+            kvq::DecodeOptions options{.tier = tier, .chunk_tokens = 64, .scores = rules[i]};
+            auto run = [&](std::size_t begin, std::size_t end) {
+              std::vector<float> out(qs.size()), lse(c.tokens * heads);
+              AttentionRequest r{.cache = &cache,
+                                 .first_position = c.p0,
+                                 .tokens = c.tokens,
+                                 .queries = qs,
+                                 .out = out,
+                                 .parents = c.parents,
+                                 .lse = lse,
+                                 .stored_only = c.stored_only,
+                                 .positions = c.positions,
+                                 .seen_begin = std::min(begin, c.end),
+                                 .seen_end = std::min(end, c.end)};
+              if (c.fresh) {
+                r.new_keys = std::span(nk).first(c.tokens * kv_heads * dim);
+                r.new_values = std::span(nv).first(c.tokens * kv_heads * dim);
+              }
+              kvq::attend(r, options);
+              return std::pair{out, lse};
+            };
+            const auto [whole, whole_lse] = run(0, all);
+            if (c.end != all && tier == Tier::exact)  // the whole, cut inside the stored positions
+              for (std::size_t t = 0; t < c.tokens; ++t)
+                for (std::size_t h = 0; h < heads; ++h) {
+                  const double expected = expected_lse(cache, c.positions[t], 0, h, heads,
+                                                       qs.subspan(t * heads * dim, heads * dim), {}, rules[i], c.end);
+                  if (std::isinf(expected)) {
+                    EXPECT_EQ(whole_lse[t * heads + h], none) << what;
+                  } else {
+                    EXPECT_NEAR(whole_lse[t * heads + h], expected, 2e-6) << what << " token " << t << " head " << h;
+                  }
+                }
+            auto [out, lse] = run(0, c1);
+            options.scores.sink_logits = {};  // counted once, in the first part
+            const auto [middle, middle_lse] = run(c1, c2);
+            const auto [last, last_lse] = run(c2, all);
+            if (c1 == c2) {
+              EXPECT_TRUE(zero_rows(middle, 0, c.tokens * heads, dim)) << what;
+              EXPECT_TRUE(std::all_of(middle_lse.begin(), middle_lse.end(), [](float x) { return x == none; })) << what;
+            }
+            kvq::merge_attention(out, lse, middle, middle_lse);
+            kvq::merge_attention(out, lse, last, last_lse);
+            // Largest seen: 1.2e-6, log-sum-exps 9.5e-7 (exact); 3.3e-3, 1.7e-4 (integer: the
+            // int8 weights round per part).
+            EXPECT_LT(relative_error(out, whole), tier == Tier::exact ? 1e-5 : 1e-2) << what;
+            for (std::size_t r = 0; r < whole_lse.size(); ++r) {
+              // (-inf: a query whose window or attention chunk starts at or after seen_end)
+              if (whole_lse[r] == none) {
+                EXPECT_EQ(lse[r], none) << what << " row " << r;
+              } else {
+                EXPECT_NEAR(lse[r], whole_lse[r], tier == Tier::exact ? 1e-5 : 1e-3) << what << " row " << r;
+              }
+            }
+          }
+  }
+}
+
 // An empty row (log-sum-exp -inf) takes the other state's row whichever side it is on, and
 // adds nothing to a row that saw something, whatever its output holds.
 TEST(AttentionStates, EmptyRowsWeighNothing) {
@@ -497,6 +598,19 @@ TEST(AttentionStates, BadLogSumExpsThrowBeforeWritingAnything) {
   r.positions = positions;
   r.stored_only = false;
   expect_error({r}, kvq::ErrorCode::invalid_argument, "query positions are for requests of stored positions only");
+  // A range of positions: not reversed; stored positions only may start where the range ends.
+  r = good;
+  r.seen_begin = 60;
+  r.seen_end = 50;
+  expect_error({r}, kvq::ErrorCode::invalid_argument, "seen_begin 60 is after seen_end 50");
+  r.seen_begin = 50;
+  r.stored_only = true;
+  r.first_position = 49;
+  expect_error({r}, kvq::ErrorCode::invalid_argument, "from 49 must follow the stored tokens they see (before 50)");
+  r.first_position = 50;
+  EXPECT_NO_THROW(kvq::attend(r));  // an empty range: nothing seen
+  EXPECT_TRUE(zero_rows(out, 0, 8, 64));
+  EXPECT_TRUE(std::all_of(lse.begin(), lse.end(), [](float x) { return x == none; }));
 }
 
 }  // namespace

@@ -1219,6 +1219,151 @@ TEST(KVPool, SharePrefixesFindsACommonPromptFedInOtherChunks) {
   }
 }
 
+// Cascade attention over a pool: children forked from one parent, each going on with tokens of
+// its own, store the blocks the parent had sealed alike (common_prefix); a request of stored
+// positions only over one child, cut at the common prefix (seen_end), attends every child's query
+// at its own position, and each child's own request from there (seen_begin) merged with it gives
+// its decode step. So again after a child rolls back into the shared blocks and takes other
+// tokens, after a context shift in another, and for a sibling that changed only its window's
+// rows. Sequences fed the same tokens apart share only their sinks until share_prefixes shares
+// their blocks.
+TEST(KVPool, CascadeReadsTheCommonPrefixOnceForItsSequences) {
+  // (a rollback depth of 64: child 0 rolls back past the fork)
+  for (const char* text :
+       {"k4c32-v2t32-r20-s3-d64", "k2c16-v4t32-r8-s0-post-d64", "k16-v16-r0-s1-f32-d64", "k2c16-v4c16-r8-s0-d64"}) {
+    SCOPED_TRACE(text);
+    const CacheConfig config = config_of(text);
+    KVPool pool(small_pool(), config);
+    const CacheShape shape = pool.shape().sequence_shape();
+    const std::size_t row = row_of(shape), dim = shape.head_dim, heads = 2 * shape.kv_heads, s = config.sinks;
+    Tokens parent_tokens;
+    const SequenceId parent = add_tokens(pool, parent_tokens, 700, 71);
+    const std::size_t sealed = kvq::detail::CacheAccess::sealed_blocks(pool.sequence(parent), 0);
+    ASSERT_GE(sealed, 8u);
+    std::vector<SequenceId> children;
+    std::vector<Tokens> tokens;
+    std::mt19937 rng(72);
+    for (const std::size_t more : {17u, 90u, 200u}) {
+      children.push_back(pool.fork(parent, 700));
+      tokens.push_back(parent_tokens);
+      tokens.back().add(more, row, rng);
+      feed(pool, children.back(), tokens.back(), 700, 700 + more, more);
+    }
+    // The common prefix of layer l: every child reads it alike, and the cascade over it gives each
+    // child's decode step.
+    auto cascade = [&](const std::vector<SequenceId>& ids, std::size_t l, const std::string& when) {
+      const std::size_t n = pool.common_prefix(ids, l);
+      std::vector<float> a(dim), b(dim);
+      for (const SequenceId id : ids)
+        for (std::size_t p = 0; p < n; ++p)
+          for (std::size_t h = 0; h < shape.kv_heads; ++h)
+            for (const kvq::Tensor t : {kvq::Tensor::keys, kvq::Tensor::values}) {
+              pool.sequence(ids[0]).read_row(t, l, h, p, a.data());
+              pool.sequence(id).read_row(t, l, h, p, b.data());
+              if (a != b) {
+                ADD_FAILURE() << when << ", layer " << l << ": position " << p << " of " << n << " differs";
+                return n;
+              }
+            }
+      const auto q = kvq::test::normal_vector(ids.size() * heads * dim, 73 + unsigned(l), 0.4f);
+      std::vector<std::size_t> positions;
+      for (const SequenceId id : ids) positions.push_back(pool.length(id, l) - 1);
+      for (const kvq::Tier tier : {kvq::Tier::exact, kvq::Tier::integer}) {
+        const kvq::DecodeOptions options{.tier = tier, .chunk_tokens = 96};
+        std::vector<float> shared(q.size()), shared_lse(ids.size() * heads);
+        kvq::attend({.cache = &pool.layer(ids[0], l).cache,
+                     .layer = pool.layer(ids[0], l).layer,
+                     .first_position = *std::min_element(positions.begin(), positions.end()),
+                     .tokens = ids.size(),
+                     .queries = q,
+                     .out = shared,
+                     .lse = shared_lse,
+                     .stored_only = true,
+                     .positions = positions,
+                     .seen_end = n},
+                    options);
+        for (std::size_t i = 0; i < ids.size(); ++i) {
+          const auto qi = std::span(q).subspan(i * heads * dim, heads * dim);
+          std::vector<float> own(qi.size()), own_lse(heads), step(qi.size());
+          kvq::attend({.cache = &pool.sequence(ids[i]),
+                       .layer = l,
+                       .first_position = positions[i],
+                       .queries = qi,
+                       .out = own,
+                       .lse = own_lse,
+                       .seen_begin = n},
+                      options);
+          kvq::merge_attention(own, own_lse, std::span(shared).subspan(i * heads * dim, heads * dim),
+                               std::span(shared_lse).subspan(i * heads, heads));
+          kvq::decode_attention(pool.sequence(ids[i]), l, positions[i], qi, step, options);
+          // Largest seen: 2.4e-7 exact, 2.5e-7 integer (the cut falls between whole blocks;
+          // test_merge.cpp cuts anywhere).
+          EXPECT_LT(kvq::test::relative_error(own, step), 1e-5)
+              << when << ", layer " << l << ", child " << i << ", " << kvq::to_string(tier);
+        }
+      }
+      return n;
+    };
+    for (std::size_t l = 0; l < 2; ++l) {
+      const std::size_t n = cascade(children, l, "forked");
+      EXPECT_GE(n, s + sealed * 64) << "layer " << l << ": the blocks sealed before the fork";
+      EXPECT_LT(n, 700u) << "layer " << l;
+    }
+    // Child 0 rolls back as far as it can (to its rollback floor, with the window it re-opens),
+    // into what it packed while sharing, then goes on with other tokens; child 2 drops 32
+    // positions from sinks + 96 (a context shift of whole key groups, keys before RoPE).
+    std::size_t target = 600;
+    for (std::size_t l = 0; l < 2; ++l)
+      for (const kvq::Tensor t : {kvq::Tensor::keys, kvq::Tensor::values})
+        target = std::max(target, pool.sequence(children[0]).rollback_floor(t, l));
+    auto rolls_back_to = [&](std::size_t length) {
+      try {
+        pool.truncate(children[0], length);
+        return true;
+      } catch (const kvq::Error&) {  // it would re-open positions before the floor
+        return false;
+      }
+    };
+    while (!rolls_back_to(target)) ASSERT_LT(++target, 700u) << "no rollback into the shared blocks";
+    tokens[0].cut(target, row);
+    tokens[0].add(720 - target, row, rng);
+    feed(pool, children[0], tokens[0], target, 720, 720 - target);
+    for (std::size_t l = 0; l < 2; ++l) EXPECT_LE(cascade(children, l, "rolled back"), target) << "layer " << l;
+    if (config.key_rope == kvq::KeyRope::pre) {  // (post-RoPE keys cannot shift)
+      pool.erase(children[2], s + 96, 32);
+      for (std::size_t l = 0; l < 2; ++l) EXPECT_LE(cascade(children, l, "shifted"), s + 96) << "layer " << l;
+    }
+    // A sibling that rolls back 3 tokens and takes others (re-opening nothing packed where values
+    // are per channel): the positions it changed are not common.
+    const SequenceId sibling = pool.fork(parent, 700);
+    Tokens sibling_tokens = parent_tokens;
+    sibling_tokens.cut(697, row);
+    sibling_tokens.add(3, row, rng);
+    pool.truncate(sibling, 697);
+    feed(pool, sibling, sibling_tokens, 697, 700, 3);
+    for (std::size_t l = 0; l < 2; ++l) EXPECT_LE(cascade({parent, sibling}, l, "sibling"), 697u) << "layer " << l;
+    EXPECT_EQ(pool.common_prefix(std::vector<SequenceId>{parent}, 0), 700u) << "one sequence: all it holds";
+    // The same tokens fed apart: equal sinks, blocks of their own, until share_prefixes.
+    Tokens again;
+    const SequenceId twin = add_tokens(pool, again, 700, 71);
+    const std::vector<SequenceId> pair = {parent, twin};
+    EXPECT_EQ(pool.common_prefix(pair, 0), s);
+    EXPECT_GT(pool.share_prefixes(twin), 0u);
+    EXPECT_GE(pool.common_prefix(pair, 0), s + sealed * 64);
+    EXPECT_THROW((void)pool.common_prefix(std::vector<SequenceId>{parent, 999}, 0), kvq::Error);
+    EXPECT_THROW((void)pool.common_prefix(pair, 2), kvq::Error);
+  }
+  // Caches that store rows differently have no common prefix to ask for.
+  const CacheShape shape = small_pool().sequence_shape();
+  const BasicKVCache a(shape, config_of("k4c32-v2t32-r20-s3")), b(shape, config_of("k4c32-v2t32-r20-s3-post"));
+  try {
+    (void)a.common_prefix(b, 0);
+    ADD_FAILURE() << "caches of two configurations were compared";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.code(), kvq::ErrorCode::shape_mismatch) << e.what();
+  }
+}
+
 // Block hashes are kept between calls and read again only for blocks written since: a sequence
 // that rolls back into its sealed blocks and takes other tokens hashes as a fresh sequence fed
 // its final tokens, and share_prefixes then shares only what is equal.

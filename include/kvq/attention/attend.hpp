@@ -15,6 +15,8 @@
 //   stored positions only (AttentionRequest::stored_only, a part of attention merged by its
 //     log-sum-exp): P = the stored length <= p0, no exact tail; with `positions` query t sits at
 //     positions[t], so queries of many sequences read a prefix they share once
+//   a range of positions (AttentionRequest::seen_begin, seen_end): the queries see no key outside
+//     it; S and P are clipped to it, and so is each query's exact part
 //   a request that crosses an attention chunk boundary (ScoreOptions::attention_chunk) runs as
 //   one request per chunk: no query sees across the boundary, so S stays each part's own start
 //   (a draft tree or a request with positions runs whole: the stored positions of the chunk
@@ -25,8 +27,8 @@
 //
 // Prefill through append quantizes the prompt before the prompt attends to it; here a chunk's
 // queries see its own keys and values exactly, as KIVI and engines do, and the engine appends
-// them afterwards for later queries. A request of one position without new tokens (and not
-// stored_only) is exactly decode_attention.
+// them afterwards for later queries. A request of one position without new tokens (not
+// stored_only, its range of positions not cut) is exactly decode_attention.
 
 #include <algorithm>
 #include <cmath>
@@ -74,10 +76,11 @@ struct AttentionRequest {
   /// The queries see stored positions only: one part of attention whose other positions the
   /// engine attends elsewhere and merges by lse, as cascade attention keeps a prefix shared by
   /// many sequences in one cache and each sequence's own tokens in another. p0 is then at or after
-  /// the stored length (the queries' positions within the capacity, where RoPE rotates them), query
-  /// t sees the stored positions its window and attention chunk let it see, and there are no new
-  /// keys or values. A query that sees none writes zeros and lse -inf (merge_attention's empty
-  /// row), or its sink logit where ScoreOptions::sink_logits are given.
+  /// the stored length, or seen_end where that is less (the queries' positions within the
+  /// capacity, where RoPE rotates them), query t sees the stored positions its window and
+  /// attention chunk let it see, and there are no new keys or values. A query that sees none
+  /// writes zeros and lse -inf (merge_attention's empty row), or its sink logit where
+  /// ScoreOptions::sink_logits are given.
   bool stored_only = false;
   /// With stored_only: empty (query t at p0 + t), or each query's own position, in any order, p0
   /// the smallest: the queries of many sequences over a prefix they share in one cache, which the
@@ -85,6 +88,15 @@ struct AttentionRequest {
   /// attention chunks the kernels read only what every query sees and the rest runs scalar per
   /// query: group sequences whose windows reach the same part of the prefix.
   std::span<const std::size_t> positions{};
+  /// The queries see only key positions in [seen_begin, seen_end) (not reversed), and of those
+  /// what causality, the window and attention chunks allow. With lse and merge_attention an engine splits a sequence's
+  /// attention by positions, as cascade attention over sequences that share blocks does
+  /// (KVPool::common_prefix: one stored_only request with seen_end for the prefix they share,
+  /// then one request each with seen_begin for their own positions). A query that sees nothing
+  /// writes zeros and lse -inf, or its sink logit: every part adds the sink logits, so give them
+  /// to one part only.
+  std::size_t seen_begin = 0;
+  std::size_t seen_end = std::numeric_limits<std::size_t>::max();
 };
 
 namespace detail {
@@ -95,6 +107,7 @@ struct RequestPlan {
   std::size_t tokens = 0, heads = 0, group = 0, rows = 0, batches = 0, chunk = 0;
   std::size_t batch_rows = 0;               // rows of the largest batch: min(rows, max_group)
   std::size_t shared = 0, prefix = 0;       // [shared, prefix): stored positions every query sees
+  std::size_t tail_begin = 0;               // the exact tail's first position (less a tree's depth)
   std::size_t ragged = 0;                   // [ragged, shared): stored positions some queries see
   std::size_t first_chunk = 0, chunks = 0;  // the chunks (ChunkGrid) covering [shared, prefix)
   const kernels::attention::KernelEntry* kernel = nullptr;
@@ -136,6 +149,9 @@ inline void check_request(const AttentionRequest& r, std::size_t index) {
                     std::to_string(s.kv_heads) + " KV heads x " + std::to_string(s.head_dim));
   if (r.stored_only && fresh)
     throw Error(ErrorCode::invalid_argument, which + "a request of stored positions only takes no new keys or values");
+  if (r.seen_begin > r.seen_end)
+    throw Error(ErrorCode::invalid_argument, which + "seen_begin " + std::to_string(r.seen_begin) +
+                                                 " is after seen_end " + std::to_string(r.seen_end));
   if (!r.positions.empty()) {
     if (!r.stored_only)
       throw Error(ErrorCode::invalid_argument, which + "query positions are for requests of stored positions only");
@@ -237,7 +253,7 @@ inline void check_requests(std::span<const AttentionRequest> requests, const Dec
     try {
       const float peak = r.new_keys.empty() ? -1.0f : largest_magnitude(r.new_keys.data(), r.new_keys.size());
       check_attention_args(*r.cache, r.layer, r.first_position, r.tokens, r.queries, r.out.size(), peak, options.scores,
-                           query_offsets(r), r.stored_only);
+                           query_offsets(r), r.stored_only, r.seen_end);
       check_sink_logits_apart(options.scores, std::span<const float>(r.out.data(), r.out.size()));
       check_sink_logits_apart(options.scores, std::span<const float>(r.lse.data(), r.lse.size()), "log-sum-exp");
       const std::size_t heads = r.queries.size() / r.tokens / r.cache->shape().head_dim;
@@ -292,6 +308,7 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
   detail::check_requests(original, options);
   // One position without new tokens: decode_attention, bit for bit (for the GQA groups it takes).
   if (original.size() == 1 && original[0].tokens == 1 && original[0].new_keys.empty() && !original[0].stored_only &&
+      original[0].seen_begin == 0 && original[0].seen_end > original[0].first_position &&
       original[0].queries.size() / original[0].cache->shape().head_dim / original[0].cache->shape().kv_heads <=
           max_group)
     return decode_with_lse(*original[0].cache, original[0].layer, original[0].first_position, original[0].queries,
@@ -317,12 +334,14 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
     p.rows = p.tokens * p.group;
     p.batches = (p.rows + max_group - 1) / max_group;
     p.batch_rows = std::min(p.rows, max_group);
-    p.prefix = r.stored_only ? cache.length(r.layer) : fresh ? r.first_position : r.first_position + 1;
+    p.tail_begin = r.stored_only ? cache.length(r.layer) : fresh ? r.first_position : r.first_position + 1;
+    p.prefix = std::min(p.tail_begin, r.seen_end);
     p.chunk = detail::chunk_positions(cache, r.layer, options.chunk_tokens);
     p.offsets = detail::query_offsets(r);
     const std::size_t last = p.offsets.empty() ? p.tokens - 1 : *std::max_element(p.offsets.begin(), p.offsets.end());
-    p.shared = std::min(p.prefix, detail::window_start(options.scores, r.first_position + last));
-    p.ragged = std::min(p.shared, detail::window_start(options.scores, r.first_position));
+    p.shared =
+        std::min(p.prefix, std::max(r.seen_begin, detail::window_start(options.scores, r.first_position + last)));
+    p.ragged = std::min(p.shared, std::max(r.seen_begin, detail::window_start(options.scores, r.first_position)));
     const detail::ChunkGrid grid{cache.config().sinks, p.chunk};
     if (p.shared < p.prefix) {
       p.first_chunk = grid.index(p.shared);
@@ -396,7 +415,7 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
       return;
     }
     // The exact part: rows j < R are the ragged stored positions p.ragged + j, then the tail
-    // (positions p.prefix + offset(j - R)): new tokens, or the stored positions after p0 (none
+    // (positions p.tail_begin + offset(j - R)): new tokens, or the stored positions after p0 (none
     // where the request sees stored positions only).
     const bool fresh = !r.new_keys.empty(), pre = cache.config().key_rope == KeyRope::pre;
     const std::size_t R = p.shared - p.ragged,
@@ -415,7 +434,7 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
     const auto key_rotation = detail::query_rotation(cache), key_unrotation = detail::key_unrotation(cache);
     const auto value_rotation = cache.rotation(Tensor::values);
     for (std::size_t j = 0; j < R + tail; ++j) {
-      const std::size_t position = j < R ? p.ragged + j : p.prefix + p.offset(j - R);
+      const std::size_t position = j < R ? p.ragged + j : p.tail_begin + p.offset(j - R);
       float* k = keys.data() + j * dim;
       float* v = values.data() + j * dim;
       if (fresh && j >= R) {
@@ -433,21 +452,25 @@ inline void attend_requests(std::span<const AttentionRequest> original, const De
     const float softcap = detail::softcap_or_zero(options.scores);
     for (std::size_t row = 0; row < rows; ++row) {
       const std::size_t t = (row0 + row) / p.group;
-      // Row t sees positions [lo, p0 + offset(t)]: the ragged rows from lo, then its tail: the
-      // tokens before it (a chain) or its path from a root (a draft tree), from lo. One list
-      // serves the rows of t's GQA group.
+      // Row t sees positions [lo, p0 + offset(t)] before seen_end: the ragged rows from lo, then
+      // its tail: the tokens before it (a chain) or its path from a root (a draft tree), from lo.
+      // One list serves the rows of t's GQA group.
       if (row == 0 || t != (row0 + row - 1) / p.group) {
-        const std::size_t lo = detail::window_start(options.scores, r.first_position + p.offset(t));
+        const std::size_t lo =
+            std::max(r.seen_begin, detail::window_start(options.scores, r.first_position + p.offset(t)));
         visible.clear();
         for (std::size_t j = lo <= p.ragged ? 0 : std::min(lo - p.ragged, R); j < R; ++j) visible.push_back(j);
         if (p.offsets.empty()) {
-          const std::size_t seen = r.stored_only ? 0 : fresh ? t + 1 : t;  // tail rows up to its own position
-          for (std::size_t i = lo <= p.prefix ? 0 : lo - p.prefix; i < seen; ++i) visible.push_back(R + i);
+          const std::size_t seen = std::min(r.stored_only ? 0
+                                            : fresh       ? t + 1
+                                                          : t,  // tail rows up to its own position
+                                            r.seen_end > p.tail_begin ? r.seen_end - p.tail_begin : 0);
+          for (std::size_t i = lo <= p.tail_begin ? 0 : lo - p.tail_begin; i < seen; ++i) visible.push_back(R + i);
         } else if (!r.parents.empty()) {  // (queries at `positions` have no tail)
           const std::size_t path = visible.size();
           for (std::int64_t a = std::int64_t(t); a >= 0 && r.first_position + p.offsets[std::size_t(a)] >= lo;
                a = r.parents[std::size_t(a)])
-            visible.push_back(R + std::size_t(a));
+            if (r.first_position + p.offsets[std::size_t(a)] < r.seen_end) visible.push_back(R + std::size_t(a));
           std::reverse(visible.begin() + std::ptrdiff_t(path), visible.end());
         }
       }

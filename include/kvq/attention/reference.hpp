@@ -80,11 +80,12 @@ namespace detail {
 /// positions before first_position and to each other, with keys up to new_keys_peak in magnitude.
 /// Query t sits at first_position + t, or + offsets[t] where offsets are given (a draft tree's
 /// depths, AttentionRequest::positions). With `beyond_stored` the positions follow the stored
-/// ones, held elsewhere (AttentionRequest::stored_only).
+/// ones they see (those before seen_end), and are held elsewhere (AttentionRequest::stored_only).
 inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, std::size_t first_position,
                                  std::size_t tokens, std::span<const float> q, std::size_t out_size,
                                  float new_keys_peak = -1.0f, const ScoreOptions& rule = {},
-                                 std::span<const std::size_t> offsets = {}, bool beyond_stored = false) {
+                                 std::span<const std::size_t> offsets = {}, bool beyond_stored = false,
+                                 std::size_t seen_end = std::numeric_limits<std::size_t>::max()) {
   check_score_options(rule);
   const CacheShape& s = cache.shape();
   const std::size_t q_size = q.size();
@@ -105,13 +106,15 @@ inline void check_attention_args(const BasicKVCache& cache, std::size_t layer, s
   const bool stored = new_keys_peak < 0.0f && !beyond_stored;
   // Positions from first_position the queries take: a draft tree's depth + 1, say.
   const std::size_t reach = offsets.empty() ? tokens : *std::max_element(offsets.begin(), offsets.end()) + 1;
-  if (beyond_stored && (first_position < cache.length(layer) || first_position > cache.capacity() ||
+  if (beyond_stored && (first_position < std::min(cache.length(layer), seen_end) || first_position > cache.capacity() ||
                         reach > cache.capacity() - first_position))
     throw Error(ErrorCode::invalid_argument,
                 "attention: layer " + std::to_string(layer) + " holds " + std::to_string(cache.length(layer)) +
                     " tokens of a capacity of " + std::to_string(cache.capacity()) + "; queries of stored positions " +
                     "only over " + std::to_string(reach) + " positions from " + std::to_string(first_position) +
-                    " must follow the stored tokens within the capacity");
+                    " must follow the stored tokens they see" +
+                    (seen_end < cache.length(layer) ? " (before " + std::to_string(seen_end) + ")" : "") +
+                    " within the capacity");
   if (stored &&
       (tokens > cache.length(layer) || first_position > cache.length(layer) - tokens))  // no sum that could wrap
     throw Error(ErrorCode::invalid_argument,

@@ -597,6 +597,40 @@ class BasicKVCache {
 
   /// Blocks layer `layer` refers to (shared ones included).
   std::size_t block_count(std::size_t layer) const { return tables_[checked_layer(layer, "block_count")].size(); }
+  /// Positions [0, n) of `layer` that this cache and `other` store alike, byte for byte: equal
+  /// sink rows, then the blocks both refer to (a fork's, or those KVPool::share_prefixes found)
+  /// as far as both have packed them. Attention reads those positions alike in either cache, so
+  /// cascade attention may read them once for both (AttentionRequest::seen_end). Positions
+  /// either has not packed yet count only for a cache with itself. Throws kvq::Error
+  /// (shape_mismatch) for caches that store or rotate rows differently.
+  std::size_t common_prefix(const BasicKVCache& other, std::size_t layer) const {
+    const std::size_t l = checked_layer(layer, "common_prefix");
+    if (&other == this) return lengths_[l];
+    if (other.shape_.layers != shape_.layers || other.shape_.kv_heads != shape_.kv_heads ||
+        other.shape_.head_dim != shape_.head_dim || other.block_rows_ != block_rows_ || !(other.config_ == config_) ||
+        !(other.rope_->config() == rope_->config()))
+      throw Error(ErrorCode::shape_mismatch,
+                  "common_prefix: caches of another shape, block length, RoPE or configuration (" + to_string(config_) +
+                      ", " + to_string(other.config_) + ")");
+    std::size_t n = std::min(lengths_[l], other.lengths_[l]);
+    // Rows past a tensor's packed end are each cache's own (its window), whatever a block holds.
+    for (const Tensor t : {Tensor::keys, Tensor::values})
+      if (layouts_[index(t)].quantized) n = std::min({n, quantized_end(t, l), other.quantized_end(t, l)});
+    std::vector<float> mine(shape_.head_dim), theirs(shape_.head_dim);
+    for (std::size_t p = 0; p < std::min(n, config_.sinks); ++p)
+      for (std::size_t h = 0; h < shape_.kv_heads; ++h)
+        for (const Tensor t : {Tensor::keys, Tensor::values}) {
+          read_stored_row(t, l, h, p, mine.data());
+          other.read_stored_row(t, l, h, p, theirs.data());
+          if (std::memcmp(mine.data(), theirs.data(), mine.size() * sizeof(float)) != 0) return p;
+        }
+    for (std::size_t k = 0; config_.sinks + k * block_rows_ < n; ++k)
+      if (store_ != other.store_ || k >= tables_[l].size() || k >= other.tables_[l].size() ||
+          tables_[l][k] != other.tables_[l][k])
+        return config_.sinks + k * block_rows_;
+    return n;
+  }
+
   /// Bytes of the blocks the cache refers to (shared ones included).
   std::size_t block_bytes_held() const noexcept {
     std::size_t blocks = 0;

@@ -13,6 +13,8 @@
 //   save(out) / load(in)                -> every sequence of the pool, blocks shared as they
 //   save_file(path) / load_file(path)      were; files are written beside and renamed into place
 //   block_hashes / share_prefixes       -> find and share a common prompt prefix across sequences
+//   common_prefix(ids, l)               -> the positions they store alike: cascade attention reads
+//                                          them once for all (AttentionRequest::seen_end)
 //
 // Memory is committed as sequences reach new positions (in slabs of about 2 MiB of blocks). The
 // pool's limit counts the blocks sequences hold and each sequence's own rows: a new sequence is
@@ -380,6 +382,20 @@ class KVPool {
     std::shared_lock lock(mutex_);
     const Place p = locate(layer, "layer");
     return {*find(id, "layer")[p.group], p.index};
+  }
+  /// Positions [0, n) of `layer` that all the sequences store alike
+  /// (BasicKVCache::common_prefix): the prefix a cascade reads once for them, from any one of
+  /// them (a request with stored_only and seen_end = n), each sequence attending its own
+  /// positions with seen_begin = n. Forks share what their parent had packed, share_prefixes
+  /// what it finds; one sequence (or one named twice) stores all its positions alike.
+  std::size_t common_prefix(std::span<const SequenceId> ids, std::size_t layer) const {
+    std::shared_lock lock(mutex_);
+    const Place p = locate(layer, "common_prefix");
+    if (ids.empty()) return 0;
+    const BasicKVCache& first = *find(ids[0], "common_prefix")[p.group];
+    std::size_t n = first.length(p.index);
+    for (const SequenceId id : ids) n = std::min(n, first.common_prefix(*find(id, "common_prefix")[p.group], p.index));
+    return n;
   }
   /// Tokens `layer` of the sequence holds.
   std::size_t length(SequenceId id, std::size_t layer) const {
