@@ -13,8 +13,9 @@
 //   a draft tree (AttentionRequest::parents): query t sits at p0 + depth(t) and its exact part
 //     holds the new tokens on its path from a root, not every new token before it
 //   stored positions only (AttentionRequest::stored_only, a part of attention merged by its
-//     log-sum-exp): P = the stored length <= p0, no exact tail; with `positions` query t sits at
-//     positions[t], so queries of many sequences read a prefix they share once
+//     log-sum-exp): P = the stored length (or seen_end where less) <= p0, no exact tail; with
+//     `positions` query t sits at positions[t], so queries of many sequences read a prefix they
+//     share once
 //   a range of positions (AttentionRequest::seen_begin, seen_end): the queries see no key outside
 //     it; S and P are clipped to it, and so is each query's exact part
 //   a request that crosses an attention chunk boundary (ScoreOptions::attention_chunk) runs as
@@ -89,12 +90,12 @@ struct AttentionRequest {
   /// query: group sequences whose windows reach the same part of the prefix.
   std::span<const std::size_t> positions{};
   /// The queries see only key positions in [seen_begin, seen_end) (not reversed), and of those
-  /// what causality, the window and attention chunks allow. With lse and merge_attention an engine splits a sequence's
-  /// attention by positions, as cascade attention over sequences that share blocks does
-  /// (KVPool::common_prefix: one stored_only request with seen_end for the prefix they share,
-  /// then one request each with seen_begin for their own positions). A query that sees nothing
-  /// writes zeros and lse -inf, or its sink logit: every part adds the sink logits, so give them
-  /// to one part only.
+  /// what causality, the window and attention chunks allow. With lse and merge_attention an
+  /// engine splits a sequence's attention by positions, as cascade attention over sequences that
+  /// share blocks does (KVPool::common_prefix: one stored_only request with seen_end for the
+  /// prefix they share, then one request each with seen_begin for their own positions). A query
+  /// that sees nothing writes zeros and lse -inf, or its sink logit: every part adds the sink
+  /// logits, so give them to one part only.
   std::size_t seen_begin = 0;
   std::size_t seen_end = std::numeric_limits<std::size_t>::max();
 };
@@ -107,7 +108,7 @@ struct RequestPlan {
   std::size_t tokens = 0, heads = 0, group = 0, rows = 0, batches = 0, chunk = 0;
   std::size_t batch_rows = 0;               // rows of the largest batch: min(rows, max_group)
   std::size_t shared = 0, prefix = 0;       // [shared, prefix): stored positions every query sees
-  std::size_t tail_begin = 0;               // the exact tail's first position (less a tree's depth)
+  std::size_t tail_begin = 0;               // the exact tail's rows sit at tail_begin + offset(t)
   std::size_t ragged = 0;                   // [ragged, shared): stored positions some queries see
   std::size_t first_chunk = 0, chunks = 0;  // the chunks (ChunkGrid) covering [shared, prefix)
   const kernels::attention::KernelEntry* kernel = nullptr;
@@ -306,7 +307,8 @@ inline std::vector<AttentionRequest> split_at_attention_chunks(std::span<const A
 inline void attend_requests(std::span<const AttentionRequest> original, const DecodeOptions& options) {
   using kernels::attention::max_group;
   detail::check_requests(original, options);
-  // One position without new tokens: decode_attention, bit for bit (for the GQA groups it takes).
+  // One position without new tokens, seeing every position up to its own: decode_attention, bit for
+  // bit (for the GQA groups it takes).
   if (original.size() == 1 && original[0].tokens == 1 && original[0].new_keys.empty() && !original[0].stored_only &&
       original[0].seen_begin == 0 && original[0].seen_end > original[0].first_position &&
       original[0].queries.size() / original[0].cache->shape().head_dim / original[0].cache->shape().kv_heads <=

@@ -6,8 +6,9 @@
 //   out = (w_a out_a + w_b out_b) / (w_a + w_b),  lse = m + log(w_a + w_b)
 //
 // so an engine can keep a shared prefix in one cache and each sequence's own tokens in another
-// (cascade attention: AttentionRequest::stored_only), or attend to tokens it holds itself, and
-// merge the results with those of attend (AttentionRequest::lse). Give a learned sink logit
+// (cascade attention: AttentionRequest::stored_only), read the prefix its KVPool's forks share
+// once (AttentionRequest::seen_begin, seen_end), or attend to tokens it holds itself, and merge
+// the results with those of attend (AttentionRequest::lse). Give a learned sink logit
 // (ScoreOptions::sink_logits) to one part only: given to both, it is counted twice.
 
 #include <algorithm>
