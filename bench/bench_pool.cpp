@@ -1,8 +1,8 @@
 // KVPool against a KVCache of its own: appending one token at a time (8 KV heads x 128, K4V2),
 // forking a 10K-token prefix, saving and loading one sequence and a whole pool (GB/s of file
 // bytes), the memory a 32-layer sequence commits at 1000 tokens, share_prefixes for a new
-// request in a pool of 16 conversations, and a decode step of 16 forks of a 32K prompt, as cascade
-// attention (the prompt read once) and as a request per sequence.
+// request in a pool of 16 conversations, and a decode step of 16 forks of a 32K prompt, as one pool
+// decode step (cascade attention: the prompt read once) and as a request per sequence.
 #include <benchmark/benchmark.h>
 
 #include <chrono>
@@ -228,12 +228,12 @@ void share_prefixes(benchmark::State& state) {
 }
 
 /// A decode step of 16 sequences forked from one 32K-token prompt, each 256 tokens of its own on:
-/// in one attend call of a request per sequence, or as cascade attention: the positions all of
-/// them store alike (KVPool::common_prefix: the prompt's sealed blocks; the last one, holding
-/// window rows, each fork copied when it packed its own) read once in one stored_only request
-/// over the first, a request per sequence for the rest (own_positions each), then
-/// merge_attention. GQA 4; 6 layers, a step per layer in turn, so the cache is read from memory
-/// as in shared_prefix_step (bench_decode_attention.cpp).
+/// in one attend call of a request per sequence, or as one pool decode step
+/// (kvq::decode_attention over the pool), a cascade: the positions all of them store alike
+/// (KVPool::common_prefix: the prompt's sealed blocks; the last one, holding window rows, each
+/// fork copied when it packed its own) read once for all of them, a request per sequence for the
+/// rest (own_positions each), merged by log-sum-exp. GQA 4; 6 layers, a step per layer in turn, so
+/// the cache is read from memory as in shared_prefix_step (bench_decode_attention.cpp).
 void cascade_step(benchmark::State& state, std::string config, kvq::Tier tier, bool cascade) {
   constexpr std::size_t prompt = 32768, own = 256, sequences = 16, heads = 4 * kHeads, layers = 6;
   kvq::PoolShape shape = pool_shape(layers);
@@ -248,39 +248,29 @@ void cascade_step(benchmark::State& state, std::string config, kvq::Tier tier, b
     const auto k = normal_rows(own, 20 + 2 * s), v = normal_rows(own, 21 + 2 * s);
     for (std::size_t l = 0; l < layers; ++l) pool.append(ids.back(), l, prompt, k, v);
   }
-  std::vector<std::size_t> common(layers);
-  for (std::size_t l = 0; l < layers; ++l) common[l] = pool.common_prefix(ids, l);
   const std::vector<float> q = normal_rows(sequences * heads / kHeads, 13);
-  std::vector<float> out(q.size()), lse(sequences * heads), shared(q.size()), shared_lse(lse.size());
+  std::vector<float> out(q.size());
   const std::vector<std::size_t> positions(sequences, prompt + own - 1);
   std::vector<kvq::AttentionRequest> requests;
-  if (cascade)
-    requests.push_back({.cache = &pool.sequence(ids[0]),
-                        .first_position = prompt + own - 1,
-                        .tokens = sequences,
-                        .queries = q,
-                        .out = shared,
-                        .lse = shared_lse,
-                        .stored_only = true,
-                        .positions = positions});
   for (std::size_t s = 0; s < sequences; ++s)
     requests.push_back({.cache = &pool.sequence(ids[s]),
                         .first_position = prompt + own - 1,
                         .queries = std::span(q).subspan(s * heads * kDim, heads * kDim),
-                        .out = std::span(out).subspan(s * heads * kDim, heads * kDim),
-                        .lse = std::span(lse).subspan(s * heads, heads)});
+                        .out = std::span(out).subspan(s * heads * kDim, heads * kDim)});
   std::size_t layer = 0;
+  kvq::PoolDecodeSummary summary;
   for (auto _ : state) {
-    for (kvq::AttentionRequest& r : requests) {
-      r.layer = layer;
-      if (cascade) (r.stored_only ? r.seen_end : r.seen_begin) = common[layer];
+    if (cascade) {
+      summary = kvq::decode_attention(pool, ids, layer, positions, q, out, {.tier = tier});
+    } else {
+      for (kvq::AttentionRequest& r : requests) r.layer = layer;
+      kvq::attend(requests, {.tier = tier});
     }
-    kvq::attend(requests, {.tier = tier});
-    if (cascade) kvq::merge_attention(out, lse, shared, shared_lse);
     benchmark::DoNotOptimize(out.data());
     layer = (layer + 1) % layers;
   }
-  if (cascade) state.counters["own_positions"] = double(prompt + own - common[0]);
+  if (cascade && summary.groups != 1) state.SkipWithError("the forks formed no group");
+  if (cascade) state.counters["own_positions"] = double(prompt + own - summary.shared_positions);
 }
 
 }  // namespace

@@ -59,6 +59,18 @@ concept TreeKVBackend = KVBackend<B> && requires(B& kv, std::size_t index, std::
   kv.attend_tree(index, index, parents, in, in, in, out);  // (layer, first_position, parents, q, k, v, out)
 };
 
+/// A backend over many sequences, for a decode step of all of them at once (Model::forward_batch):
+/// row b of a batch belongs to the backend's sequence b, at positions[b].
+/// `append_batch(layer, positions, k, v)` stores k and v, (B, kv_heads * head_dim) pre-RoPE;
+/// `attend_batch(layer, positions, q, out)`, q and out (B, heads * head_dim), attends as
+/// KVBackend::attend does for each row, sequence b over its positions 0 .. positions[b].
+template <class B>
+concept BatchKVBackend = requires(B& kv, std::size_t index, std::span<const std::size_t> positions,
+                                  std::span<const float> in, std::span<float> out) {
+  kv.append_batch(index, positions, in, in);   // (layer, positions, k, v)
+  kv.attend_batch(index, positions, in, out);  // (layer, positions, q, out)
+};
+
 struct LlamaConfig {
   std::string arch = "llama";      // general.architecture: the prefix of the keys below
   std::size_t dim = 0;             // <arch>.embedding_length
@@ -242,6 +254,26 @@ class Model {
                  });
   }
 
+  /// A decode step of B sequences at once, as an engine batches its running requests: token b at
+  /// positions[b] of the backend's sequence b, which holds positions 0 .. positions[b] - 1; writes
+  /// the next-token logits of every sequence, (B, vocab) row-major. The matrix products run over
+  /// the B rows together (each weight read once for the batch), each layer appends the B keys and
+  /// values and attends through the backend's attend_batch. As forward, a failure part way leaves
+  /// what was appended before it: earlier layers, and in the failing one the rows the backend
+  /// stored.
+  template <BatchKVBackend Backend>
+  void forward_batch(std::span<const int> tokens, std::span<const std::size_t> positions, Backend& kv,
+                     std::span<float> logits) const {
+    if (positions.size() != tokens.size())
+      throw Error(ErrorCode::shape_mismatch, "forward_batch: " + std::to_string(positions.size()) + " positions for " +
+                                                 std::to_string(tokens.size()) + " tokens");
+    forward_rows("forward_batch", tokens, logits,
+                 [&](std::size_t l, const Matrix& q, const Matrix& k, const Matrix& v, std::span<float> att) {
+                   kv.append_batch(l, positions, all(k), all(v));
+                   kv.attend_batch(l, positions, all(q), att);
+                 });
+  }
+
   /// The keys and values a draft tree's pass computed: per layer, (T, kv_heads * head_dim) each,
   /// with the tree and the position it was verified at.
   struct DraftRows {
@@ -328,7 +360,7 @@ class Model {
     if (tokens.empty()) throw Error(ErrorCode::invalid_argument, name + ": a chunk of zero tokens");
     for (std::size_t t = 0; t < tokens.size(); ++t)
       if (tokens[t] < 0 || static_cast<std::size_t>(tokens[t]) >= c.vocab)
-        throw Error(ErrorCode::invalid_argument, name + ": token " + std::to_string(tokens[t]) + " (chunk row " +
+        throw Error(ErrorCode::invalid_argument, name + ": token " + std::to_string(tokens[t]) + " (row " +
                                                      std::to_string(t) + ") is outside the vocabulary of " +
                                                      std::to_string(c.vocab));
     if (logits.size() / c.vocab != tokens.size() || logits.size() % c.vocab != 0)

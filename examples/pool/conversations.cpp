@@ -3,7 +3,8 @@
 // each conversation holding its own copy, checks that both give the same text, and rolls back
 // rejected speculative tokens exactly. Prompts and drafts are fed as an engine feeds them: in
 // chunks through kvq::attend, each chunk attending to its own keys and values exactly before
-// the pool stores them; generated tokens one at a time through decode attention.
+// the pool stores them; the conversations then generate together, a batch of one token each per
+// step (Model::forward_batch), whose attention reads the prompt they share once.
 //   kvq-conversations [--model PATH] [--config TEXT] [--conversations N] [--steps N] [--prefill-chunk N]
 
 #include <fmt/core.h>
@@ -23,53 +24,31 @@
 #include "llama/gguf.hpp"
 #include "llama/inference.hpp"
 #include "llama/model.hpp"
+#include "llama/pool_backend.hpp"
 #include "llama/tokenizer.hpp"
 
 namespace {
 
-/// One sequence of a pool as the engine's KV backend: the cache stores pre-RoPE keys, so the
-/// engine hands them over as they are and attention rotates them.
-class PoolBackend {
- public:
-  PoolBackend(kvq::KVPool& pool, kvq::SequenceId id) : pool_(pool), id_(id) {}
-  void append(std::size_t layer, std::size_t position, std::span<const float> k, std::span<const float> v) {
-    pool_.append(id_, layer, position, k, v);
+/// Feeds tokens[from, size) in chunks of `chunk` tokens.
+void feed_chunks(const kvq::llama::Model& model, kvq::llama::PoolBackend kv, std::span<const int> tokens,
+                 std::size_t from, std::size_t chunk) {
+  const std::size_t vocab = model.config().vocab;
+  std::vector<float> chunk_logits(chunk * vocab);
+  for (std::size_t pos = from; pos < tokens.size(); pos += chunk) {
+    const std::size_t n = std::min(chunk, tokens.size() - pos);
+    model.forward_chunk(tokens.subspan(pos, n), pos, kv, std::span<float>(chunk_logits).first(n * vocab));
   }
-  void attend(std::size_t layer, std::size_t position, std::span<const float> q, std::span<float> out) {
-    kvq::decode_attention(pool_.sequence(id_), layer, position, q, out);
-  }
-  /// A chunk of new positions: the stored prefix and, causally and exactly, the chunk's own
-  /// keys and values, which the model appends afterwards.
-  void attend_chunk(std::size_t layer, std::size_t first_position, std::size_t tokens, std::span<const float> q,
-                    std::span<const float> k, std::span<const float> v, std::span<float> out) {
-    kvq::attend(kvq::AttentionRequest{.cache = &pool_.sequence(id_),
-                                      .layer = layer,
-                                      .first_position = first_position,
-                                      .tokens = tokens,
-                                      .queries = q,
-                                      .new_keys = k,
-                                      .new_values = v,
-                                      .out = out});
-  }
-
- private:
-  kvq::KVPool& pool_;
-  kvq::SequenceId id_;
-};
-static_assert(kvq::llama::ChunkedKVBackend<PoolBackend>);
+}
 
 /// Feeds tokens[from, size): with `chunk` > 0 all but the last in chunks of that many tokens,
 /// then one token at a time (the last for its logits); then generates `steps` greedy tokens.
-std::vector<int> continue_greedy(const kvq::llama::Model& model, PoolBackend kv, std::vector<int> tokens,
+std::vector<int> continue_greedy(const kvq::llama::Model& model, kvq::llama::PoolBackend kv, std::vector<int> tokens,
                                  std::size_t from, std::size_t steps, std::size_t chunk) {
-  const std::size_t vocab = model.config().vocab;
-  std::vector<float> logits(vocab), chunk_logits(chunk * vocab);
+  std::vector<float> logits(model.config().vocab);
   std::size_t pos = from;
-  while (chunk > 0 && pos + 1 < tokens.size()) {
-    const std::size_t n = std::min(chunk, tokens.size() - 1 - pos);
-    model.forward_chunk(std::span<const int>(tokens).subspan(pos, n), pos, kv,
-                        std::span<float>(chunk_logits).first(n * vocab));
-    pos += n;
+  if (chunk > 0 && pos + 1 < tokens.size()) {
+    feed_chunks(model, kv, std::span<const int>(tokens).first(tokens.size() - 1), pos, chunk);
+    pos = tokens.size() - 1;
   }
   for (; pos < tokens.size(); ++pos) model.forward(tokens[pos], pos, kv, logits);
   for (std::size_t i = 0; i < steps; ++i) {
@@ -77,6 +56,26 @@ std::vector<int> continue_greedy(const kvq::llama::Model& model, PoolBackend kv,
     model.forward(tokens.back(), tokens.size() - 1, kv, logits);
   }
   return tokens;
+}
+
+/// Greedy decoding of many sequences together: each of `texts` (fed but its last token) goes on by
+/// `steps` tokens, one Model::forward_batch for all of them per step.
+std::vector<std::vector<int>> generate_together(const kvq::llama::Model& model, kvq::llama::PoolBatchBackend& kv,
+                                                std::vector<std::vector<int>> texts, std::size_t steps) {
+  const std::size_t vocab = model.config().vocab, batch = texts.size();
+  std::vector<float> logits(batch * vocab);
+  std::vector<int> tokens(batch);
+  std::vector<std::size_t> positions(batch);
+  for (std::size_t i = 0; i < steps; ++i) {
+    for (std::size_t b = 0; b < batch; ++b) {
+      tokens[b] = texts[b].back();
+      positions[b] = texts[b].size() - 1;
+    }
+    model.forward_batch(tokens, positions, kv, logits);
+    for (std::size_t b = 0; b < batch; ++b)
+      texts[b].push_back(kvq::llama::argmax(std::span<const float>(logits).subspan(b * vocab, vocab)));
+  }
+  return texts;
 }
 
 std::size_t parse_count(std::string_view flag, const std::string& v) {
@@ -145,40 +144,40 @@ int run(int argc, char** argv) {
                                              " Suddenly, a",     " Roxy smiled and", " Far away,"};
   const std::vector<int> prompt = tokenizer.encode(system_prompt, true);
 
-  const kvq::RopeConfig rope = model.rope_config();
-  kvq::PoolShape shape;
-  shape.layers = m.layers;
-  shape.kv_heads = m.kv_heads;
-  shape.head_dim = m.head_dim;
-  shape.max_tokens = m.context_length;
-  shape.block_tokens = kvq::block_unit(config);
-  shape.memory_blocks = 4096;
-  shape.rope_style = rope.style;
-  shape.rope_theta = rope.theta;
-  shape.rope_dims = rope.rotary_dims;
-  shape.rope_scaling = rope.scaling;
+  const kvq::PoolShape shape = kvq::llama::pool_shape(model, config, 4096);
   kvq::KVPool shared(shape, config), separate(shape, config);
 
   const kvq::SequenceId base = shared.add_sequence();
-  (void)continue_greedy(model, PoolBackend(shared, base), prompt, 0, 0, chunk);
+  (void)continue_greedy(model, kvq::llama::PoolBackend(shared, base), prompt, 0, 0, chunk);
+  // Each conversation forks the prompt and is fed its opening but the last token; then all of
+  // them generate together.
   std::vector<std::vector<int>> texts(conversations);
-  bool same_text = true;
   std::vector<kvq::SequenceId> ids;
   for (std::size_t c = 0; c < conversations; ++c) {
-    std::vector<int> start = prompt;
-    for (const int t : tokenizer.encode(openings[c % openings.size()], false)) start.push_back(t);
-    if (start.size() + steps > m.context_length)
+    texts[c] = prompt;
+    for (const int t : tokenizer.encode(openings[c % openings.size()], false)) texts[c].push_back(t);
+    if (texts[c].size() + steps > m.context_length)
       throw kvq::Error(kvq::ErrorCode::invalid_argument, "--steps " + std::to_string(steps) +
                                                              " runs past the model's " +
                                                              std::to_string(m.context_length) + " positions");
     ids.push_back(shared.fork(base, prompt.size()));
-    texts[c] = continue_greedy(model, PoolBackend(shared, ids.back()), start, prompt.size(), steps, chunk);
-    // Its own copy of the prompt, fed in the same pieces: chunk boundaries change the keys and
-    // values a model computes (a chunk sees its own exact, the rest quantized).
+    feed_chunks(model, kvq::llama::PoolBackend(shared, ids.back()),
+                std::span<const int>(texts[c]).first(texts[c].size() - 1), prompt.size(), chunk);
+  }
+  kvq::llama::PoolBatchBackend together(shared, ids);
+  const std::vector<std::vector<int>> starts = texts;
+  texts = generate_together(model, together, texts, steps);
+  // Each on its own: its own copy of the prompt, and its opening, fed in the same pieces (chunk
+  // boundaries change the keys and values a model computes: a chunk sees its own exact, the rest
+  // quantized), its tokens generated one at a time. Its bits differ in the last places (a batch's
+  // matrix products and the cascade sum in other orders), and a window of fp16 rows may round
+  // that to another value, so the text is what is compared.
+  bool same_text = true;
+  for (std::size_t c = 0; c < conversations; ++c) {
     const kvq::SequenceId own = separate.add_sequence();
-    (void)continue_greedy(model, PoolBackend(separate, own), prompt, 0, 0, chunk);
+    (void)continue_greedy(model, kvq::llama::PoolBackend(separate, own), prompt, 0, 0, chunk);
     const std::vector<int> alone =
-        continue_greedy(model, PoolBackend(separate, own), start, prompt.size(), steps, chunk);
+        continue_greedy(model, kvq::llama::PoolBackend(separate, own), starts[c], prompt.size(), steps, chunk);
     same_text = same_text && alone == texts[c];
   }
 
@@ -195,23 +194,27 @@ int run(int argc, char** argv) {
       double(with.used) / kib, double(with.used) / kib / double(conversations), double(with.shared) / kib);
   fmt::print("  each its own prompt:     {:8.1f} KiB used, {:6.1f} KiB per conversation\n", double(without.used) / kib,
              double(without.used) / kib / double(conversations));
+  fmt::print(
+      "  generated together:      a batch of {} per step, whose attention read {} positions per layer\n"
+      "                           once for all of them (the prompt's blocks they share)\n",
+      conversations, together.last.shared_positions);
   fmt::print("  same text either way:    {}\n", same_text ? "yes" : "NO");
 
-  // Speculative decoding: 8 draft tokens the verifier rejects, rolled back; the conversation then
-  // continues exactly as if they had never been appended.
+  // Speculative decoding: draft tokens the verifier rejects, rolled back; the conversation then
+  // continues exactly as a fork taken before drafting does (a block it shares is copied before a
+  // draft writes to it).
   const kvq::SequenceId id = ids.front();
-  const std::size_t length = shared.sequence(id).length(0);
+  const std::size_t length = shared.length(id, 0);  // all but its last token, not fed yet
+  const kvq::SequenceId plain = shared.fork(id, length);
   std::vector<int> drafted = texts.front();
   for (const int t : tokenizer.encode(" and the and the and the", false)) drafted.push_back(t);
-  (void)continue_greedy(model, PoolBackend(shared, id), drafted, length, 0, chunk);  // verified in one chunk
-  shared.truncate(id, length - 1);  // the drafts and the last token, which runs again for its logits
-  const std::vector<int> after = continue_greedy(model, PoolBackend(shared, id), texts.front(), length - 1, 16, chunk);
-  // Never drafting: the opening fed as conversation 0 fed it, its generated tokens one at a time.
-  const kvq::SequenceId plain = shared.fork(base, prompt.size());
-  const std::vector<int> opened(texts.front().begin(), texts.front().end() - std::ptrdiff_t(steps));
-  (void)continue_greedy(model, PoolBackend(shared, plain), opened, prompt.size(), 0, chunk);
+  // Verified in a chunk, the last draft alone.
+  (void)continue_greedy(model, kvq::llama::PoolBackend(shared, id), drafted, length, 0, chunk);
+  shared.truncate(id, length);  // the drafts and the last token, which runs again for its logits
+  const std::vector<int> after =
+      continue_greedy(model, kvq::llama::PoolBackend(shared, id), texts.front(), length, 16, chunk);
   const std::vector<int> reference =
-      continue_greedy(model, PoolBackend(shared, plain), texts.front(), opened.size(), 16, 0);
+      continue_greedy(model, kvq::llama::PoolBackend(shared, plain), texts.front(), length, 16, chunk);
   fmt::print("  rollback of {} drafts:    {}\n", drafted.size() - texts.front().size(),
              after == reference ? "exact (same tokens as never drafting)" : "DIFFERS");
   fmt::print("\nconversation 0 after the prompt:{}\n",

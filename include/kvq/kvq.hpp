@@ -32,4 +32,5 @@
 #include "kvq/attention/decode.hpp"
 #include "kvq/attention/attend.hpp"
 #include "kvq/attention/merge.hpp"
+#include "kvq/pool/pool_attention.hpp"
 #include "kvq/metrics/attention_error.hpp"

@@ -22,6 +22,7 @@
 #include "llama/data_dir.hpp"
 #include "llama/gguf.hpp"
 #include "llama/gguf_writer.hpp"
+#include "llama/tokenizer.hpp"
 
 namespace kvq::llama::testing {
 
@@ -89,6 +90,18 @@ inline std::vector<std::string> read_stories() {
     start = stop + sep.size();
   }
   return stories;
+}
+
+/// The first `n` tokens of the held-out stories, each from BOS, joined (fewer if there are not n).
+inline std::vector<int> joined_stories(const Tokenizer& tokenizer, std::size_t n) {
+  std::vector<int> tokens;
+  for (const auto& story : read_stories()) {
+    const auto ids = tokenizer.encode(story);
+    tokens.insert(tokens.end(), ids.begin(), ids.end());
+    if (tokens.size() >= n) break;
+  }
+  tokens.resize(std::min(tokens.size(), n));
+  return tokens;
 }
 
 struct TinyShape {

@@ -30,15 +30,9 @@ class Prefill : public ::testing::Test {
     KVQ_REQUIRE_LLAMA_DATA();
     const GgufFile file = GgufFile::load(default_model_path());
     model_ = std::make_unique<Model>(file);
-    // ~150 tokens of held-out text: the stories, each from BOS, joined until there are enough.
-    const Tokenizer tokenizer(file);
-    for (const auto& story : testing::read_stories()) {
-      const auto ids = tokenizer.encode(story);
-      tokens_.insert(tokens_.end(), ids.begin(), ids.end());
-      if (tokens_.size() >= kTokens) break;
-    }
-    ASSERT_GE(tokens_.size(), kTokens);
-    tokens_.resize(kTokens);
+    // 150 tokens of held-out text.
+    tokens_ = testing::joined_stories(Tokenizer(file), kTokens);
+    ASSERT_EQ(tokens_.size(), kTokens);
   }
 
   std::vector<float> logits_fp32(std::size_t chunk) const {
@@ -192,9 +186,8 @@ TEST_F(Prefill, MixedFeedingAndBadChunks) {
       error_text([&] { model_->forward_chunk(eight, 0, kv, std::span(logits).first(7 * vocab)); }).find("8 tokens"),
       std::string::npos);
   const std::vector<int> bad = {1, 2, int(vocab)};
-  EXPECT_NE(
-      error_text([&] { model_->forward_chunk(bad, 0, kv, std::span(logits).first(3 * vocab)); }).find("chunk row 2"),
-      std::string::npos);
+  EXPECT_NE(error_text([&] { model_->forward_chunk(bad, 0, kv, std::span(logits).first(3 * vocab)); }).find("(row 2)"),
+            std::string::npos);
   EXPECT_EQ(kv.length(0), 0u);
   FullPrecisionBackend small(*model_, 4);
   EXPECT_NE(error_text([&] { model_->forward_chunk(eight, 0, small, logits); }).find("beyond the capacity of 4"),
